@@ -1,0 +1,45 @@
+"""The exception hierarchy of :mod:`stage_runtime`.
+
+Every error the library raises on purpose derives from :class:`StageRuntimeError`. The ones about
+bad input are also :class:`ValueError` so that callers catching the standard type still see them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FrameError",
+    "StageFailedError",
+    "StageRuntimeError",
+    "TraceFormatError",
+]
+
+
+class StageRuntimeError(Exception):
+    """Base class of every error raised by stage-runtime."""
+
+
+class ConfigError(StageRuntimeError, ValueError):
+    """A configuration value or argument is invalid; the message names the field and value."""
+
+
+class FrameError(StageRuntimeError, ValueError):
+    """An activation frame is malformed; the message names the field and value."""
+
+
+class TraceFormatError(StageRuntimeError, ValueError):
+    """A request-trace line is malformed; the message names the file, line and field."""
+
+    def __init__(self, message: str, *, path: str = "", line: int = 0, field: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.field = field
+
+
+class StageFailedError(StageRuntimeError):
+    """A stage task raised an unexpected exception; the original is ``__cause__``."""
+
+    def __init__(self, message: str, *, stage_id: str = "") -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
