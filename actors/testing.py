@@ -21,7 +21,7 @@ import structlog
 
 from actors.actor import Actor, ActorRef
 
-__all__ = ["RecordingActor", "capture_actor_logs", "events_named", "wait_idle"]
+__all__ = ["LogEvent", "RecordingActor", "capture_actor_logs", "events_named", "wait_idle"]
 
 LogEvent = MutableMapping[str, Any]
 
