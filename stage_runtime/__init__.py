@@ -26,14 +26,32 @@ from stage_runtime.frames import (
     ActivationFrame,
     ActivationLayout,
 )
+from stage_runtime.identity import (
+    RUNTIME_ABI_VERSION,
+    PlatformIdentity,
+    TokenArray,
+    activation_page_id,
+    as_token_array,
+    page_id,
+    prefix_hash,
+    prefix_hashes,
+    prefix_namespace_hash,
+)
+from stage_runtime.policy import (
+    CandidatePolicy,
+    derive_max_resident_tokens,
+    round_half_away_from_zero,
+)
 
 __all__ = [
+    "RUNTIME_ABI_VERSION",
     "SCHEMA_VERSION",
     "ActivationDType",
     "ActivationDesc",
     "ActivationFrame",
     "ActivationLayout",
     "CacheMode",
+    "CandidatePolicy",
     "CachePayload",
     "ConfigError",
     "FlashAttention",
@@ -41,9 +59,19 @@ __all__ = [
     "KvCacheConfig",
     "LoadMode",
     "MessageBase",
+    "PlatformIdentity",
     "StageConfig",
     "StageFailedError",
     "StageRuntimeError",
+    "TokenArray",
     "TraceFormatError",
+    "activation_page_id",
+    "as_token_array",
+    "derive_max_resident_tokens",
     "kill_switch_engaged",
+    "page_id",
+    "prefix_hash",
+    "prefix_hashes",
+    "prefix_namespace_hash",
+    "round_half_away_from_zero",
 ]
