@@ -309,25 +309,26 @@ class ActorRef(Generic[MessageT, ReplyT]):
         """Whether the actor's task has finished (stopped, crashed or cancelled)."""
         return self._cell.stopped.is_set()
 
-    async def _enqueue(self, envelope: _Envelope) -> None:
-        cell = self._cell
-        send = self._send
-        await trio.lowlevel.checkpoint_if_cancelled()
+    def _send_now(self, envelope: _Envelope) -> bool:
+        """Put ``envelope`` in the mailbox if it has room now; return ``False`` if it is full."""
         try:
-            send.send_nowait(envelope)
+            self._send.send_nowait(envelope)
         except trio.WouldBlock:
-            cell.note_full()
-            try:
-                await send.send(envelope)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                raise cell.stopped_error() from None
-            cell.note_sent()
-            return
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise self._cell.stopped_error() from None
+        self._cell.note_sent()
+        return True
+
+    async def _send_later(self, envelope: _Envelope) -> None:
+        """Wait for room in a full mailbox, then send (the backpressure path)."""
+        cell = self._cell
+        cell.note_full()
+        try:
+            await self._send.send(envelope)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise cell.stopped_error() from None
-        # Count before yielding, so the actor cannot dequeue a message not yet counted as sent.
         cell.note_sent()
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def ask(
         self,
@@ -362,9 +363,14 @@ class ActorRef(Generic[MessageT, ReplyT]):
     async def _ask(self, message: Any) -> ReplyT:
         cell = self._cell
         reply = Reply()
+        envelope = (message, reply)
         cell.asks_waiting += 1
         try:
-            await self._enqueue((message, reply))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if not self._send_now(envelope):
+                await self._send_later(envelope)
+            # No extra yield after a direct send: the actor cannot have replied yet, so
+            # reply.wait() parks, and that park is this call's schedule point.
             return cast(ReplyT, await reply.wait())
         finally:
             cell.asks_waiting -= 1
@@ -378,7 +384,12 @@ class ActorRef(Generic[MessageT, ReplyT]):
         Raises:
             ActorStoppedError: The actor has stopped.
         """
-        await self._enqueue((message, None))
+        envelope = (message, None)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._send_now(envelope):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._send_later(envelope)
 
     def tell_nowait(self, message: MessageT) -> None:
         """Send ``message`` if the mailbox has room right now.
@@ -387,11 +398,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
             trio.WouldBlock: The mailbox is full.
             ActorStoppedError: The actor has stopped.
         """
-        try:
-            self._send.send_nowait((message, None))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise self._cell.stopped_error() from None
-        self._cell.note_sent()
+        if not self._send_now((message, None)):
+            msg = f"mailbox of actor {self._cell.name!r} is full"
+            raise trio.WouldBlock(msg)
 
     async def stop(self, drain: bool = True) -> None:
         """Stop the actor and wait for its task to finish.
@@ -428,7 +437,10 @@ class ActorRef(Generic[MessageT, ReplyT]):
     async def _barrier(self) -> None:
         """Wait until every message queued before this call has been handled."""
         reply = Reply()
-        await self._enqueue((_BARRIER, reply))
+        envelope = (_BARRIER, reply)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._send_now(envelope):
+            await self._send_later(envelope)
         await reply.wait()
 
 
