@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from stage_runtime.cache import (
+    CacheLookup,
+    CacheRecordOutcome,
+    EvictedEntry,
+    EvictionReason,
+    ResidentActivationCache,
+    ResidentCacheStats,
+)
 from stage_runtime.config import (
     SCHEMA_VERSION,
     CacheMode,
@@ -37,6 +45,16 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
+from stage_runtime.integration import (
+    ActivationRecordSummary,
+    KvStageIntegration,
+    PageIdentity,
+    PrefillKvIdentity,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+    effective_cache_payload,
+    summarize_records,
+)
 from stage_runtime.policy import (
     CandidatePolicy,
     derive_max_resident_tokens,
@@ -50,16 +68,28 @@ __all__ = [
     "ActivationDesc",
     "ActivationFrame",
     "ActivationLayout",
+    "ActivationRecordSummary",
+    "CacheLookup",
     "CacheMode",
-    "CandidatePolicy",
     "CachePayload",
+    "CacheRecordOutcome",
+    "CandidatePolicy",
     "ConfigError",
+    "EvictedEntry",
+    "EvictionReason",
     "FlashAttention",
     "FrameError",
     "KvCacheConfig",
+    "KvStageIntegration",
     "LoadMode",
     "MessageBase",
+    "PageIdentity",
     "PlatformIdentity",
+    "PrefillKvIdentity",
+    "ResidentActivationCache",
+    "ResidentActivationRecord",
+    "ResidentActivationRestore",
+    "ResidentCacheStats",
     "StageConfig",
     "StageFailedError",
     "StageRuntimeError",
@@ -68,10 +98,12 @@ __all__ = [
     "activation_page_id",
     "as_token_array",
     "derive_max_resident_tokens",
+    "effective_cache_payload",
     "kill_switch_engaged",
     "page_id",
     "prefix_hash",
     "prefix_hashes",
     "prefix_namespace_hash",
     "round_half_away_from_zero",
+    "summarize_records",
 ]
