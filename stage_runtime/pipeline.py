@@ -137,7 +137,11 @@ class Pipeline:
         request = PrefillRequest(request_id=request_id, session_id=session_id, tokens=token_array)
         self._pending.add(request)
         try:
-            await self._entry.send(request)
+            try:
+                await self._entry.send(request)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                msg = f"pipeline stopped before request {request_id!r} finished"
+                raise StageRuntimeError(msg) from None
             await request.done.wait()
         finally:
             self._pending.discard(request)

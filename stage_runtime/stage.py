@@ -179,6 +179,9 @@ class Stage:
     _lookup: bool = attrs.field(default=False, init=False)
     _record: bool = attrs.field(default=False, init=False)
     _final_stats: StageStats | None = attrs.field(default=None, init=False)
+    _counts: dict[str, int] = attrs.field(
+        factory=lambda: {"completed": 0, "failed": 0, "skipped": 0}, init=False
+    )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve requests until the inbox closes, then stop the cache actor.
@@ -214,15 +217,18 @@ class Stage:
                 record=self._record,
             )
             task_status.started()
+            counts = self._counts
             async with self.inbox:
                 async for request in self.inbox:
                     if request.live:
                         await self._process(request)
+                    else:
+                        counts["skipped"] += 1
             if self.outbox is not None:
                 await self.outbox.aclose()
             self._final_stats = await self.stats()
             await self._cache.stop(drain=True)
-        log.info("stage_stopped", processed=self._final_stats.mailbox.processed)
+        log.info("stage_stopped", **self._counts)
 
     async def stats(self) -> StageStats:
         """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
@@ -263,9 +269,12 @@ class Stage:
                     output = await self._compute(request, restored, k, n)
                 except Exception as exc:  # the model failed on this input: that caller's error
                     request.fail(exc)
+                    self._counts["failed"] += 1
         request._scope = None
         if output is None or not request.live:
-            return  # failed, or abandoned (maybe interrupted): no record, nothing forwarded
+            if output is not None or scope.cancelled_caught:
+                self._counts["skipped"] += 1  # abandoned while this stage worked on it
+            return  # no record, nothing forwarded
         records: tuple[ResidentActivationRecord, ...] = ()
         if base is not None and self._record:
             records = tuple(
@@ -284,6 +293,7 @@ class Stage:
             )
         )
         request.frame = output
+        self._counts["completed"] += 1
         if self.outbox is None:
             request.succeed()
         else:

@@ -241,7 +241,7 @@ async def test_model_error_fails_only_that_request() -> None:
 
 
 async def test_cancelled_caller_leaves_no_partial_state(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
     """Cancelling a prefill while stage 1 computes: stage 1 stops and records nothing."""
     factory = virtual_model_factory(width=4, seconds_per_token=0.01)
@@ -257,10 +257,13 @@ async def test_cancelled_caller_leaves_no_partial_state(
         result = await pipeline.prefill(prompt(100), session_id="s")
         assert trio.current_time() - start == pytest.approx(1.0)
     assert restored(result) == [100, 0]
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 1)
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
 
 
 async def test_request_cancelled_while_queued_is_skipped(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
     """A request whose caller gave up before stage 0 reached it is never computed."""
     registry = ModelRegistry(virtual_model_factory(width=4, seconds_per_token=0.01))
@@ -271,8 +274,9 @@ async def test_request_cancelled_while_queued_is_skipped(
             with trio.move_on_after(0.5):
                 await pipeline.prefill(prompt(100, start=500), session_id="b")
         assert [len(m.calls) for m in registry.models.values()] == [1, 1]
-        stats = await pipeline.stats()
-    assert stats.stages[0].mailbox.processed >= 2
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (1, 1)
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 0)
 
 
 async def test_leaving_the_context_drains_in_flight_requests(
