@@ -238,7 +238,9 @@ class _Cell:
             self.current = reply
             try:
                 result = handle(message)
-                if is_async:
+                # A plain def may still hand back an awaitable (a decorated or partial async
+                # handler); await it rather than replying with a coroutine object.
+                if is_async or inspect.isawaitable(result):
                     result = await result
             except Exception as exc:
                 self.processed += 1
@@ -323,6 +325,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
     async def _send_later(self, envelope: _Envelope) -> None:
         """Wait for room in a full mailbox, then send (the backpressure path)."""
         cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot wait for room in its own full mailbox (deadlock)"
+            raise RuntimeError(msg)
         cell.note_full()
         try:
             await self._send.send(envelope)
@@ -353,6 +358,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         Raises:
             trio.TooSlowError: ``timeout`` passed first.
             ActorStoppedError: The actor has stopped, or stopped before replying.
+            RuntimeError: Called from the actor's own task (it would deadlock).
             Exception: Whatever ``handle`` raised for this message.
         """
         if timeout is None:
@@ -362,6 +368,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     async def _ask(self, message: Any) -> ReplyT:
         cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
         reply = Reply()
         envelope = (message, reply)
         cell.asks_waiting += 1
@@ -380,9 +389,11 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
         Waits while the mailbox is full (backpressure) and logs ``actor_mailbox_full`` when it has
         to. If ``handle`` raises for a told message the actor crashes (see ``RestartPolicy``).
+        An actor may tell itself, but not while its own mailbox is full.
 
         Raises:
             ActorStoppedError: The actor has stopped.
+            RuntimeError: The actor told itself with its mailbox full (it would deadlock).
         """
         envelope = (message, None)
         await trio.lowlevel.checkpoint_if_cancelled()

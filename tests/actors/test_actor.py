@@ -543,3 +543,57 @@ def test_error_hierarchy() -> None:
     assert issubclass(ActorStoppedError, ActorError)
     assert issubclass(RestartLimitError, ActorError)
     assert not issubclass(ActorError, ValueError)
+
+
+async def test_handler_returning_an_awaitable_from_plain_def_is_awaited() -> None:
+    """A plain def handle that returns a coroutine (a wrapped async handler) is awaited."""
+
+    class Wrapped(Actor[int, int]):
+        async def _double(self, message: int) -> int:
+            await trio.lowlevel.checkpoint()
+            return message * 2
+
+        def handle(self, message: int) -> Any:
+            return self._double(message)
+
+    async with open_actor(Wrapped, name="wrapped") as ref:
+        assert await ref.ask(21) == 42
+
+
+@attrs.define(eq=False)
+class Selfish(Actor[str, object]):
+    """Talks to itself through ``ref`` to exercise the deadlock guards."""
+
+    ref: ActorRef[str, object] | None = None
+
+    async def handle(self, message: str) -> object:
+        assert self.ref is not None
+        if message == "ask-self":
+            return await self.ref.ask("inner")
+        if message == "fill-self":
+            self.ref.tell_nowait("filler")
+            await self.ref.tell("overflow")
+        if message == "tell-self":
+            await self.ref.tell("inner")
+        return message
+
+
+async def test_actor_asking_itself_raises_instead_of_deadlocking() -> None:
+    """ask from the actor's own task is a RuntimeError, and the actor survives it."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish") as ref:
+        actor.ref = ref
+        with pytest.raises(RuntimeError, match="cannot ask itself"):
+            await ref.ask("ask-self")
+        assert await ref.ask("ok") == "ok"
+
+
+async def test_actor_may_tell_itself_but_not_into_a_full_mailbox() -> None:
+    """A self-tell with room is queued; one that would wait for room raises RuntimeError."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish", mailbox_size=1) as ref:
+        actor.ref = ref
+        assert await ref.ask("tell-self") == "tell-self"
+        await wait_idle(ref)
+        with pytest.raises(RuntimeError, match="its own full mailbox"):
+            await ref.ask("fill-self")
