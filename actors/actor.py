@@ -231,11 +231,11 @@ class _Cell:
             except trio.EndOfChannel:
                 return True
             self.received += 1
-            if message is _BARRIER:
-                assert reply is not None
-                reply.succeed(None)
-                continue
-            self.current = reply
+            if reply is not None:
+                if message is _BARRIER:
+                    reply.succeed(None)
+                    continue
+                self.current = reply
             try:
                 result = handle(message)
                 # A plain def may still hand back an awaitable (a decorated or partial async
@@ -260,11 +260,12 @@ class _Cell:
                     exc_info=exc,
                 )
                 reply.fail(exc)
+                self.current = None
             else:
                 self.processed += 1
                 if reply is not None:
                     reply.succeed(result)
-            self.current = None
+                    self.current = None
         return False
 
     def _shut_down(self, *, drained: bool) -> None:
@@ -319,7 +320,12 @@ class ActorRef(Generic[MessageT, ReplyT]):
             return False
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise self._cell.stopped_error() from None
-        self._cell.note_sent()
+        # note_sent(), inlined: this is the hot path of every tell and ask.
+        cell = self._cell
+        cell.sent += 1
+        queued = cell.sent - cell.received
+        if queued > cell.max_queued:
+            cell.max_queued = min(queued, cell.mailbox_size)
         return True
 
     async def _send_later(self, envelope: _Envelope) -> None:
