@@ -225,7 +225,13 @@ class _Cell:
         handle = actor.handle
         is_async = inspect.iscoroutinefunction(handle)
         receive = self.receive.receive
+        message: Any = None
+        reply: Reply | None = None
+        result: Any = None
         while self.drain:
+            # Drop the previous message and reply before idling, so an idle actor keeps nothing
+            # alive that a caller handed it or was handed back.
+            message = reply = result = None
             try:
                 message, reply = await receive()
             except trio.EndOfChannel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import attrs
@@ -19,6 +21,7 @@ from actors import (
     open_actor,
     spawn,
 )
+from actors._reply import Reply
 from actors.testing import RecordingActor, wait_idle
 
 
@@ -597,3 +600,51 @@ async def test_actor_may_tell_itself_but_not_into_a_full_mailbox() -> None:
         await wait_idle(ref)
         with pytest.raises(RuntimeError, match="its own full mailbox"):
             await ref.ask("fill-self")
+
+
+def _live_replies() -> int:
+    gc.collect()
+    return sum(isinstance(obj, Reply) for obj in gc.get_objects())
+
+
+async def test_cancelled_asks_leave_no_reply_slots_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After asks cancelled at every stage are settled, no reply slot is still referenced."""
+    actor = Slow(delay_s=1)
+    async with open_actor(actor, name="slow", mailbox_size=2) as ref:
+        before = _live_replies()
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+
+                async def one(i: int = i) -> None:
+                    with trio.move_on_after(0.5 * (i % 4)):
+                        await ref.ask(i)
+
+                nursery.start_soon(one)
+        await wait_idle(ref)
+        assert ref.statistics().asks_waiting == 0
+        assert _live_replies() == before
+
+
+@attrs.define(eq=False)
+class Payload:
+    size_bytes: int
+
+
+async def test_idle_actor_keeps_no_message_or_reply_alive() -> None:
+    """Once handled, neither the last message nor the last reply is kept by the actor."""
+
+    class Maker(Actor[Payload, Payload]):
+        def handle(self, message: Payload) -> Payload:
+            return Payload(size_bytes=message.size_bytes * 2)
+
+    async with open_actor(Maker, name="maker") as ref:
+        message = Payload(size_bytes=1)
+        reply = await ref.ask(message)
+        message_ref, reply_ref = weakref.ref(message), weakref.ref(reply)
+        del message, reply
+        await wait_idle(ref)
+        gc.collect()
+        assert message_ref() is None
+        assert reply_ref() is None
