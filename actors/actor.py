@@ -58,7 +58,8 @@ class Actor(abc.ABC, Generic[MessageT, ReplyT]):
 
     The actor's attributes are its state. Only the actor's own task touches them, one message at a
     time, so they need no lock. ``handle`` may be ``async def`` (it may await, and no other message
-    runs meanwhile) or a plain ``def``.
+    runs meanwhile) or a plain ``def``. Under a ``RestartPolicy`` a crashed actor is replaced by a
+    new object from the factory, so its state starts fresh (for a cache: empty).
 
     Example::
 
@@ -559,7 +560,8 @@ async def open_actor(
 
     On a normal exit the mailbox is closed, every queued message is handled (drain), ``on_stop``
     runs and the actor's task is awaited. If the block raises, the actor is cancelled instead.
-    Arguments are those of ``spawn``.
+    Arguments are those of ``spawn``; failures of the actor's task (a crash, ``RestartLimitError``,
+    a first ``on_start`` that raises) leave the block as an exception group, as trio nurseries do.
 
     Example::
 
