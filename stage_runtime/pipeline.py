@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import tomllib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ class Pipeline:
     _pending: set[PrefillRequest] = attrs.field(factory=set, init=False)
     _draining: bool = attrs.field(default=False, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
-    _ids: Iterable[int] = attrs.field(factory=itertools.count, init=False)
+    _ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
 
     @property
     def draining(self) -> bool:
@@ -130,7 +130,7 @@ class Pipeline:
             msg = f"session_id must be a string, got {session_id!r}"
             raise ConfigError(msg)
         if request_id is None:
-            request_id = f"prefill-{next(self._ids)}"  # type: ignore[call-overload]
+            request_id = f"prefill-{next(self._ids)}"
         elif not isinstance(request_id, str):
             msg = f"request_id must be a string or None, got {request_id!r}"
             raise ConfigError(msg)

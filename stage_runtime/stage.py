@@ -83,6 +83,12 @@ class StagePrefillReport:
     evicted: tuple[EvictedEntry, ...]
     """Entries those records evicted, in eviction order."""
 
+    started_s: float = 0.0
+    """``trio.current_time()`` when the stage took the request (virtual under a mock clock)."""
+
+    finished_s: float = 0.0
+    """``trio.current_time()`` when the stage had computed and recorded it."""
+
 
 @attrs.frozen(kw_only=True)
 class StageStats:
@@ -246,6 +252,7 @@ class Stage:
         assert self._model is not None
         assert self._cache is not None
         model, cache, config = self._model, self._cache, self.config
+        started = trio.current_time()
         tokens = request.tokens
         n = int(tokens.size)
         width = model.activation_width
@@ -290,6 +297,8 @@ class Stage:
                 computed_tokens=n - k,
                 records=records,
                 evicted=tuple(e for r in records for e in r.evicted) if records else (),
+                started_s=started,
+                finished_s=trio.current_time(),
             )
         )
         request.frame = output

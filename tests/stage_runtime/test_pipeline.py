@@ -148,6 +148,12 @@ async def test_concurrent_prefills_overlap_across_stages(
         elapsed = trio.current_time() - start
     assert elapsed == pytest.approx(11.0)
     assert len(results) == 10
+    # stage 0 finished request i at i + 1 s; stage 1 started it then and took 1 s
+    by_id = {result.request_id: result for result in results}
+    for i in range(10):
+        s0, s1 = by_id[f"prefill-{i}"].stages
+        assert (s0.finished_s - start, s1.started_s - start) == pytest.approx((i + 1, i + 1))
+        assert s1.finished_s - s1.started_s == pytest.approx(1.0)
     assert all(result.frame.is_virtual for result in results)
     assert {result.request_id for result in results} == {f"prefill-{i}" for i in range(10)}
 
