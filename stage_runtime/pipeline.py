@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, StageRuntimeError
 from stage_runtime.frames import ActivationFrame
@@ -162,6 +163,14 @@ class Pipeline:
     async def stats(self) -> PipelineStats:
         """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor)."""
         return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+
+    async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
+        """Empty every stage's cache (each entry logged as ``cleared``).
+
+        Returns:
+            Per stage, in pipeline order, the entries that were evicted.
+        """
+        return tuple([await stage.clear_cache() for stage in self._stages])
 
     async def _drain(self) -> None:
         """Refuse new prefills, wait for the pending ones, then close stage 0's inbox."""

@@ -42,6 +42,7 @@ from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
     CacheStatsRequest,
+    ClearCache,
     RecordActivation,
     RestoreActivation,
 )
@@ -236,6 +237,14 @@ class Stage:
             await self._cache.stop(drain=True)
         log.info("stage_stopped", **self._counts)
 
+    async def clear_cache(self) -> tuple[EvictedEntry, ...]:
+        """Evict every entry of the stage's cache; returns them (each logged as ``cleared``)."""
+        if self._cache is None:
+            msg = f"stage {self.config.stage_id!r} has not started"
+            raise RuntimeError(msg)
+        evicted: tuple[EvictedEntry, ...] = await self._cache.ask(ClearCache())
+        return evicted
+
     async def stats(self) -> StageStats:
         """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
         if self._final_stats is not None:
@@ -277,6 +286,12 @@ class Stage:
                 except Exception as exc:  # the model failed on this input: that caller's error
                     request.fail(exc)
                     self._counts["failed"] += 1
+                    log.warning(
+                        "prefill_failed",
+                        request_id=request.request_id,
+                        error_type=type(exc).__name__,
+                        error=str(exc),
+                    )
         request._scope = None
         if output is None or not request.live:
             if output is not None or scope.cancelled_caught:

@@ -221,7 +221,7 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
     assert result.tokens == 3
 
 
-async def test_model_error_fails_only_that_request() -> None:
+async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None:
     """A model that fails on one input fails that caller; concurrent callers succeed."""
     registry = ModelRegistry(mix_factory())
     outcomes: dict[int, object] = {}
@@ -239,6 +239,8 @@ async def test_model_error_fails_only_that_request() -> None:
             for i in (0, 4, 5, 30):
                 nursery.start_soon(one, pipeline, i)
         stats = await pipeline.stats()
+    (failed,) = events_named(logs, "prefill_failed")
+    assert (failed["stage"], failed["error_type"]) == ("stage-0", "ValueError")
     assert isinstance(outcomes[5], ValueError)
     assert "token 24" in str(outcomes[5])
     assert all(isinstance(outcomes[i], PrefillResult) for i in (0, 4, 30))
@@ -385,6 +387,18 @@ async def test_stats_report_cache_and_mailbox_per_stage() -> None:
         assert stage.mailbox.mailbox_size == 64
 
 
+async def test_clear_caches_empties_every_stage(logs: list[LogEvent]) -> None:
+    """clear_caches evicts every entry of every stage; the next prefill computes everything."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+        cleared = await pipeline.clear_caches()
+        result = await pipeline.prefill(prompt(300), session_id="s")
+    assert [sorted(e.token_count for e in stage) for stage in cleared] == [[256, 300]] * 2
+    assert restored(result) == [0, 0]
+    reasons = [e["reason"] for e in events_named(logs, "activation_evicted")]
+    assert reasons == ["cleared"] * 4
+
+
 async def test_virtual_frames_flow_through_without_memory() -> None:
     """Virtual frames stay virtual through restore, concat and record."""
     factory = virtual_model_factory(width=64, bytes_per_token=8192)
@@ -499,7 +513,7 @@ def workloads(draw: st.DrawFn) -> tuple[list[StageConfig], list[np.ndarray[Any, 
     return configs, prompts, draw(st.booleans())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_cached_pipeline_equals_uncached_pipeline(
     workload: tuple[list[StageConfig], list[np.ndarray[Any, Any]], bool],
