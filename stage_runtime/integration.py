@@ -555,13 +555,20 @@ class KvStageIntegration:
         array: TokenArray,
         counts: list[int],
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches."""
+        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches.
+
+        ``counts`` must be a subset of the lookup candidates of ``len(array)`` plus
+        ``len(array)`` itself, which every caller's counts are (record candidates are a subset of
+        the lookup candidates). A new pass always hashes all of them, so a memo hit has them all
+        without checking each one (a check that would cost more than the lookup it saves).
+        """
         namespace = base.chat_template_id
         memo = self._memo
-        if memo is not None and memo.matches(config, token_start, namespace, array):
-            missing = [c for c in counts if c not in memo.hashes]
-            if missing:
-                memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
+        if (
+            array.size > 0
+            and memo is not None
+            and memo.matches(config, token_start, namespace, array)
+        ):
             return memo.hashes
         # Hash every lookup candidate now: a record of the same prompt reuses them.
         wanted = set(counts)

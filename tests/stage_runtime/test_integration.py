@@ -559,3 +559,25 @@ def test_message_base_is_validated_by_its_own_type() -> None:
     """A malformed envelope never reaches the cache."""
     with pytest.raises(ConfigError, match="chat_template_id must be a string, got 3"):
         MessageBase(chat_template_id=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 2214])
+def test_memo_answers_equal_fresh_answers(n: int) -> None:
+    """After a restore warms the memo, every identity query equals a fresh integration's."""
+    config = seed_config()
+    warm = seed_integration(config)
+    tokens = list(range(7, 7 + n))
+    warm.restore_resident_activation(config, seed_base(), 0, tokens, 4096)
+    warm.activation_lookup_identities(config, seed_base(), 0, tokens)
+    for query in (
+        "prefill_identity",
+        "activation_lookup_identities",
+        "activation_record_identities",
+    ):
+        fresh = seed_integration(config)
+        got = getattr(warm, query)(config, seed_base(), 0, tokens)
+        want = getattr(fresh, query)(config, seed_base(), 0, tokens)
+        if query == "prefill_identity":
+            got, want = [got], [want]
+        assert [i.page_id for i in got] == [i.page_id for i in want]
+        assert [i.identity.prefix_hash for i in got] == [i.identity.prefix_hash for i in want]
