@@ -218,7 +218,9 @@ class ResidentActivationCache:
         would be exceeded; an entry larger than ``max_bytes`` is stored anyway once the cache is
         empty.
 
-        The frame is stored as given (frames are immutable views; nothing is copied).
+        The frame is stored as given (frames are immutable views; nothing is copied). As
+        upstream, ``token_count`` and ``byte_size`` are not checked against the frame here:
+        :meth:`KvStageIntegration.restore_resident_activation` validates hits instead.
 
         Raises:
             ConfigError: a bad key, count or size (the cache is left unchanged).

@@ -7,6 +7,8 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_runtime import (
     ActivationFrame,
@@ -617,3 +619,30 @@ def test_a_frame_disagreeing_with_its_payload_never_reaches_the_cache() -> None:
     ):
         ActivationFrame(desc=attrs.evolve(good.desc, payload_bytes=1199), payload=good.payload)
     assert kv.cache._snapshot() == before
+
+
+BLOCKS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(BLOCKS, min_size=1, max_size=6))
+def test_restored_rows_always_belong_to_the_query_prefix(prompts: list[list[int]]) -> None:
+    """Whatever was recorded before, a restore returns exactly the rows of the query's first k
+    tokens (rows here are a function of the token prefix, as a causal model's are)."""
+    config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=6)
+    kv = seed_integration(config)
+    base = seed_base()
+    for blocks in prompts:
+        # 32-token blocks drawn from 4 kinds: prompts share prefixes block-wise.
+        tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
+        rows = np.cumsum(tokens.astype(np.float64))[:, None].astype(np.float32) * np.ones(
+            (1, 4), dtype=np.float32
+        )
+        restored = kv.restore_resident_activation(config, base, 0, tokens, 4)
+        if restored is not None:
+            k = restored.token_count
+            assert 0 < k <= tokens.size
+            np.testing.assert_array_equal(restored.frame.rows(), rows[:k])
+            np.testing.assert_array_equal(restored.identity.token_ids, tokens[:k])
+        frame = ActivationFrame.from_array(rows, layer_end=4)
+        kv.record_resident_activation(config, base, 0, tokens, 4, frame)
