@@ -167,7 +167,7 @@ class ResidentActivationCache:
     _records: int
     _evictions: int
     _evicted_bytes: int
-    _key_index: KeyIndex | None
+    key_index: KeyIndex | None
     _index: dict[Hashable, dict[int, int]]
 
     def __init__(
@@ -181,7 +181,7 @@ class ResidentActivationCache:
         self.max_entries = _bound("max_entries", max_entries, 1)
         self.max_bytes = _bound("max_bytes", max_bytes, 0)
         self.min_tokens = _bound("min_tokens", min_tokens, 0)
-        self._key_index = key_index
+        self.key_index = key_index
         self._index = {}
         self._entries = {}
         self._clock = 0
@@ -260,7 +260,7 @@ class ResidentActivationCache:
             raise FrameError(msg)
         if token_count < self.min_tokens or byte_size == 0:
             return CacheRecordOutcome()
-        slot = None if self._key_index is None else self._key_index(key)  # before any change
+        slot = None if self.key_index is None else self.key_index(key)  # before any change
         self._clock += 1
         previous = self._entries.pop(key, None)
         if previous is not None:

@@ -8,10 +8,12 @@ Every argument is validated before the cache is touched, so a rejected call (a
 :class:`~stage_runtime.errors.ConfigError` or :class:`~stage_runtime.errors.FrameError`) leaves the
 cache exactly as it was: same entries, same recency, same counters.
 
-A stage calls restore and then record with the same tokens. The prefix hashes computed for the
-restore's lookup candidates are remembered (keyed on the token *contents*, compared against a
-private copy) and reused by the record, whose candidates are a subset of the lookup candidates,
-so the pair costs one pass over the tokens.
+A stage calls restore and then record with the same tokens. The cache indexes its keys by
+``(token_start, width, token_count)``, so a restore hashes only the candidate lengths that could
+hit (the others are accounted as misses without hashing, exactly as probing them would be). It
+hashes the record lengths in the same pass; the hashes are remembered (keyed on the token
+*contents*, compared against a private copy) and reused by the record, so the pair costs about
+one pass over the tokens.
 """
 
 from __future__ import annotations
@@ -427,11 +429,14 @@ class KvStageIntegration:
         # Only candidates with a resident key of their (start, width, count) can hit; the others
         # are accounted as the misses they would be without hashing them (same clock, same
         # counters, same recency as probing every candidate).
-        group = (str(token_start), f"w{width}")
-        probes = sorted(
-            (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
-            reverse=True,
-        )
+        if self.cache.key_index is activation_key_slot:
+            group = (str(token_start), f"w{width}")
+            probes = sorted(
+                (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
+                reverse=True,
+            )
+        else:  # a cache built without our index: probe every candidate
+            probes = counts
         if not probes:
             self.cache.count_misses(len(counts))
             return None

@@ -20,6 +20,7 @@ from stage_runtime import (
     KvCacheConfig,
     KvStageIntegration,
     MessageBase,
+    ResidentActivationCache,
     ResidentActivationRecord,
     StageConfig,
     activation_page_id,
@@ -735,3 +736,24 @@ def test_restore_matches_the_literal_spec_reading(
             want = reference_restore(slow, config, base, start, tokens, width)
             assert (None if got is None else (got.token_count, got.page_id)) == want
         assert observable(fast) == observable(slow)
+
+
+def test_cache_without_key_index_is_probed_fully() -> None:
+    """An integration built by hand around a plain cache still finds its entries."""
+    config = seed_config()
+    built = seed_integration(config)
+    kv = KvStageIntegration(
+        mode=built.mode,
+        payload=built.payload,
+        cache_config=built.cache_config,
+        policy=built.policy,
+        cache=ResidentActivationCache(max_entries=8, min_tokens=256),
+    )
+    tokens = list(range(2214))
+    kv.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(2214, 8856)
+    )
+    restored = kv.restore_resident_activation(config, seed_base(), 0, [*tokens, 5, 6], 4096)
+    assert restored is not None
+    assert restored.token_count == 2176
+    assert kv.stats().lookups == 2
