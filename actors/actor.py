@@ -58,7 +58,8 @@ class Actor(abc.ABC, Generic[MessageT, ReplyT]):
 
     The actor's attributes are its state. Only the actor's own task touches them, one message at a
     time, so they need no lock. ``handle`` may be ``async def`` (it may await, and no other message
-    runs meanwhile) or a plain ``def``.
+    runs meanwhile) or a plain ``def``. Under a ``RestartPolicy`` a crashed actor is replaced by a
+    new object from the factory, so its state starts fresh (for a cache: empty).
 
     Example::
 
@@ -225,20 +226,28 @@ class _Cell:
         handle = actor.handle
         is_async = inspect.iscoroutinefunction(handle)
         receive = self.receive.receive
+        message: Any = None
+        reply: Reply | None = None
+        result: Any = None
         while self.drain:
+            # Drop the previous message and reply before idling, so an idle actor keeps nothing
+            # alive that a caller handed it or was handed back.
+            message = reply = result = None
             try:
                 message, reply = await receive()
             except trio.EndOfChannel:
                 return True
             self.received += 1
-            if message is _BARRIER:
-                assert reply is not None
-                reply.succeed(None)
-                continue
-            self.current = reply
+            if reply is not None:
+                if message is _BARRIER:
+                    reply.succeed(None)
+                    continue
+                self.current = reply
             try:
                 result = handle(message)
-                if is_async:
+                # A plain def may still hand back an awaitable (a decorated or partial async
+                # handler); await it rather than replying with a coroutine object.
+                if is_async or inspect.isawaitable(result):
                     result = await result
             except Exception as exc:
                 self.processed += 1
@@ -258,11 +267,12 @@ class _Cell:
                     exc_info=exc,
                 )
                 reply.fail(exc)
+                self.current = None
             else:
                 self.processed += 1
                 if reply is not None:
                     reply.succeed(result)
-            self.current = None
+                    self.current = None
         return False
 
     def _shut_down(self, *, drained: bool) -> None:
@@ -309,25 +319,34 @@ class ActorRef(Generic[MessageT, ReplyT]):
         """Whether the actor's task has finished (stopped, crashed or cancelled)."""
         return self._cell.stopped.is_set()
 
-    async def _enqueue(self, envelope: _Envelope) -> None:
-        cell = self._cell
-        send = self._send
-        await trio.lowlevel.checkpoint_if_cancelled()
+    def _send_now(self, envelope: _Envelope) -> bool:
+        """Put ``envelope`` in the mailbox if it has room now; return ``False`` if it is full."""
         try:
-            send.send_nowait(envelope)
+            self._send.send_nowait(envelope)
         except trio.WouldBlock:
-            cell.note_full()
-            try:
-                await send.send(envelope)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                raise cell.stopped_error() from None
-            cell.note_sent()
-            return
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise self._cell.stopped_error() from None
+        # note_sent(), inlined: this is the hot path of every tell and ask.
+        cell = self._cell
+        cell.sent += 1
+        queued = cell.sent - cell.received
+        if queued > cell.max_queued:
+            cell.max_queued = min(queued, cell.mailbox_size)
+        return True
+
+    async def _send_later(self, envelope: _Envelope) -> None:
+        """Wait for room in a full mailbox, then send (the backpressure path)."""
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot wait for room in its own full mailbox (deadlock)"
+            raise RuntimeError(msg)
+        cell.note_full()
+        try:
+            await self._send.send(envelope)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise cell.stopped_error() from None
-        # Count before yielding, so the actor cannot dequeue a message not yet counted as sent.
         cell.note_sent()
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def ask(
         self,
@@ -352,6 +371,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         Raises:
             trio.TooSlowError: ``timeout`` passed first.
             ActorStoppedError: The actor has stopped, or stopped before replying.
+            RuntimeError: Called from the actor's own task (it would deadlock).
             Exception: Whatever ``handle`` raised for this message.
         """
         if timeout is None:
@@ -361,10 +381,18 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     async def _ask(self, message: Any) -> ReplyT:
         cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
         reply = Reply()
+        envelope = (message, reply)
         cell.asks_waiting += 1
         try:
-            await self._enqueue((message, reply))
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if not self._send_now(envelope):
+                await self._send_later(envelope)
+            # No extra yield after a direct send: the actor cannot have replied yet, so
+            # reply.wait() parks, and that park is this call's schedule point.
             return cast(ReplyT, await reply.wait())
         finally:
             cell.asks_waiting -= 1
@@ -374,11 +402,18 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
         Waits while the mailbox is full (backpressure) and logs ``actor_mailbox_full`` when it has
         to. If ``handle`` raises for a told message the actor crashes (see ``RestartPolicy``).
+        An actor may tell itself, but not while its own mailbox is full.
 
         Raises:
             ActorStoppedError: The actor has stopped.
+            RuntimeError: The actor told itself with its mailbox full (it would deadlock).
         """
-        await self._enqueue((message, None))
+        envelope = (message, None)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._send_now(envelope):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._send_later(envelope)
 
     def tell_nowait(self, message: MessageT) -> None:
         """Send ``message`` if the mailbox has room right now.
@@ -387,11 +422,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
             trio.WouldBlock: The mailbox is full.
             ActorStoppedError: The actor has stopped.
         """
-        try:
-            self._send.send_nowait((message, None))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise self._cell.stopped_error() from None
-        self._cell.note_sent()
+        if not self._send_now((message, None)):
+            msg = f"mailbox of actor {self._cell.name!r} is full"
+            raise trio.WouldBlock(msg)
 
     async def stop(self, drain: bool = True) -> None:
         """Stop the actor and wait for its task to finish.
@@ -428,7 +461,10 @@ class ActorRef(Generic[MessageT, ReplyT]):
     async def _barrier(self) -> None:
         """Wait until every message queued before this call has been handled."""
         reply = Reply()
-        await self._enqueue((_BARRIER, reply))
+        envelope = (_BARRIER, reply)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._send_now(envelope):
+            await self._send_later(envelope)
         await reply.wait()
 
 
@@ -524,7 +560,8 @@ async def open_actor(
 
     On a normal exit the mailbox is closed, every queued message is handled (drain), ``on_stop``
     runs and the actor's task is awaited. If the block raises, the actor is cancelled instead.
-    Arguments are those of ``spawn``.
+    Arguments are those of ``spawn``; failures of the actor's task (a crash, ``RestartLimitError``,
+    a first ``on_start`` that raises) leave the block as an exception group, as trio nurseries do.
 
     Example::
 

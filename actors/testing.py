@@ -12,9 +12,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import structlog
@@ -24,6 +24,9 @@ from actors.actor import Actor, ActorRef
 __all__ = ["LogEvent", "RecordingActor", "capture_actor_logs", "events_named", "wait_idle"]
 
 LogEvent = MutableMapping[str, Any]
+"""One captured event: the structlog event dict (``event``, ``log_level`` and the keys)."""
+
+EventT = TypeVar("EventT", bound=Mapping[str, Any])
 
 
 @contextmanager
@@ -39,7 +42,7 @@ def capture_actor_logs() -> Iterator[list[LogEvent]]:
         yield logs
 
 
-def events_named(logs: list[LogEvent], event: str) -> list[LogEvent]:
+def events_named(logs: Iterable[EventT], event: str) -> list[EventT]:
     """Return the captured events called ``event``, in order."""
     return [entry for entry in logs if entry.get("event") == event]
 

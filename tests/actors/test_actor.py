@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import attrs
@@ -19,6 +21,7 @@ from actors import (
     open_actor,
     spawn,
 )
+from actors._reply import Reply
 from actors.testing import RecordingActor, wait_idle
 
 
@@ -543,3 +546,105 @@ def test_error_hierarchy() -> None:
     assert issubclass(ActorStoppedError, ActorError)
     assert issubclass(RestartLimitError, ActorError)
     assert not issubclass(ActorError, ValueError)
+
+
+async def test_handler_returning_an_awaitable_from_plain_def_is_awaited() -> None:
+    """A plain def handle that returns a coroutine (a wrapped async handler) is awaited."""
+
+    class Wrapped(Actor[int, int]):
+        async def _double(self, message: int) -> int:
+            await trio.lowlevel.checkpoint()
+            return message * 2
+
+        def handle(self, message: int) -> Any:
+            return self._double(message)
+
+    async with open_actor(Wrapped, name="wrapped") as ref:
+        assert await ref.ask(21) == 42
+
+
+@attrs.define(eq=False)
+class Selfish(Actor[str, object]):
+    """Talks to itself through ``ref`` to exercise the deadlock guards."""
+
+    ref: ActorRef[str, object] | None = None
+
+    async def handle(self, message: str) -> object:
+        assert self.ref is not None
+        if message == "ask-self":
+            return await self.ref.ask("inner")
+        if message == "fill-self":
+            self.ref.tell_nowait("filler")
+            await self.ref.tell("overflow")
+        if message == "tell-self":
+            await self.ref.tell("inner")
+        return message
+
+
+async def test_actor_asking_itself_raises_instead_of_deadlocking() -> None:
+    """ask from the actor's own task is a RuntimeError, and the actor survives it."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish") as ref:
+        actor.ref = ref
+        with pytest.raises(RuntimeError, match="cannot ask itself"):
+            await ref.ask("ask-self")
+        assert await ref.ask("ok") == "ok"
+
+
+async def test_actor_may_tell_itself_but_not_into_a_full_mailbox() -> None:
+    """A self-tell with room is queued; one that would wait for room raises RuntimeError."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish", mailbox_size=1) as ref:
+        actor.ref = ref
+        assert await ref.ask("tell-self") == "tell-self"
+        await wait_idle(ref)
+        with pytest.raises(RuntimeError, match="its own full mailbox"):
+            await ref.ask("fill-self")
+
+
+def _live_replies() -> int:
+    gc.collect()
+    return sum(isinstance(obj, Reply) for obj in gc.get_objects())
+
+
+async def test_cancelled_asks_leave_no_reply_slots_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After asks cancelled at every stage are settled, no reply slot is still referenced."""
+    actor = Slow(delay_s=1)
+    async with open_actor(actor, name="slow", mailbox_size=2) as ref:
+        before = _live_replies()
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+
+                async def one(i: int = i) -> None:
+                    with trio.move_on_after(0.5 * (i % 4)):
+                        await ref.ask(i)
+
+                nursery.start_soon(one)
+        await wait_idle(ref)
+        assert ref.statistics().asks_waiting == 0
+        assert _live_replies() == before
+
+
+@attrs.define(eq=False)
+class Payload:
+    size_bytes: int
+
+
+async def test_idle_actor_keeps_no_message_or_reply_alive() -> None:
+    """Once handled, neither the last message nor the last reply is kept by the actor."""
+
+    class Maker(Actor[Payload, Payload]):
+        def handle(self, message: Payload) -> Payload:
+            return Payload(size_bytes=message.size_bytes * 2)
+
+    async with open_actor(Maker, name="maker") as ref:
+        message = Payload(size_bytes=1)
+        reply = await ref.ask(message)
+        message_ref, reply_ref = weakref.ref(message), weakref.ref(reply)
+        del message, reply
+        await wait_idle(ref)
+        gc.collect()
+        assert message_ref() is None
+        assert reply_ref() is None

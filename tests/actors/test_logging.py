@@ -130,8 +130,10 @@ async def test_mailbox_full_warning_is_rate_limited(
     assert all(f["log_level"] == "warning" and f["actor"] == "slug" for f in full)
     assert all(f["mailbox_size"] == 1 for f in full)
     assert full[0]["suppressed"] == 0
-    # The first tell goes straight to the actor and the second fills the mailbox; 28 waited.
-    assert sum(f["suppressed"] for f in full) + len(full) == 28
+    # A tell waits ~0.1 s, so about ten waits fall between two warnings and are only counted.
+    assert [f["suppressed"] >= 8 for f in full] == [False, True, True]
+    # The first tell goes straight to the actor and the second fills the mailbox: 28 waited.
+    assert sum(f["suppressed"] for f in full) + len(full) <= 28
 
 
 async def test_tell_with_room_logs_nothing_per_message(actor_logs: list[LogEvent]) -> None:
