@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
 from stage_runtime.models import reference_model_factory
 from stage_runtime.pipeline import open_pipeline
-
 from stage_runtime.server import (
     ServerSettings,
     create_app,
@@ -90,4 +90,4 @@ if __name__ == "__main__":
     from stage_runtime.server.command import configure_logging
 
     configure_logging()
-    trio.run(serve_until_interrupted, *sys.argv[1:2])
+    trio.run(serve_until_interrupted, sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:8000")

@@ -225,12 +225,17 @@ class PipelineApp:
             # Bugs must not take the server down; the client gets a 500 and the log a traceback.
             log.exception("request_failed", method=method, path=path)
             response = _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        fields = dict(response.log_fields) if response is not None else {}
+        if response is not None:
+            try:
+                await self._send(send, response)
+            except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
+                # The client hung up while the answer was being written (hypercorn can then
+                # race its own close against our write); nobody is left to read it.
+                response = None
         status = CLIENT_CLOSED_REQUEST if response is None else response.status
         route = path if path in _ROUTES else "other"
         self._responses[(route, status)] += 1
-        fields = dict(response.log_fields) if response is not None else {}
-        if response is not None:
-            await self._send(send, response)
         elapsed_s = trio.current_time() - started
         emit = log.debug if path in _PROBE_PATHS and status < 500 else log.info
         emit(
