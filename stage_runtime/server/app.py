@@ -135,7 +135,11 @@ def _json(status: int, document: object, **headers: str) -> _Response:
 
 
 def _error(status: int, error: str, message: str, *, field: str | None = None) -> _Response:
-    return _json(status, {"error": error, "field": field, "message": message})
+    response = _json(status, {"error": error, "field": field, "message": message})
+    log_fields: tuple[tuple[str, object], ...] = (("error", error),)
+    if field is not None:
+        log_fields += (("field", field),)
+    return attrs.evolve(response, log_fields=log_fields)
 
 
 class _ClientDisconnectedError(Exception):
@@ -321,7 +325,7 @@ class PipelineApp:
                 body, max_tokens=self.max_tokens, tokenizer=self.tokenizer
             )
         except InvalidRequestError as exc:
-            return _json(exc.status, exc.to_json())
+            return _error(exc.status, exc.error, str(exc), field=exc.field)
         if self._inflight >= self.settings.max_inflight:
             self._rejected["overloaded"] += 1
             message = (
@@ -360,24 +364,20 @@ class PipelineApp:
                 )
                 nursery.cancel_scope.cancel()
         except ConfigError as exc:
-            return attrs.evolve(
-                _error(400, "invalid_field", str(exc), field=request.source),
-                log_fields=request_fields,
-            )
+            response = _error(400, "invalid_field", str(exc), field=request.source)
+            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
         except trio.ClosedResourceError:
             # The pipeline started draining between our readiness check and its admission.
             self._rejected["draining"] += 1
             return attrs.evolve(
                 _error(503, "draining", "pipeline is draining: retry on another instance"),
                 headers=(("retry-after", self._retry_after),),
-                log_fields=request_fields,
+                log_fields=(*request_fields, ("error", "draining")),
             )
         except StageRuntimeError as exc:
             log.exception("prefill_failed", session_id=request.session_id)
-            return attrs.evolve(
-                _error(503, "pipeline_failed", f"{type(exc).__name__}: {exc}"),
-                log_fields=request_fields,
-            )
+            response = _error(503, "pipeline_failed", f"{type(exc).__name__}: {exc}")
+            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
         if result is None:
             # Only the disconnect watcher cancels the nursery before a result exists.
             log.info(

@@ -148,7 +148,9 @@ def configure_logging(*, level: str = "info", log_format: str = "auto") -> None:
     """
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -195,17 +197,33 @@ async def _serve(args: argparse.Namespace) -> None:
     # Leaving open_pipeline after the server has drained stops the stages.
 
 
+def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first non-group exception inside (nested) exception groups."""
+    error: Exception | BaseExceptionGroup[Exception] = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Run ``stage-runtime serve`` with parsed ``args``; returns the process exit status."""
+    """Run ``stage-runtime serve`` with parsed ``args``; returns the process exit status.
+
+    ``0`` after a graceful shutdown, ``2`` for a bad topology or option, ``1`` when the address
+    cannot be bound.
+    """
     configure_logging(level=args.log_level, log_format=args.log_format)
     log = structlog.get_logger(__name__)
+    status = 0
+    # Errors raised inside the pipeline's or hypercorn's nurseries arrive in exception groups.
     try:
         trio.run(_serve, args)
-    except ConfigError as exc:
-        print(f"stage-runtime serve: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"stage-runtime serve: error: cannot listen on {args.bind}: {exc}", file=sys.stderr)
-        return 1
-    log.info("serve_finished")
-    return 0
+    except* ConfigError as group:
+        print(f"stage-runtime serve: error: {_first_leaf(group)}", file=sys.stderr)
+        status = 2
+    except* OSError as group:
+        message = f"cannot listen on {args.bind}: {_first_leaf(group)}"
+        print(f"stage-runtime serve: error: {message}", file=sys.stderr)
+        status = 1
+    if status == 0:
+        log.info("serve_finished")
+    return status

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
@@ -238,8 +239,10 @@ async def test_fifty_concurrent_clients_are_all_answered() -> None:
     """Fifty clients on their own connections each get their own complete answer."""
     answers: dict[int, httpx.Response] = {}
 
+    tls = ssl.create_default_context()  # unused over http, but each client would build one
+
     async def one_client(url: str, index: int) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, verify=tls) as client:
             body = {
                 "tokens": prompt(32) + prompt(8 + index % 5, offset=1000 + index),
                 "session_id": f"client-{index}",
@@ -623,6 +626,7 @@ async def test_each_request_logs_one_request_served_event(capture_stage_logs: Lo
         ("/v1/prefill", 400),
         ("/healthz", 200),
     ]
+    assert (served[2]["error"], served[2]["field"]) == ("invalid_field", "tokens")
     second = served[1]
     assert second["tokens"] == 50
     assert second["request_id"] == "r"
