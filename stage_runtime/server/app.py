@@ -356,27 +356,19 @@ class PipelineApp:
             ("request_id", request.request_id),
             ("tokens", int(request.tokens.size)),
         )
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+            try:
                 result = await self.pipeline.prefill(
                     request.tokens, session_id=request.session_id, request_id=request.request_id
                 )
-                nursery.cancel_scope.cancel()
-        except ConfigError as exc:
-            response = _error(400, "invalid_field", str(exc), field=request.source)
-            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
-        except trio.ClosedResourceError:
-            # The pipeline started draining between our readiness check and its admission.
-            self._rejected["draining"] += 1
-            return attrs.evolve(
-                _error(503, "draining", "pipeline is draining: retry on another instance"),
-                headers=(("retry-after", self._retry_after),),
-                log_fields=(*request_fields, ("error", "draining")),
-            )
-        except StageRuntimeError as exc:
-            log.exception("prefill_failed", session_id=request.session_id)
-            response = _error(503, "pipeline_failed", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                # Kept out of the nursery, which would wrap it in an exception group.
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            response = self._prefill_error(error, request)
             return attrs.evolve(response, log_fields=request_fields + response.log_fields)
         if result is None:
             # Only the disconnect watcher cancels the nursery before a result exists.
@@ -414,6 +406,29 @@ class PipelineApp:
                 ("restored_tokens", {r.stage_id: r.restored_tokens for r in result.stages}),
             ),
         )
+
+    def _prefill_error(self, error: Exception, request: PrefillRequest) -> _Response:
+        if isinstance(error, ConfigError):
+            return _error(400, "invalid_field", str(error), field=request.source)
+        if isinstance(error, trio.ClosedResourceError):
+            # The pipeline started draining between our readiness check and its admission.
+            self._rejected["draining"] += 1
+            return attrs.evolve(
+                _error(503, "draining", "pipeline is draining: retry on another instance"),
+                headers=(("retry-after", self._retry_after),),
+            )
+        log.error(
+            "request_failed",
+            session_id=request.session_id,
+            request_id=request.request_id,
+            exc_info=error,
+        )
+        message = f"{type(error).__name__}: {error}"
+        if isinstance(error, StageRuntimeError):
+            # The pipeline itself stopped (a stage crashed): not this request's fault.
+            return _error(503, "pipeline_failed", message)
+        # The model raised on this input; only this caller sees it.
+        return _error(500, "prefill_failed", message)
 
     def _record(self, result: PrefillResult, elapsed_s: float) -> None:
         self._prefill_count += 1

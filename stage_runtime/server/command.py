@@ -45,6 +45,14 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        msg = f"must be > 0, got {text}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _bind(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -92,7 +100,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=_non_negative_float,
+        type=_positive_float,
         default=30.0,
         metavar="SECONDS",
         help="on shutdown, how long in-flight requests may still run (default: %(default)s)",

@@ -63,6 +63,40 @@ def four_stages(*, ctx_size: int = 4096) -> list[StageConfig]:
 
 
 @attrs.define(eq=False)
+class PickyModel:
+    """A reference model that raises for prompts starting with token 666 (a bad input)."""
+
+    inner: StageModel
+
+    @property
+    def activation_width(self) -> int:
+        """Width of the wrapped model."""
+        return self.inner.activation_width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model, refusing the poisoned prompt."""
+        if tokens[0] == 666:
+            raise RuntimeError("model cannot handle token 666")
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Compute with the wrapped model."""
+        return await self.inner.forward(inputs, start, restored)
+
+
+def picky_factory() -> ModelFactory:
+    """Reference models that fail on prompts starting with token 666."""
+    reference = reference_model_factory(width=16)
+
+    def build(config: StageConfig) -> StageModel:
+        return PickyModel(inner=reference(config))
+
+    return build
+
+
+@attrs.define(eq=False)
 class GatedModel:
     """A reference model whose ``forward`` first waits for ``gate``: holds requests in flight."""
 
@@ -460,6 +494,25 @@ async def test_admission_control_answers_503_with_retry_after_beyond_max_infligh
     assert h.pipeline.entered == 3  # the refused request never reached the pipeline
 
 
+async def test_model_error_fails_only_that_request(capture_stage_logs: LogEvents) -> None:
+    """A model raising on one prompt answers that client 500; the server keeps serving."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(model_factory=picky_factory()) as h:
+            failed = await h.client.post(
+                "/v1/prefill", json={"tokens": [666, 1, 2], "session_id": "bad"}
+            )
+            fine = await h.client.post("/v1/prefill", json={"tokens": [1, 2], "session_id": "ok"})
+            ready = await h.client.get("/readyz")
+    assert failed.status_code == 500
+    assert failed.json()["error"] == "prefill_failed"
+    assert "token 666" in failed.json()["message"]
+    assert fine.status_code == 200
+    assert ready.status_code == 200
+    assert [e["status"] for e in served_events(capture_stage_logs)][:2] == [500, 200]
+    failures = [e for e in capture_stage_logs if e["event"] == "request_failed"]
+    assert [e["session_id"] for e in failures] == ["bad"]
+
+
 async def test_client_disconnect_cancels_its_prefill_without_disturbing_others(
     capture_stage_logs: LogEvents,
 ) -> None:
@@ -645,7 +698,14 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
     args = parser.parse_args(["--topology", "t.toml"])
     assert (args.bind, args.max_inflight, args.max_body_bytes) == ("127.0.0.1:8000", 64, 1 << 20)
     assert args.topology == Path("t.toml")
-    for bad in (["--max-inflight", "0"], ["--bind", "localhost"], ["--bind", "h:99999"]):
+    for bad in (
+        ["--max-inflight", "0"],
+        ["--max-body-bytes", "many"],
+        ["--bind", "localhost"],
+        ["--bind", "h:99999"],
+        ["--shutdown-timeout", "0"],
+        ["--drain-grace", "-1"],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(["--topology", "t.toml", *bad])
 
