@@ -363,8 +363,7 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
             merged.setdefault("upstream", ids[position - 1])
         if position + 1 < len(tables):
             merged.setdefault("downstream", ids[position + 1])
-        configs.append(
-            StageConfig.from_mapping(merged, source=f"{source} (stage {ids[position]!r})")
-        )
+        label = repr(ids[position]) if ids[position] is not None else f"#{position}"
+        configs.append(StageConfig.from_mapping(merged, source=f"{source} (stage {label})"))
     validate_topology(configs, source=source)
     return configs

@@ -462,6 +462,15 @@ max_entries = 1
             r"layer_end 3, got 4",
         ),
         ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
+            r"topology.toml \(stage #1\): missing required field stage_id",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
+            r"topology.toml \(stage 'a'\): layer_end must be an integer, got 'x'",
+        ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
     ],
