@@ -33,7 +33,6 @@ requests with httpx and shuts down.
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ from stage_runtime.server import (
     create_app,
     open_server,
     serve,
-    shutdown_on_signals,
 )
 
 TOPOLOGY = Path(__file__).with_name("topology.toml")
@@ -57,10 +55,8 @@ async def serve_until_interrupted(bind: str = "127.0.0.1:8000") -> None:
     """Serve the 4-stage pipeline on ``bind`` until SIGINT/SIGTERM, then drain and stop."""
     async with open_pipeline(TOPOLOGY, reference_model_factory(width=64)) as pipeline:
         app = create_app(pipeline, settings=ServerSettings(max_inflight=32))
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(partial(serve, app, bind=bind))
-            print(f"serving {len(pipeline.stage_configs)} stages on {server.url} (Ctrl-C to stop)")
-            await shutdown_on_signals(server)
+        print(f"serving {len(pipeline.stage_configs)} stages on http://{bind} (Ctrl-C to stop)")
+        await serve(app, bind=bind, handle_signals=True)
 
 
 async def main() -> dict[str, Any]:

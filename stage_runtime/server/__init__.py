@@ -14,7 +14,7 @@ from stage_runtime.server.requests import (
     PrefillRequest,
     parse_prefill_request,
 )
-from stage_runtime.server.serve import RunningServer, open_server, serve, shutdown_on_signals
+from stage_runtime.server.serve import RunningServer, open_server, serve
 from stage_runtime.server.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -32,5 +32,4 @@ __all__ = [
     "parse_prefill_request",
     "render_metrics",
     "serve",
-    "shutdown_on_signals",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from functools import partial
 from pathlib import Path
 
 import structlog
@@ -187,7 +186,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from stage_runtime.models import reference_model_factory
     from stage_runtime.pipeline import load_topology, open_pipeline
     from stage_runtime.server.app import ServerSettings, create_app
-    from stage_runtime.server.serve import serve, shutdown_on_signals
+    from stage_runtime.server.serve import serve
 
     stages = load_topology(args.topology)
     settings = ServerSettings(
@@ -199,9 +198,7 @@ async def _serve(args: argparse.Namespace) -> None:
     factory = reference_model_factory(width=args.width, seed=args.seed)
     async with open_pipeline(stages, factory, channel_size=args.channel_size) as pipeline:
         app = create_app(pipeline, settings=settings)
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(partial(serve, app, bind=args.bind))
-            await shutdown_on_signals(server, drain_grace_s=args.drain_grace)
+        await serve(app, bind=args.bind, handle_signals=True, drain_grace_s=args.drain_grace)
     # Leaving open_pipeline after the server has drained stops the stages.
 
 

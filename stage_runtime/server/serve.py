@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import ExitStack, asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from hypercorn.config import Config
     from hypercorn.typing import ASGIFramework
 
-__all__ = ["RunningServer", "open_server", "serve", "shutdown_on_signals"]
+__all__ = ["RunningServer", "open_server", "serve"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,11 @@ class RunningServer:
     def stopped(self) -> bool:
         """Whether :func:`serve` has returned."""
         return self._stopped.is_set()
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`shutdown` was called: the listener is closing or closed."""
+        return self._shutdown_requested.is_set()
 
     def drain(self) -> None:
         """Refuse new prefills and fail readiness; keep serving in-flight and probe requests."""
@@ -107,16 +112,28 @@ async def serve(
     app: PipelineApp,
     *,
     bind: str = "127.0.0.1:8000",
+    handle_signals: bool = False,
+    drain_grace_s: float = 0.0,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` over HTTP until :meth:`RunningServer.shutdown` (or cancellation).
 
-    Start it with ``server = await nursery.start(serve, app, bind=...)``: ``start`` returns once
-    the socket listens, with the real URL (bind port ``0`` to let the OS pick one).
+    Start it with ``server = await nursery.start(partial(serve, app, bind=...))``: ``start``
+    returns once the socket listens, with the real URL (bind port ``0`` to let the OS pick one).
+    A program that only serves can simply ``await serve(app, handle_signals=True)``.
+
+    With ``handle_signals``, SIGINT/SIGTERM stop the server in steps: the first drains
+    (readiness fails, new prefills get ``503``) and, ``drain_grace_s`` later, closes the
+    listener and waits for in-flight requests; a signal during the grace period skips the rest of
+    it; a signal after the listener closed aborts the in-flight requests. Signals are only
+    handled in the main thread (trio's rule).
 
     Args:
         app: The application, from :func:`create_app`.
         bind: ``HOST:PORT`` to listen on.
+        handle_signals: Shut down on SIGINT/SIGTERM as described above.
+        drain_grace_s: With ``handle_signals``, how long readiness reports draining before the
+            listener closes, so that a load balancer stops sending traffic first.
         task_status: Receives the :class:`RunningServer` once listening.
 
     Raises:
@@ -127,30 +144,73 @@ async def serve(
     from hypercorn.trio import serve as hypercorn_serve
 
     shutdown_requested = trio.Event()
+    signal_scope = trio.CancelScope()
     server: RunningServer | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            binds: list[str] = await nursery.start(
-                partial(
-                    hypercorn_serve,
-                    # PipelineApp speaks ASGI 3 with plain mappings, not hypercorn's TypedDicts.
-                    cast("ASGIFramework", app),
-                    config,
-                    shutdown_trigger=shutdown_requested.wait,
+
+    async def run_hypercorn(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        try:
+            await hypercorn_serve(
+                # PipelineApp speaks ASGI 3 with plain mappings, not hypercorn's TypedDicts.
+                cast("ASGIFramework", app),
+                config,
+                shutdown_trigger=shutdown_requested.wait,
+                task_status=task_status,
+            )
+        finally:
+            signal_scope.cancel()  # the server is done: stop listening for signals
+
+    with ExitStack() as stack:
+        # Installed before the socket listens, so that no signal can find the default handler.
+        received = (
+            stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+            if handle_signals
+            else None
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                binds: list[str] = await nursery.start(run_hypercorn)
+                server = RunningServer(
+                    app=app,
+                    url=binds[0],
+                    shutdown_requested=shutdown_requested,
+                    cancel_scope=nursery.cancel_scope,
                 )
-            )
-            server = RunningServer(
-                app=app,
-                url=binds[0],
-                shutdown_requested=shutdown_requested,
-                cancel_scope=nursery.cancel_scope,
-            )
-            log.info("server_started", url=server.url, max_inflight=app.settings.max_inflight)
-            task_status.started(server)
-    finally:
-        if server is not None:
-            server._stopped.set()
-            log.info("server_stopped", url=server.url)
+                if received is not None:
+                    nursery.start_soon(
+                        _stop_on_signals, received, server, drain_grace_s, signal_scope
+                    )
+                log.info("server_started", url=server.url, max_inflight=app.settings.max_inflight)
+                task_status.started(server)
+        finally:
+            if server is not None:
+                server._stopped.set()
+                log.info("server_stopped", url=server.url)
+
+
+async def _stop_on_signals(
+    received: AsyncIterator[int],
+    server: RunningServer,
+    drain_grace_s: float,
+    cancel_scope: trio.CancelScope,
+) -> None:
+    async def close_after_grace() -> None:
+        await trio.sleep(drain_grace_s)
+        server.shutdown()
+
+    with cancel_scope:
+        async with trio.open_nursery() as nursery:
+            async for signum in received:
+                name = signal.Signals(signum).name
+                if not server.app.draining:
+                    log.info("shutdown_requested", signal=name, drain_grace_s=drain_grace_s)
+                    server.drain()
+                    nursery.start_soon(close_after_grace)
+                elif not server.closing:
+                    log.info("shutdown_hastened", signal=name, inflight=server.app.inflight)
+                    server.shutdown()
+                else:
+                    log.warning("shutdown_forced", signal=name, inflight=server.app.inflight)
+                    server.abort()
 
 
 @asynccontextmanager
@@ -171,46 +231,3 @@ async def open_server(
             yield server
         finally:
             server.shutdown()
-
-
-async def shutdown_on_signals(
-    server: RunningServer,
-    *,
-    drain_grace_s: float = 0.0,
-    signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
-) -> None:
-    """Shut ``server`` down gracefully on the first signal, abort it on the second.
-
-    Must run in the main thread (trio's rule for signal handling). Returns once the server has
-    stopped.
-
-    Args:
-        server: The server to stop.
-        drain_grace_s: Time between failing readiness and closing the listener, so that a load
-            balancer polling ``/readyz`` stops sending traffic first.
-        signals: The signals to handle.
-    """
-
-    async def close_after_grace() -> None:
-        await trio.sleep(drain_grace_s)
-        server.shutdown()
-
-    with trio.open_signal_receiver(*signals) as received:
-        async with trio.open_nursery() as nursery:
-
-            async def handle_signals() -> None:
-                requested = False
-                async for signum in received:
-                    name = signal.Signals(signum).name
-                    if not requested:
-                        requested = True
-                        log.info("shutdown_requested", signal=name, drain_grace_s=drain_grace_s)
-                        server.drain()
-                        nursery.start_soon(close_after_grace)
-                    else:
-                        log.warning("shutdown_forced", signal=name, inflight=server.app.inflight)
-                        server.abort()
-
-            nursery.start_soon(handle_signals)
-            await server.wait_stopped()
-            nursery.cancel_scope.cancel()

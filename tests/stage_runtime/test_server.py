@@ -710,56 +710,95 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
             parser.parse_args(["--topology", "t.toml", *bad])
 
 
+SERVE_SCRIPT = (
+    "import argparse, sys\n"
+    "from stage_runtime.server.command import add_serve_arguments, run_serve\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_serve_arguments(parser)\n"
+    "sys.exit(run_serve(parser.parse_args(sys.argv[1:])))\n"
+)
+
+
+@attrs.define(eq=False)
+class ServeProcess:
+    """``run_serve`` in a child process, with its JSON log lines readable one event at a time."""
+
+    process: trio.Process
+    events: list[dict[str, Any]] = attrs.field(factory=list)
+    _buffer: bytes = b""
+
+    async def next_event(self, name: str) -> dict[str, Any]:
+        """Read log lines until the next event called ``name``."""
+        assert self.process.stderr is not None
+        while True:
+            while b"\n" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\n", 1)
+                if raw.startswith(b"{"):
+                    self.events.append(json.loads(raw))
+                    if self.events[-1]["event"] == name:
+                        return self.events[-1]
+            chunk = await self.process.stderr.receive_some()
+            assert chunk, f"process exited before logging {name}: {self._buffer!r}"
+            self._buffer += chunk
+
+
+@asynccontextmanager
+async def serve_process(*options: str) -> AsyncIterator[ServeProcess]:
+    """Start the serve command on a free port (JSON logs: stderr is a pipe); kill it if needed."""
+    topology = ROOT / "examples" / "topology.toml"
+    argv = [sys.executable, "-c", SERVE_SCRIPT, "--topology", str(topology), *options]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = await trio.lowlevel.open_process(
+        [*argv, "--bind", "127.0.0.1:0"], stderr=subprocess.PIPE, env=env
+    )
+    try:
+        yield ServeProcess(process=process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
     """The serve command, run as a process, answers requests, logs JSON, and exits 0 on SIGTERM."""
-    script = (
-        "import argparse, sys\n"
-        "from stage_runtime.server.command import add_serve_arguments, run_serve\n"
-        "parser = argparse.ArgumentParser()\n"
-        "add_serve_arguments(parser)\n"
-        "sys.exit(run_serve(parser.parse_args(sys.argv[1:])))\n"
-    )
-    topology = ROOT / "examples" / "topology.toml"
-    argv = [sys.executable, "-c", script, "--topology", str(topology), "--bind", "127.0.0.1:0"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with trio.fail_after(60):
-        process = await trio.lowlevel.open_process(argv, stderr=subprocess.PIPE, env=env)
-        assert process.stderr is not None
-        lines: list[dict[str, Any]] = []
-        buffer = b""
-
-        async def next_event(name: str) -> dict[str, Any]:
-            nonlocal buffer
-            while True:
-                while b"\n" in buffer:
-                    raw, buffer = buffer.split(b"\n", 1)
-                    if raw.startswith(b"{"):
-                        lines.append(json.loads(raw))
-                        if lines[-1]["event"] == name:
-                            return lines[-1]
-                assert process.stderr is not None
-                chunk = await process.stderr.receive_some()
-                assert chunk, f"process exited before logging {name}: {buffer!r}"
-                buffer += chunk
-
-        try:
-            started = await next_event("server_started")
+        async with serve_process() as child:
+            started = await child.next_event("server_started")
             async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
                 body = {"text": "hello, pipeline " * 4, "session_id": "cli"}
                 answer = await client.post("/v1/prefill", json=body)
-            served = await next_event("request_served")
-            process.send_signal(signal.SIGTERM)
-            await next_event("server_stopped")
-            status = await process.wait()
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            served = await child.next_event("request_served")
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("server_stopped")
+            status = await child.process.wait()
     assert answer.status_code == 200
     assert len(answer.json()["stages"]) == 4
     assert served["status"] == 200
     assert served["level"] == "info"
-    assert any(event["event"] == "shutdown_requested" for event in lines)
+    assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
+    assert any(event["event"] == "shutdown_requested" for event in child.events)
+    assert status == 0
+
+
+async def test_serve_command_reports_draining_during_grace_and_a_second_signal_hastens() -> None:
+    """During --drain-grace the listener stays open with readiness 503; SIGTERM again ends it."""
+    with trio.fail_after(60):
+        async with serve_process("--drain-grace", "600") as child:
+            started = await child.next_event("server_started")
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("server_draining")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                ready = await client.get("/readyz")
+                health = await client.get("/healthz")
+                refused = await client.post("/v1/prefill", json={"tokens": [1], "session_id": "s"})
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("shutdown_hastened")
+            await child.next_event("server_stopped")
+            status = await child.process.wait()
+    assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
+    assert health.status_code == 200
+    assert refused.status_code == 503
+    assert refused.json()["error"] == "draining"
     assert status == 0
 
 
