@@ -94,29 +94,32 @@ class ServedPipeline(Protocol):
         ...
 
 
-def _positive(name: str) -> Callable[[object, attrs.Attribute[Any], float], None]:
-    def check(_instance: object, _attribute: attrs.Attribute[Any], value: float) -> None:
-        if value <= 0:
-            msg = f"{name} must be > 0, got {value}"
-            raise ConfigError(msg)
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        msg = f"{attribute.name} must be a number > 0, got {value!r}"
+        raise ConfigError(msg)
 
-    return check
+
+def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{attribute.name} must be an integer >= 1, got {value!r}"
+        raise ConfigError(msg)
 
 
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """Limits and timeouts of the HTTP server."""
 
-    max_inflight: int = attrs.field(default=64, validator=_positive("max_inflight"))
+    max_inflight: int = attrs.field(default=64, validator=_positive_int)
     """Prefills admitted at once (running or queued in the pipeline); more get ``503``."""
 
-    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive("max_body_bytes"))
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
     """Largest accepted request body; larger ones get ``413`` before they are fully read."""
 
-    retry_after_s: int = attrs.field(default=1, validator=_positive("retry_after_s"))
+    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
     """``Retry-After`` sent with ``503`` answers."""
 
-    shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive("shutdown_timeout_s"))
+    shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     """How long a graceful shutdown waits for in-flight requests before cancelling them."""
 
 
@@ -150,8 +153,9 @@ class _ClientDisconnectedError(Exception):
 class PipelineApp:
     """ASGI application serving one running pipeline (build it with :func:`create_app`).
 
-    The app does not own the pipeline: whoever opened it closes it, after the server has drained
-    (:func:`stage_runtime.server.serve` does this in the right order).
+    The app does not own the pipeline: whoever opened it closes it. :func:`serve` returns only
+    once in-flight requests are answered, so leaving ``open_pipeline`` after ``serve`` stops the
+    stages in the right order.
     """
 
     pipeline: ServedPipeline

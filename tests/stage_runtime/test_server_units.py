@@ -16,6 +16,7 @@ from stage_runtime.server import (
     InvalidRequestError,
     MetricFamily,
     Sample,
+    ServerSettings,
     parse_prefill_request,
     render_metrics,
 )
@@ -186,3 +187,20 @@ def test_render_metrics_formats_special_float_values() -> None:
     samples = [Sample(value=v) for v in (float("inf"), float("-inf"), float("nan"), 2.0, 1e-7)]
     text = render_metrics([MetricFamily(name="x", help="x.", type="gauge", samples=samples)])
     assert text.splitlines()[2:] == ["x +Inf", "x -Inf", "x NaN", "x 2", "x 1e-07"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_inflight", 0),
+        ("max_inflight", True),
+        ("max_body_bytes", 1.5),
+        ("retry_after_s", 0),
+        ("shutdown_timeout_s", 0.0),
+        ("shutdown_timeout_s", float("nan")),
+    ],
+)
+def test_server_settings_reject_non_positive_or_mistyped_limits(field: str, value: object) -> None:
+    """Each limit must be positive (and an integer where HTTP needs one); the error names it."""
+    with pytest.raises(ConfigError, match=f"^{field} must be"):
+        ServerSettings(**{field: value})  # type: ignore[arg-type]
