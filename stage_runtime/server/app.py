@@ -148,6 +148,10 @@ def _error(status: int, error: str, message: str, *, field: str | None = None) -
 class _ClientDisconnectedError(Exception):
     """The client hung up before the response was ready."""
 
+    def __init__(self, log_fields: tuple[tuple[str, object], ...] = ()) -> None:
+        super().__init__("client disconnected")
+        self.log_fields = log_fields
+
 
 @attrs.define(eq=False)
 class PipelineApp:
@@ -225,15 +229,18 @@ class PipelineApp:
         started = trio.current_time()
         method: str = scope["method"]
         path: str = scope["path"]
+        response: _Response | None
         try:
             response = await self._route(method, path, scope, receive)
-        except _ClientDisconnectedError:
+        except _ClientDisconnectedError as exc:
             response = None
+            fields = dict(exc.log_fields)
         except Exception as exc:
             # Bugs must not take the server down; the client gets a 500 and the log a traceback.
             log.exception("request_failed", method=method, path=path)
             response = _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
-        fields = dict(response.log_fields) if response is not None else {}
+        if response is not None:
+            fields = dict(response.log_fields)
         if response is not None:
             try:
                 await self._send(send, response)
@@ -382,7 +389,7 @@ class PipelineApp:
                 session_id=request.session_id,
                 request_id=request.request_id,
             )
-            raise _ClientDisconnectedError
+            raise _ClientDisconnectedError(request_fields)
         elapsed_s = trio.current_time() - started
         self._record(result, elapsed_s)
         stages = [
