@@ -153,6 +153,12 @@ def _restore_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
 
     warm = _median_seconds(restore, repeat)
     cold = _median_seconds(restore_cold, repeat)
+    # For scale: what restoring by copy would cost (only where the copy fits comfortably).
+    copy_s = (
+        _median_seconds(lambda: frame.payload.copy(), max(3, repeat // 2))
+        if n * BYTES_PER_TOKEN <= 64 * 2**20
+        else None
+    )
     hit = kv.restore_resident_activation(config, base, 0, tokens, 4096)
     assert hit is not None
     return {
@@ -160,6 +166,7 @@ def _restore_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
         "payload_bytes": n * BYTES_PER_TOKEN,
         "restore_s": warm,
         "restore_with_identity_pass_s": cold,
+        "copy_payload_s": copy_s,
         "shares_memory": bool(np.shares_memory(hit.frame.payload, payload)),
     }
 
@@ -247,12 +254,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
     print()
     print(f"restore of a cached prefix at {BYTES_PER_TOKEN} B/token, medians")
-    print(f"{'tokens':>8} {'payload':>10} {'restore':>11} {'+identity pass':>15} {'view':>5}")
+    print(
+        f"{'tokens':>8} {'payload':>10} {'restore':>11} {'+identity pass':>15} {'view':>5} "
+        f"{'copy instead':>13}"
+    )
     for r in restores:
         print(
             f"{r['tokens']:>8} {r['payload_bytes'] / 2**20:>7.0f}MiB "
             f"{r['restore_s'] * 1e6:>9.1f}us "
-            f"{r['restore_with_identity_pass_s'] * 1e6:>13.1f}us {r['shares_memory']!s:>5}"
+            f"{r['restore_with_identity_pass_s'] * 1e6:>13.1f}us {r['shares_memory']!s:>5} "
+            + (f"{r['copy_payload_s'] * 1e6:>11.1f}us" if r["copy_payload_s"] else f"{'-':>13}")
         )
     print(
         f"restore {large['tokens']} / {small['tokens']}: {result['restore_large_over_small']:.2f}x"

@@ -278,6 +278,11 @@ class KvStageIntegration:
     cache_healthy: bool = True
     """Cleared to stop all lookups and records (the upstream's V-E health gate)."""
 
+    probe_all: bool = False
+    """Hash and look up every candidate on restore, as the spec reads literally. By default only
+    candidate lengths with a resident key are hashed (same results, clock and counters); set this
+    when something must see the key of every candidate (e.g. miss-reason tracking)."""
+
     _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
@@ -429,7 +434,7 @@ class KvStageIntegration:
         # Only candidates with a resident key of their (start, width, count) can hit; the others
         # are accounted as the misses they would be without hashing them (same clock, same
         # counters, same recency as probing every candidate).
-        if self.cache.key_index is activation_key_slot:
+        if not self.probe_all and self.cache.key_index is activation_key_slot:
             group = (str(token_start), f"w{width}")
             probes = sorted(
                 (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),

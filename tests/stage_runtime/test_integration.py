@@ -717,25 +717,28 @@ def test_restore_matches_the_literal_spec_reading(
     every candidate, whatever was recorded, planted or evicted before."""
     config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=5)
     base = seed_base()
-    fast, slow = seed_integration(config), seed_integration(config)
+    fast, slow, full = seed_integration(config), seed_integration(config), seed_integration(config)
+    full.probe_all = True
     for op, blocks, start, width in ops:
         tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
         frame = ActivationFrame.virtual(token_count=tokens.size, bytes_per_token=width * 4)
         if op == "record":
-            for kv in (fast, slow):
+            for kv in (fast, slow, full):
                 kv.record_resident_activation(config, base, start, tokens, width, frame)
         elif op == "plant":
             # an entry under the exact key whose frame is one token short (fails validation)
             short = ActivationFrame.virtual(token_count=tokens.size - 1, bytes_per_token=4)
             ident = fast.prefill_identity(config, base, start, tokens)
             key = activation_page_id(ident.page_id, width)
-            for kv in (fast, slow):
+            for kv in (fast, slow, full):
                 kv.cache.record(key, tokens.size, short.payload_bytes, short)
         else:
             got = fast.restore_resident_activation(config, base, start, tokens, width)
             want = reference_restore(slow, config, base, start, tokens, width)
             assert (None if got is None else (got.token_count, got.page_id)) == want
-        assert observable(fast) == observable(slow)
+            every = full.restore_resident_activation(config, base, start, tokens, width)
+            assert (None if every is None else (every.token_count, every.page_id)) == want
+        assert observable(fast) == observable(slow) == observable(full)
 
 
 def test_cache_without_key_index_is_probed_fully() -> None:
