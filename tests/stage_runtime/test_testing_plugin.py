@@ -16,7 +16,35 @@ TRIO_INI = "[pytest]\ntrio_mode = true\n"
 def test_plugin_is_registered_as_a_pytest11_entry_point() -> None:
     """Installing the package registers stage_runtime.testing with pytest."""
     plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
-    assert plugins.get("stage_runtime") == "stage_runtime.testing"
+    assert plugins.get("stage_runtime.testing") == "stage_runtime.testing"
+
+
+def test_listing_the_plugin_in_pytest_plugins_as_well_is_harmless(
+    pytester: pytest.Pytester,
+) -> None:
+    """A conftest naming the plugin explicitly does not register it a second time."""
+    pytester.makeconftest('pytest_plugins = ["stage_runtime.testing"]\n')
+    pytester.makepyfile(
+        test_explicit="""
+        def test_fixture_available(stage_config):
+            assert stage_config.stage_id == "stage-0"
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_plugin_can_be_disabled_by_name(pytester: pytest.Pytester) -> None:
+    """`-p no:stage_runtime.testing` turns the fixtures off."""
+    pytester.makepyfile(
+        test_disabled="""
+        def test_fixture_missing(stage_config):
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:stage_runtime.testing")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'stage_config' not found*"])
 
 
 def test_fixtures_work_in_a_fresh_project_without_conftest(pytester: pytest.Pytester) -> None:
