@@ -617,11 +617,16 @@ async def test_graceful_shutdown_drains_inflight_requests_then_stops_pipeline() 
 
 
 async def test_healthz_and_readyz_report_ok_while_serving() -> None:
-    """Liveness and readiness are 200 on a running server."""
+    """Liveness and readiness are 200 on a running server bound to the port the OS picked."""
     with trio.fail_after(TIMEOUT_S):
         async with serving() as h:
             health = await h.client.get("/healthz")
             ready = await h.client.get("/readyz")
+            address = (h.server.host, h.server.port)
+    assert address[0] == "127.0.0.1"
+    assert address[1] > 0  # the port the OS picked for port 0
+    assert h.server.url == f"http://127.0.0.1:{address[1]}"
+    assert h.server.stopped
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
     assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
 
