@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from functools import partial
@@ -89,18 +90,34 @@ class RunningServer:
         await self._stopped.wait()
 
 
-def _hypercorn_config(bind: str, *, shutdown_timeout_s: float) -> Config:
-    try:
-        from hypercorn.config import Config
-    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installed extras
-        msg = "serving needs the server extra: pip install 'stage-runtime[server]'"
-        raise ConfigError(msg) from exc
+def _parse_bind(bind: str) -> tuple[str, int]:
     host, sep, port = bind.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         msg = f"bind must be HOST:PORT with PORT in 0..65535, got {bind!r}"
         raise ConfigError(msg)
+    return host, int(port)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """Bind the server's socket ourselves: hypercorn leaks its socket when ``bind()`` fails."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _hypercorn_config(sock: socket.socket, *, shutdown_timeout_s: float) -> Config:
+    from hypercorn.config import Config
+
     config = Config()
-    config.bind = [bind]
+    # Hypercorn adopts the bound socket through its file descriptor (and closes it when done).
+    config.bind = [f"fd://{sock.detach()}"]
     config.graceful_timeout = shutdown_timeout_s
     # Hypercorn's own messages go to a stdlib logger; the application decides where they end up.
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -140,8 +157,15 @@ async def serve(
         ConfigError: ``bind`` is malformed, or hypercorn is not installed.
         OSError: the address cannot be bound.
     """
-    config = _hypercorn_config(bind, shutdown_timeout_s=app.settings.shutdown_timeout_s)
-    from hypercorn.trio import serve as hypercorn_serve
+    host, port = _parse_bind(bind)
+    try:
+        from hypercorn.trio import serve as hypercorn_serve
+    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installed extras
+        msg = "serving needs the server extra: pip install 'stage-runtime[server]'"
+        raise ConfigError(msg) from exc
+    config = _hypercorn_config(
+        _listening_socket(host, port), shutdown_timeout_s=app.settings.shutdown_timeout_s
+    )
 
     shutdown_requested = trio.Event()
     signal_scope = trio.CancelScope()

@@ -13,10 +13,11 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
+import structlog
 import trio
 import trio.testing
 
@@ -35,7 +37,7 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import ModelFactory, StageModel, reference_model_factory
 from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
 from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
-from stage_runtime.server.command import add_serve_arguments
+from stage_runtime.server.command import add_serve_arguments, run_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20
@@ -726,6 +728,54 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(["--topology", "t.toml", *bad])
+
+
+@pytest.fixture
+def restore_logging_config() -> Iterator[None]:
+    """run_serve configures structlog like a program does; put the test's configuration back."""
+    saved = structlog.get_config()
+    yield
+    structlog.reset_defaults()
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_2_on_a_bad_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A topology with a gap between stages is reported by file and field, exit status 2."""
+    topology = tmp_path / "gap.toml"
+    topology.write_text(
+        '[[stage]]\nstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+        '[[stage]]\nstage_id = "b"\nmodel_id = "m"\nlayer_start = 5\nlayer_end = 8\n'
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    status = run_serve(parser.parse_args(["--topology", str(topology), "--log-format", "json"]))
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "stage-runtime serve: error:" in err
+    assert "gap.toml" in err
+    assert "layer_start" in err
+
+
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_1_when_the_address_is_taken(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Binding an address already in use fails cleanly with exit status 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        topology = str(ROOT / "examples" / "topology.toml")
+        status = run_serve(
+            parser.parse_args(["--topology", topology, "--bind", bind, "--log-format", "json"])
+        )
+    assert status == 1
+    assert f"cannot listen on {bind}" in capsys.readouterr().err
 
 
 SERVE_SCRIPT = (
