@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -204,3 +206,15 @@ def test_server_settings_reject_non_positive_or_mistyped_limits(field: str, valu
     """Each limit must be positive (and an integer where HTTP needs one); the error names it."""
     with pytest.raises(ConfigError, match=f"^{field} must be"):
         ServerSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_importing_the_serve_command_does_not_import_hypercorn() -> None:
+    """The CLI can import the serve command without the server extra's packages."""
+    code = (
+        "import sys, stage_runtime.server.command; "
+        "print('hypercorn' in sys.modules, 'starlette' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.split() == ["False", "False"]
