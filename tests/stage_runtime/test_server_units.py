@@ -218,3 +218,35 @@ def test_importing_the_serve_command_does_not_import_hypercorn() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
     assert out.split() == ["False", "False"]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["tokens", "text", "session_id", "request_id", "x"]),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(_JSON.map(lambda doc: json.dumps(doc).encode()), st.binary(max_size=40)))
+def test_parse_never_fails_with_anything_but_invalid_request(body: bytes) -> None:
+    """Any body either parses or raises InvalidRequestError with a 400 and a named field."""
+    error: InvalidRequestError | None = None
+    try:
+        request = parse_prefill_request(body)
+    except InvalidRequestError as exc:
+        error = exc
+    if error is not None:
+        assert error.status == 400
+        assert error.field
+        assert str(error)
+    else:
+        assert request.tokens.size > 0
+        assert request.session_id
