@@ -1,0 +1,35 @@
+"""HTTP serving for one embedded pipeline (install the ``server`` extra to serve).
+
+The application is plain ASGI (:func:`create_app`); :func:`serve` / :func:`open_server` run it on
+hypercorn's trio worker inside the caller's own trio program, next to the pipeline. Importing this
+package does not import hypercorn: only serving does.
+"""
+
+from __future__ import annotations
+
+from stage_runtime.server.app import PipelineApp, ServedPipeline, ServerSettings, create_app
+from stage_runtime.server.metrics import MetricFamily, Sample, render_metrics
+from stage_runtime.server.requests import (
+    InvalidRequestError,
+    PrefillRequest,
+    parse_prefill_request,
+)
+from stage_runtime.server.serve import RunningServer, open_server, serve
+from stage_runtime.server.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "InvalidRequestError",
+    "MetricFamily",
+    "PipelineApp",
+    "PrefillRequest",
+    "RunningServer",
+    "Sample",
+    "ServedPipeline",
+    "ServerSettings",
+    "create_app",
+    "open_server",
+    "parse_prefill_request",
+    "render_metrics",
+    "serve",
+]

@@ -1,0 +1,623 @@
+"""The ASGI application that embeds one pipeline.
+
+Plain ASGI, no framework: five routes, each a small coroutine, and full control over the three
+things a framework would hide: reading the body under a byte limit, noticing a client that hangs
+up while its prefill runs, and answering readiness while the server drains.
+
+Routes:
+
+``POST /v1/prefill``
+    ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "..."}`` →
+    ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``.
+``GET /v1/stats``
+    Per-stage cache and mailbox statistics, plus the server's own counters.
+``GET /healthz``
+    Liveness: the process answers.
+``GET /readyz``
+    Readiness: ``200`` while the pipeline runs and the server is not draining, else ``503``.
+``GET /metrics``
+    The same counters in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import structlog
+import trio
+
+from stage_runtime.errors import ConfigError, StageRuntimeError
+from stage_runtime.server.metrics import (
+    CONTENT_TYPE,
+    MetricFamily,
+    MetricType,
+    Sample,
+    render_metrics,
+)
+from stage_runtime.server.requests import (
+    InvalidRequestError,
+    PrefillRequest,
+    parse_prefill_request,
+)
+from stage_runtime.server.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from stage_runtime.config import StageConfig
+    from stage_runtime.pipeline import PipelineStats, PrefillResult
+
+__all__ = ["PipelineApp", "ServedPipeline", "ServerSettings", "create_app"]
+
+log = structlog.get_logger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+CLIENT_CLOSED_REQUEST: Final = 499
+"""Status logged (never sent) for a request whose client hung up first (nginx's convention)."""
+
+_PROBE_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class ServedPipeline(Protocol):
+    """What the app needs from a pipeline; :class:`stage_runtime.Pipeline` provides it."""
+
+    @property
+    def draining(self) -> bool:
+        """Whether the pipeline has started to shut down."""
+        ...
+
+    @property
+    def stage_configs(self) -> Sequence[StageConfig]:
+        """The stages' configurations, in pipeline order."""
+        ...
+
+    async def prefill(
+        self,
+        tokens: npt.NDArray[np.int32],
+        *,
+        session_id: str,
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        """Run one prompt through every stage."""
+        ...
+
+    async def stats(self) -> PipelineStats:
+        """Per-stage cache and mailbox statistics."""
+        ...
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        msg = f"{attribute.name} must be a number > 0, got {value!r}"
+        raise ConfigError(msg)
+
+
+def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{attribute.name} must be an integer >= 1, got {value!r}"
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    """Limits and timeouts of the HTTP server."""
+
+    max_inflight: int = attrs.field(default=64, validator=_positive_int)
+    """Prefills admitted at once (running or queued in the pipeline); more get ``503``."""
+
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
+    """Largest accepted request body; larger ones get ``413`` before they are fully read."""
+
+    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
+    """``Retry-After`` sent with ``503`` answers."""
+
+    shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    """How long a graceful shutdown waits for in-flight requests before cancelling them."""
+
+
+@attrs.frozen(kw_only=True)
+class _Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    log_fields: tuple[tuple[str, object], ...] = ()
+
+
+def _json(status: int, document: object, **headers: str) -> _Response:
+    body = json.dumps(document, separators=(",", ":")).encode()
+    return _Response(status=status, body=body, headers=tuple(headers.items()))
+
+
+def _error(status: int, error: str, message: str, *, field: str | None = None) -> _Response:
+    response = _json(status, {"error": error, "field": field, "message": message})
+    log_fields: tuple[tuple[str, object], ...] = (("error", error),)
+    if field is not None:
+        log_fields += (("field", field),)
+    return attrs.evolve(response, log_fields=log_fields)
+
+
+class _ClientDisconnectedError(Exception):
+    """The client hung up before the response was ready."""
+
+    def __init__(self, log_fields: tuple[tuple[str, object], ...] = ()) -> None:
+        super().__init__("client disconnected")
+        self.log_fields = log_fields
+
+
+@attrs.define(eq=False)
+class PipelineApp:
+    """ASGI application serving one running pipeline (build it with :func:`create_app`).
+
+    The app does not own the pipeline: whoever opened it closes it. :func:`serve` returns only
+    once in-flight requests are answered, so leaving ``open_pipeline`` after ``serve`` stops the
+    stages in the right order.
+    """
+
+    pipeline: ServedPipeline
+    """The pipeline requests run on."""
+
+    settings: ServerSettings = attrs.field(factory=ServerSettings)
+    """Limits and timeouts."""
+
+    tokenizer: ByteTokenizer = attrs.field(factory=ByteTokenizer)
+    """Tokenizer for the ``"text"`` field."""
+
+    _draining: bool = attrs.field(default=False, init=False)
+    _inflight: int = attrs.field(default=0, init=False)
+    _responses: Counter[tuple[str, int]] = attrs.field(factory=Counter, init=False)
+    _rejected: Counter[str] = attrs.field(factory=Counter, init=False)
+    _prefill_count: int = attrs.field(default=0, init=False)
+    _prefill_seconds: float = attrs.field(default=0.0, init=False)
+    _prefill_tokens: int = attrs.field(default=0, init=False)
+    _restored_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
+    _computed_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called: readiness fails and new prefills get ``503``."""
+        return self._draining
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server takes new prefills (pipeline running, nobody draining)."""
+        return not self._draining and not self.pipeline.draining
+
+    @property
+    def inflight(self) -> int:
+        """Prefills admitted and not yet answered."""
+        return self._inflight
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest accepted prompt: the smallest context size among the stages."""
+        return min(config.ctx_size for config in self.pipeline.stage_configs)
+
+    def drain(self) -> None:
+        """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""
+        if not self._draining:
+            self._draining = True
+            log.info("server_draining", inflight=self._inflight)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        # Other scope types (websocket) are not served; returning closes them.
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.drain()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = trio.current_time()
+        method: str = scope["method"]
+        path: str = scope["path"]
+        response: _Response | None
+        try:
+            response = await self._route(method, path, scope, receive)
+        except _ClientDisconnectedError as exc:
+            response = None
+            fields = dict(exc.log_fields)
+        except Exception as exc:
+            # Bugs must not take the server down; the client gets a 500 and the log a traceback.
+            log.exception("request_failed", method=method, path=path)
+            response = _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        if response is not None:
+            fields = dict(response.log_fields)
+        if response is not None:
+            try:
+                await self._send(send, response)
+            except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
+                # The client hung up while the answer was being written (hypercorn can then
+                # race its own close against our write); nobody is left to read it.
+                response = None
+        status = CLIENT_CLOSED_REQUEST if response is None else response.status
+        route = path if path in _ROUTES else "other"
+        self._responses[(route, status)] += 1
+        elapsed_s = trio.current_time() - started
+        emit = log.debug if path in _PROBE_PATHS and status < 500 else log.info
+        emit(
+            "request_served",
+            method=method,
+            path=path,
+            status=status,
+            elapsed_s=round(elapsed_s, 6),
+            **fields,
+        )
+
+    @staticmethod
+    async def _send(send: Send, response: _Response) -> None:
+        headers = [
+            (b"content-type", response.content_type.encode()),
+            (b"content-length", str(len(response.body)).encode()),
+            *((name.lower().encode(), value.encode()) for name, value in response.headers),
+        ]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+    async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Response:
+        allowed = _ROUTES.get(path)
+        if allowed is None:
+            return _error(404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {path}")
+        if method not in allowed:
+            response = _error(
+                405,
+                "method_not_allowed",
+                f"method must be {' or '.join(allowed)} for {path}, got {method}",
+            )
+            return attrs.evolve(response, headers=(("allow", ", ".join(allowed)),))
+        if path == "/v1/prefill":
+            return await self._prefill(scope, receive)
+        if path == "/v1/stats":
+            return _json(200, await self.stats_document())
+        if path == "/healthz":
+            return _json(200, {"status": "ok"})
+        if path == "/readyz":
+            if self.ready:
+                return _json(200, {"status": "ready"})
+            return _json(503, {"status": "draining"}, **{"retry-after": self._retry_after})
+        return _Response(
+            status=200, body=(await self.metrics_text()).encode(), content_type=CONTENT_TYPE
+        )
+
+    @property
+    def _retry_after(self) -> str:
+        return str(self.settings.retry_after_s)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
+                msg = f"body must be at most {limit} bytes, got content-length {int(value)}"
+                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientDisconnectedError
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                # Stop reading here: a client streaming gigabytes is refused after `limit` bytes.
+                msg = f"body must be at most {limit} bytes, got more than {limit}"
+                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _prefill(self, scope: Scope, receive: Receive) -> _Response:
+        if not self.ready:
+            self._rejected["draining"] += 1
+            return attrs.evolve(
+                _error(503, "draining", "server is draining: retry on another instance"),
+                headers=(("retry-after", self._retry_after),),
+            )
+        try:
+            body = await self._read_body(scope, receive)
+            request = parse_prefill_request(
+                body, max_tokens=self.max_tokens, tokenizer=self.tokenizer
+            )
+        except InvalidRequestError as exc:
+            return _error(exc.status, exc.error, str(exc), field=exc.field)
+        if self._inflight >= self.settings.max_inflight:
+            self._rejected["overloaded"] += 1
+            message = (
+                f"inflight prefills must stay <= max_inflight ({self.settings.max_inflight}): "
+                "retry later"
+            )
+            return attrs.evolve(
+                _error(503, "overloaded", message), headers=(("retry-after", self._retry_after),)
+            )
+        self._inflight += 1
+        try:
+            return await self._run_prefill(request, receive)
+        finally:
+            self._inflight -= 1
+
+    async def _run_prefill(self, request: PrefillRequest, receive: Receive) -> _Response:
+        started = trio.current_time()
+        result: PrefillResult | None = None
+
+        async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
+            # The body is fully read, so the next event hypercorn delivers is the hang-up.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            cancel_scope.cancel()
+
+        request_fields: tuple[tuple[str, object], ...] = (
+            ("session_id", request.session_id),
+            ("request_id", request.request_id),
+            ("tokens", int(request.tokens.size)),
+        )
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+            try:
+                result = await self.pipeline.prefill(
+                    request.tokens, session_id=request.session_id, request_id=request.request_id
+                )
+            except Exception as exc:
+                # Kept out of the nursery, which would wrap it in an exception group.
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            response = self._prefill_error(error, request)
+            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
+        if result is None:
+            # Only the disconnect watcher cancels the nursery before a result exists.
+            log.info(
+                "prefill_cancelled",
+                reason="client_disconnected",
+                session_id=request.session_id,
+                request_id=request.request_id,
+            )
+            raise _ClientDisconnectedError(request_fields)
+        elapsed_s = trio.current_time() - started
+        self._record(result, elapsed_s)
+        stages = [
+            {
+                "stage_id": report.stage_id,
+                "stage_index": report.stage_index,
+                "restored_tokens": report.restored_tokens,
+                "computed_tokens": report.computed_tokens,
+            }
+            for report in result.stages
+        ]
+        document = {
+            "request_id": result.request_id,
+            "session_id": request.session_id,
+            "tokens": result.tokens,
+            "stages": stages,
+            "elapsed_s": round(elapsed_s, 6),
+        }
+        return attrs.evolve(
+            _json(200, document),
+            log_fields=(
+                ("session_id", request.session_id),
+                ("request_id", result.request_id),
+                ("tokens", result.tokens),
+                ("restored_tokens", {r.stage_id: r.restored_tokens for r in result.stages}),
+            ),
+        )
+
+    def _prefill_error(self, error: Exception, request: PrefillRequest) -> _Response:
+        if isinstance(error, ConfigError):
+            return _error(400, "invalid_field", str(error), field=request.source)
+        if isinstance(error, trio.ClosedResourceError):
+            # The pipeline started draining between our readiness check and its admission.
+            self._rejected["draining"] += 1
+            return attrs.evolve(
+                _error(503, "draining", "pipeline is draining: retry on another instance"),
+                headers=(("retry-after", self._retry_after),),
+            )
+        log.error(
+            "request_failed",
+            session_id=request.session_id,
+            request_id=request.request_id,
+            exc_info=error,
+        )
+        message = f"{type(error).__name__}: {error}"
+        if isinstance(error, StageRuntimeError):
+            # The pipeline itself stopped (a stage crashed): not this request's fault.
+            return _error(503, "pipeline_failed", message)
+        # The model raised on this input; only this caller sees it.
+        return _error(500, "prefill_failed", message)
+
+    def _record(self, result: PrefillResult, elapsed_s: float) -> None:
+        self._prefill_count += 1
+        self._prefill_seconds += elapsed_s
+        self._prefill_tokens += result.tokens
+        for report in result.stages:
+            self._restored_tokens[report.stage_id] += report.restored_tokens
+            self._computed_tokens[report.stage_id] += report.computed_tokens
+
+    async def stats_document(self) -> dict[str, Any]:
+        """The ``GET /v1/stats`` document: per-stage cache and mailbox statistics, server state."""
+        stats = await self.pipeline.stats()
+        stages = [
+            {
+                "stage_id": stage.stage_id,
+                "cache": None if stage.cache is None else attrs.asdict(stage.cache),
+                "mailbox": attrs.asdict(stage.mailbox),
+            }
+            for stage in stats.stages
+        ]
+        return {
+            "ready": self.ready,
+            "draining": self._draining or self.pipeline.draining,
+            "stages": stages,
+            "server": {
+                "inflight": self._inflight,
+                "max_inflight": self.settings.max_inflight,
+                "prefills": self._prefill_count,
+                "prefill_tokens": self._prefill_tokens,
+                "rejected": dict(self._rejected),
+            },
+        }
+
+    async def metrics_text(self) -> str:
+        """The ``GET /metrics`` document in the Prometheus text format."""
+        stats = await self.pipeline.stats()
+        return render_metrics(self._metric_families(stats))
+
+    def _metric_families(self, stats: PipelineStats) -> list[MetricFamily]:
+        families: list[MetricFamily] = []
+        for field, kind, text in _CACHE_METRICS:
+            samples = [
+                Sample(value=getattr(stage.cache, field), labels=(("stage_id", stage.stage_id),))
+                for stage in stats.stages
+                if stage.cache is not None
+            ]
+            name = f"stage_runtime_cache_{field}" + ("_total" if kind == "counter" else "")
+            families.append(MetricFamily(name=name, help=text, type=kind, samples=samples))
+        for field, kind, text in _MAILBOX_METRICS:
+            samples = [
+                Sample(value=getattr(stage.mailbox, field), labels=(("stage_id", stage.stage_id),))
+                for stage in stats.stages
+            ]
+            base = field.removeprefix("mailbox_")
+            name = f"stage_runtime_mailbox_{base}" + ("_total" if kind == "counter" else "")
+            families.append(MetricFamily(name=name, help=text, type=kind, samples=samples))
+        per_stage = (
+            ("restored", self._restored_tokens, "Prompt tokens restored from a stage's cache."),
+            ("computed", self._computed_tokens, "Prompt tokens a stage computed."),
+        )
+        for what, counter, text in per_stage:
+            families.append(
+                MetricFamily(
+                    name=f"stage_runtime_prefill_{what}_tokens_total",
+                    help=text,
+                    type="counter",
+                    samples=[
+                        Sample(
+                            value=counter[stage.stage_id], labels=(("stage_id", stage.stage_id),)
+                        )
+                        for stage in stats.stages
+                    ],
+                )
+            )
+        families += [
+            MetricFamily(
+                name="stage_runtime_prefill_tokens_total",
+                help="Prompt tokens of answered prefills.",
+                type="counter",
+                samples=[Sample(value=self._prefill_tokens)],
+            ),
+            MetricFamily(
+                name="stage_runtime_prefill_duration_seconds",
+                help="Time from admission to result of answered prefills.",
+                type="summary",
+                samples=[
+                    Sample(value=self._prefill_seconds, suffix="_sum"),
+                    Sample(value=self._prefill_count, suffix="_count"),
+                ],
+            ),
+            MetricFamily(
+                name="stage_runtime_prefill_inflight",
+                help="Prefills admitted and not yet answered.",
+                type="gauge",
+                samples=[Sample(value=self._inflight)],
+            ),
+            MetricFamily(
+                name="stage_runtime_prefill_max_inflight",
+                help="Admission limit on concurrent prefills.",
+                type="gauge",
+                samples=[Sample(value=self.settings.max_inflight)],
+            ),
+            MetricFamily(
+                name="stage_runtime_prefill_rejected_total",
+                help="Prefills refused with 503, by reason.",
+                type="counter",
+                samples=[
+                    Sample(value=self._rejected[reason], labels=(("reason", reason),))
+                    for reason in ("overloaded", "draining")
+                ],
+            ),
+            MetricFamily(
+                name="stage_runtime_http_responses_total",
+                help="HTTP responses by route and status (499: client closed the connection).",
+                type="counter",
+                samples=[
+                    Sample(value=count, labels=(("route", route), ("status", str(status))))
+                    for (route, status), count in sorted(self._responses.items())
+                ],
+            ),
+            MetricFamily(
+                name="stage_runtime_ready",
+                help="1 while the server takes new prefills, 0 while it drains.",
+                type="gauge",
+                samples=[Sample(value=int(self.ready))],
+            ),
+        ]
+        return families
+
+
+_ROUTES: Final[dict[str, tuple[str, ...]]] = {
+    "/v1/prefill": ("POST",),
+    "/v1/stats": ("GET",),
+    "/healthz": ("GET",),
+    "/readyz": ("GET",),
+    "/metrics": ("GET",),
+}
+
+_CACHE_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
+    ("entries", "gauge", "Entries resident in a stage's activation cache."),
+    ("resident_bytes", "gauge", "Payload bytes resident in a stage's activation cache."),
+    ("lookups", "counter", "Cache lookups made by a stage."),
+    ("hits", "counter", "Cache lookups that found an entry."),
+    ("misses", "counter", "Cache lookups that found nothing."),
+    ("records", "counter", "Activation prefixes recorded into a stage's cache."),
+    ("evictions", "counter", "Entries evicted from a stage's cache."),
+    ("evicted_bytes", "counter", "Payload bytes evicted from a stage's cache."),
+)
+
+_MAILBOX_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
+    ("mailbox_size", "gauge", "Capacity of a stage's cache-actor mailbox."),
+    ("queued", "gauge", "Messages waiting in a stage's cache-actor mailbox."),
+    ("max_queued", "gauge", "Most messages seen waiting in a stage's cache-actor mailbox at once."),
+    ("processed", "counter", "Messages handled by a stage's cache actor."),
+    ("failed", "counter", "Messages whose handling raised in a stage's cache actor."),
+    ("restarts", "counter", "Restarts of a stage's cache actor."),
+    ("asks_waiting", "gauge", "Requests waiting on a stage's cache actor for room or a reply."),
+)
+
+
+def create_app(
+    pipeline: ServedPipeline,
+    *,
+    settings: ServerSettings | None = None,
+    tokenizer: ByteTokenizer | None = None,
+) -> PipelineApp:
+    """Build the ASGI application for a running pipeline.
+
+    Args:
+        pipeline: An open pipeline (from :func:`stage_runtime.open_pipeline`).
+        settings: Limits and timeouts; defaults when ``None``.
+        tokenizer: Tokenizer for the ``"text"`` field; the byte-level one when ``None``.
+
+    Returns:
+        The ASGI application; serve it with :func:`stage_runtime.server.serve` or any ASGI server.
+    """
+    return PipelineApp(
+        pipeline=pipeline,
+        settings=settings or ServerSettings(),
+        tokenizer=tokenizer or ByteTokenizer(),
+    )

@@ -1,0 +1,193 @@
+"""Validation of ``POST /v1/prefill`` bodies into typed requests.
+
+Everything a client can get wrong is caught here, before the pipeline sees the request, and
+reported as an :class:`InvalidRequestError` that names the offending field. The HTTP layer turns
+it into a ``400`` (or ``413``) JSON error; the server itself is never disturbed by bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final, NoReturn
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.errors import ConfigError
+from stage_runtime.server.tokenizer import ByteTokenizer
+
+__all__ = ["InvalidRequestError", "PrefillRequest", "parse_prefill_request"]
+
+INT32_MIN: Final = -(2**31)
+INT32_MAX: Final = 2**31 - 1
+MAX_ID_CHARS: Final = 256
+"""Longest accepted ``session_id`` / ``request_id``: they end up in every log line."""
+
+_FIELDS: Final = frozenset({"tokens", "text", "session_id", "request_id"})
+
+
+class InvalidRequestError(ConfigError):
+    """A request body is unusable; ``field`` names what is wrong and ``status`` the HTTP code."""
+
+    def __init__(self, message: str, *, field: str, error: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field
+        self.error = error
+        self.status = status
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON error body sent to the client."""
+        return {"error": self.error, "field": self.field, "message": str(self)}
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PrefillRequest:
+    """A validated prefill request."""
+
+    tokens: npt.NDArray[np.int32]
+    """The prompt's token ids (non-empty, int32)."""
+
+    session_id: str
+    """The client's session; the pipeline keys its logs by it."""
+
+    request_id: str | None
+    """The client's id for this request, or ``None`` to let the pipeline pick one."""
+
+    source: str
+    """``"tokens"`` or ``"text"``: which field the prompt came from."""
+
+
+def _reject_constant(name: str) -> float:
+    msg = f"body must be valid JSON, got the non-standard constant {name}"
+    raise InvalidRequestError(msg, field="body", error="malformed_json")
+
+
+def _missing(field: str, rule: str) -> NoReturn:
+    msg = f"{field} is required: {rule}"
+    raise InvalidRequestError(msg, field=field, error="missing_field")
+
+
+def _invalid(field: str, message: str) -> NoReturn:
+    raise InvalidRequestError(message, field=field, error="invalid_field")
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+
+
+def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.int32]:
+    if not isinstance(value, list):
+        _invalid("tokens", f"tokens must be an array of integers, got {_type_name(value)}")
+    if not value:
+        _invalid("tokens", "tokens must not be empty, got []")
+    for index, token in enumerate(value):
+        # bool is an int subclass; true/false in a token list is a client bug, not token 1/0.
+        if type(token) is not int:
+            msg = f"tokens[{index}] must be an integer, got {_type_name(token)}"
+            _invalid("tokens", msg)
+        if not INT32_MIN <= token <= INT32_MAX:
+            msg = f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), got {token}"
+            _invalid("tokens", msg)
+    _check_length("tokens", len(value), max_tokens)
+    return np.asarray(value, dtype=np.int32)
+
+
+def _check_length(field: str, count: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and count > max_tokens:
+        msg = f"{field} must encode to at most {max_tokens} tokens, got {count}"
+        _invalid(field, msg)
+
+
+def _parse_id(body: Mapping[str, object], field: str) -> str | None:
+    if field not in body:
+        return None
+    value = body[field]
+    if not isinstance(value, str):
+        _invalid(field, f"{field} must be a string, got {_type_name(value)}")
+    if not value:
+        _invalid(field, f'{field} must not be empty, got ""')
+    if len(value) > MAX_ID_CHARS:
+        msg = f"{field} must be at most {MAX_ID_CHARS} characters, got {len(value)}"
+        _invalid(field, msg)
+    return value
+
+
+def parse_prefill_request(
+    body: bytes,
+    *,
+    max_tokens: int | None = None,
+    tokenizer: ByteTokenizer | None = None,
+) -> PrefillRequest:
+    """Validate a ``POST /v1/prefill`` body.
+
+    The body is a JSON object with exactly one of ``"tokens"`` (array of int32) or ``"text"``
+    (string, tokenized by :class:`ByteTokenizer`), a ``"session_id"`` string and an optional
+    ``"request_id"`` string. Unknown fields are rejected so that a misspelt field is not silently
+    ignored.
+
+    Args:
+        body: The raw request body.
+        max_tokens: Longest accepted prompt in tokens (the pipeline's context size), or ``None``.
+        tokenizer: Tokenizer for ``"text"``; the byte-level one by default.
+
+    Returns:
+        The validated request.
+
+    Raises:
+        InvalidRequestError: the body is not a valid request; its ``field`` names the culprit.
+    """
+    try:
+        document = json.loads(body, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        msg = f"body must be valid JSON, got a parse error: {exc}"
+        raise InvalidRequestError(msg, field="body", error="malformed_json") from exc
+    except RecursionError as exc:
+        msg = "body must be valid JSON, got nesting too deep to parse"
+        raise InvalidRequestError(msg, field="body", error="malformed_json") from exc
+    if not isinstance(document, dict):
+        msg = f"body must be a JSON object, got {_type_name(document)}"
+        raise InvalidRequestError(msg, field="body", error="invalid_field")
+    unknown = sorted(set(document) - _FIELDS)
+    if unknown:
+        msg = f"{unknown[0]} is not a known field (expected one of {', '.join(sorted(_FIELDS))})"
+        raise InvalidRequestError(msg, field=unknown[0], error="unknown_field")
+
+    if "tokens" in document and "text" in document:
+        msg = "tokens and text are mutually exclusive: give exactly one of them"
+        _invalid("tokens", msg)
+    if "tokens" in document:
+        tokens = _parse_tokens(document["tokens"], max_tokens=max_tokens)
+        source = "tokens"
+    elif "text" in document:
+        text = document["text"]
+        if not isinstance(text, str):
+            _invalid("text", f"text must be a string, got {_type_name(text)}")
+        if not text:
+            _invalid("text", 'text must not be empty, got ""')
+        try:
+            tokens = (tokenizer or ByteTokenizer()).encode(text)
+        except ConfigError as exc:
+            raise InvalidRequestError(str(exc), field="text", error="invalid_field") from exc
+        _check_length("text", int(tokens.size), max_tokens)
+        source = "text"
+    else:
+        _missing("tokens", "give a non-empty array of token ids, or a text")
+
+    session_id = _parse_id(document, "session_id")
+    if session_id is None:
+        _missing("session_id", "a non-empty string naming the client's session")
+    request_id = _parse_id(document, "request_id")
+    return PrefillRequest(
+        tokens=tokens, session_id=session_id, request_id=request_id, source=source
+    )

@@ -1,0 +1,69 @@
+"""A byte-level tokenizer for the ``"text"`` field of the HTTP API.
+
+The server needs token ids to drive a pipeline, and the reference models have no vocabulary of
+their own, so the server ships the simplest tokenizer that is exact and reversible: the text is
+encoded as UTF-8 and every byte becomes one token whose id is the byte's value (``0..255``).
+
+* ``"hi"`` is ``[104, 105]``; ``"é"`` (two UTF-8 bytes) is ``[195, 169]``.
+* Equal text prefixes give equal token prefixes, so prompts that share a prefix share cache
+  entries exactly as token prompts do.
+* The token count of a text is its UTF-8 length in bytes.
+
+It is not a language model's tokenizer (those merge bytes into sub-words); a real deployment
+passes ``"tokens"`` produced by the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.errors import ConfigError
+
+__all__ = ["ByteTokenizer"]
+
+
+@attrs.frozen(kw_only=True)
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: one token per byte, id equal to the byte value."""
+
+    tokenizer_id: str = "utf8-bytes"
+    """Names the scheme in logs and responses."""
+
+    vocab_size: int = 256
+    """Number of distinct token ids the tokenizer produces (``0..255``)."""
+
+    def encode(self, text: str) -> npt.NDArray[np.int32]:
+        """Turn text into token ids.
+
+        Args:
+            text: Any string; lone surrogates are rejected because UTF-8 cannot encode them.
+
+        Returns:
+            A 1-D ``int32`` array with one id per UTF-8 byte of ``text``.
+
+        Raises:
+            ConfigError: ``text`` cannot be encoded as UTF-8.
+        """
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            msg = f"text must be encodable as utf-8, got a lone surrogate at index {exc.start}"
+            raise ConfigError(msg) from exc
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, tokens: Sequence[int] | npt.NDArray[np.integer]) -> str:
+        """Turn token ids back into text (invalid UTF-8 sequences become U+FFFD).
+
+        Raises:
+            ConfigError: a token id lies outside ``0..255``.
+        """
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            msg = f"tokens must be byte ids in 0..{self.vocab_size - 1}, got {bad}"
+            raise ConfigError(msg)
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")

@@ -1,0 +1,886 @@
+"""The HTTP server, tested for real: hypercorn on 127.0.0.1:0, httpx clients, a real pipeline.
+
+Real sockets mean real time, so nothing here sleeps: requests are held inside the model by a
+``trio.Event`` (the gate) and the tests wait on events raised when prefills enter or leave the
+pipeline. Every test is bounded by ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+import structlog
+import trio
+import trio.testing
+
+from stage_runtime.config import CacheMode, KvCacheConfig, StageConfig
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.models import ModelFactory, StageModel, reference_model_factory
+from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
+from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
+from stage_runtime.server.command import add_serve_arguments, run_serve
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 20
+LogEvents = list[MutableMapping[str, Any]]
+
+
+def four_stages(*, ctx_size: int = 4096) -> list[StageConfig]:
+    """A 4-stage topology with the cache on and small thresholds."""
+    ids = [f"stage-{index}" for index in range(4)]
+    return [
+        StageConfig(
+            stage_id=ids[index],
+            stage_index=index,
+            model_id="test/reference",
+            layer_start=8 * index,
+            layer_end=8 * (index + 1),
+            ctx_size=ctx_size,
+            kv_cache=KvCacheConfig(
+                mode=CacheMode.LOOKUP_RECORD, min_tokens=8, shared_prefix_stride_tokens=16
+            ),
+            upstream=ids[index - 1] if index else None,
+            downstream=ids[index + 1] if index < 3 else None,
+        )
+        for index in range(4)
+    ]
+
+
+@attrs.define(eq=False)
+class PickyModel:
+    """A reference model that raises for prompts starting with token 666 (a bad input)."""
+
+    inner: StageModel
+
+    @property
+    def activation_width(self) -> int:
+        """Width of the wrapped model."""
+        return self.inner.activation_width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model, refusing the poisoned prompt."""
+        if tokens[0] == 666:
+            raise RuntimeError("model cannot handle token 666")
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Compute with the wrapped model."""
+        return await self.inner.forward(inputs, start, restored)
+
+
+def picky_factory() -> ModelFactory:
+    """Reference models that fail on prompts starting with token 666."""
+    reference = reference_model_factory(width=16)
+
+    def build(config: StageConfig) -> StageModel:
+        return PickyModel(inner=reference(config))
+
+    return build
+
+
+@attrs.define(eq=False)
+class GatedModel:
+    """A reference model whose ``forward`` first waits for ``gate``: holds requests in flight."""
+
+    inner: StageModel
+    gate: trio.Event
+
+    @property
+    def activation_width(self) -> int:
+        """Width of the wrapped model."""
+        return self.inner.activation_width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model."""
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Wait for the gate, then compute with the wrapped model."""
+        await self.gate.wait()
+        return await self.inner.forward(inputs, start, restored)
+
+
+def gated_factory(gate: trio.Event) -> ModelFactory:
+    """Reference models that wait for ``gate`` before computing."""
+    reference = reference_model_factory(width=16)
+
+    def build(config: StageConfig) -> StageModel:
+        return GatedModel(inner=reference(config), gate=gate)
+
+    return build
+
+
+@attrs.define(eq=False)
+class ObservedPipeline:
+    """Delegates to a real pipeline and lets a test wait for prefills to enter or leave it."""
+
+    inner: Pipeline
+    entered: int = 0
+    left: int = 0
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def draining(self) -> bool:
+        """The real pipeline's draining flag."""
+        return self.inner.draining
+
+    @property
+    def stage_configs(self) -> Sequence[StageConfig]:
+        """The real pipeline's stages."""
+        return self.inner.stage_configs
+
+    async def stats(self) -> PipelineStats:
+        """The real pipeline's statistics."""
+        return await self.inner.stats()
+
+    async def prefill(
+        self, tokens: npt.NDArray[np.int32], *, session_id: str, request_id: str | None = None
+    ) -> PrefillResult:
+        """Count the call in and out around the real prefill."""
+        self.entered += 1
+        self._notify()
+        try:
+            return await self.inner.prefill(tokens, session_id=session_id, request_id=request_id)
+        finally:
+            self.left += 1
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[ObservedPipeline], bool]) -> None:
+        """Wait until ``predicate(self)`` holds."""
+        while not predicate(self):
+            await self._changed.wait()
+
+
+@attrs.frozen
+class Harness:
+    """A running server, its pipeline and a client."""
+
+    server: RunningServer
+    pipeline: ObservedPipeline
+    client: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def serving(
+    *,
+    settings: ServerSettings | None = None,
+    model_factory: ModelFactory | None = None,
+    stages: list[StageConfig] | None = None,
+) -> AsyncIterator[Harness]:
+    """A real 4-stage pipeline served on a free port, with an httpx client pointed at it."""
+    factory = model_factory or reference_model_factory(width=16)
+    async with open_pipeline(stages or four_stages(), factory, environ={}) as pipeline:
+        observed = ObservedPipeline(inner=pipeline)
+        app = create_app(observed, settings=settings)
+        async with (
+            open_server(app, bind="127.0.0.1:0") as server,
+            httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as client,
+        ):
+            yield Harness(server=server, pipeline=observed, client=client)
+
+
+def prompt(length: int, *, offset: int = 0) -> list[int]:
+    """Token ids ``offset .. offset + length - 1``."""
+    return list(range(offset, offset + length))
+
+
+def served_events(logs: LogEvents) -> list[MutableMapping[str, Any]]:
+    """The ``request_served`` events among captured logs."""
+    return [event for event in logs if event["event"] == "request_served"]
+
+
+# -- responses and cache effects -----------------------------------------------------------------
+
+
+async def test_repeated_prompt_is_restored_by_every_stage() -> None:
+    """The second identical prefill restores tokens at each stage and computes only the rest."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            body = {"tokens": prompt(100), "session_id": "s1", "request_id": "first"}
+            first = await h.client.post("/v1/prefill", json=body)
+            body["request_id"] = "second"
+            second = await h.client.post("/v1/prefill", json=body)
+            stats = (await h.client.get("/v1/stats")).json()
+
+    assert first.status_code == 200
+    assert second.status_code == 200
+    one, two = first.json(), second.json()
+    assert set(one) == {"request_id", "session_id", "tokens", "stages", "elapsed_s"}
+    assert (one["request_id"], one["session_id"], one["tokens"]) == ("first", "s1", 100)
+    assert [s["stage_id"] for s in one["stages"]] == [f"stage-{i}" for i in range(4)]
+    assert all(s["restored_tokens"] == 0 and s["computed_tokens"] == 100 for s in one["stages"])
+    assert two["request_id"] == "second"
+    for stage in two["stages"]:
+        assert stage["restored_tokens"] > 0
+        assert stage["restored_tokens"] + stage["computed_tokens"] == 100
+    assert one["elapsed_s"] >= 0
+    assert [stage["cache"]["hits"] for stage in stats["stages"]] == [1, 1, 1, 1]
+    assert all(stage["cache"]["entries"] > 0 for stage in stats["stages"])
+    assert all(stage["mailbox"]["processed"] > 0 for stage in stats["stages"])
+    assert stats["server"]["prefills"] == 2
+
+
+async def test_text_prompt_is_tokenized_as_utf8_bytes() -> None:
+    """A "text" prompt counts one token per UTF-8 byte and shares prefixes with its extension."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            text = "déjà vu, " * 4  # 11 bytes per repeat
+            short = await h.client.post("/v1/prefill", json={"text": text, "session_id": "t"})
+            long = await h.client.post(
+                "/v1/prefill", json={"text": text + "again and again", "session_id": "t"}
+            )
+    assert short.status_code == long.status_code == 200
+    assert short.json()["tokens"] == len(text.encode()) == 44
+    assert long.json()["tokens"] == 44 + 15
+    assert all(stage["restored_tokens"] > 0 for stage in long.json()["stages"])
+
+
+async def test_request_id_is_generated_when_omitted() -> None:
+    """Without a request_id the pipeline's generated id is returned."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            answer = await h.client.post("/v1/prefill", json={"tokens": [1, 2], "session_id": "s"})
+    assert answer.status_code == 200
+    assert isinstance(answer.json()["request_id"], str)
+    assert answer.json()["request_id"]
+
+
+async def test_fifty_concurrent_clients_are_all_answered() -> None:
+    """Fifty clients on their own connections each get their own complete answer."""
+    answers: dict[int, httpx.Response] = {}
+
+    tls = ssl.create_default_context()  # unused over http, but each client would build one
+
+    async def one_client(url: str, index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, verify=tls) as client:
+            body = {
+                "tokens": prompt(32) + prompt(8 + index % 5, offset=1000 + index),
+                "session_id": f"client-{index}",
+                "request_id": f"req-{index}",
+            }
+            answers[index] = await client.post("/v1/prefill", json=body)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            async with trio.open_nursery() as nursery:
+                for index in range(50):
+                    nursery.start_soon(one_client, h.server.url, index)
+            stats = (await h.client.get("/v1/stats")).json()
+
+    assert sorted(answers) == list(range(50))
+    for index, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["request_id"] == f"req-{index}"
+        assert answer.json()["tokens"] == 32 + 8 + index % 5
+    assert stats["server"]["prefills"] == 50
+    assert stats["server"]["inflight"] == 0
+    # They share a 32-token prefix: after the first ones recorded it, later ones restore it.
+    restored = [a.json()["stages"][0]["restored_tokens"] for a in answers.values()]
+    assert max(restored) >= 16
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+BAD_REQUESTS: list[tuple[str, bytes, int, str, str]] = [
+    ("malformed json", b'{"tokens": [1, 2', 400, "body", "malformed_json"),
+    ("not an object", b'"hello"', 400, "body", "invalid_field"),
+    ("missing tokens", b'{"session_id": "s"}', 400, "tokens", "missing_field"),
+    ("missing session", b'{"tokens": [1]}', 400, "session_id", "missing_field"),
+    (
+        "tokens wrong type",
+        b'{"tokens": "1 2 3", "session_id": "s"}',
+        400,
+        "tokens",
+        "invalid_field",
+    ),
+    (
+        "token wrong type",
+        b'{"tokens": [1, "2"], "session_id": "s"}',
+        400,
+        "tokens",
+        "invalid_field",
+    ),
+    (
+        "token above int32",
+        b'{"tokens": [2147483648], "session_id": "s"}',
+        400,
+        "tokens",
+        "invalid_field",
+    ),
+    (
+        "token below int32",
+        b'{"tokens": [-2147483649], "session_id": "s"}',
+        400,
+        "tokens",
+        "invalid_field",
+    ),
+    ("empty tokens", b'{"tokens": [], "session_id": "s"}', 400, "tokens", "invalid_field"),
+    ("empty text", b'{"text": "", "session_id": "s"}', 400, "text", "invalid_field"),
+    ("session wrong type", b'{"tokens": [1], "session_id": 3}', 400, "session_id", "invalid_field"),
+    (
+        "request id wrong type",
+        b'{"tokens": [1], "session_id": "s", "request_id": 4}',
+        400,
+        "request_id",
+        "invalid_field",
+    ),
+    (
+        "unknown field",
+        b'{"tokens": [1], "session_id": "s", "prompt": "x"}',
+        400,
+        "prompt",
+        "unknown_field",
+    ),
+    (
+        "longer than ctx_size",
+        json.dumps({"tokens": prompt(300), "session_id": "s"}).encode(),
+        400,
+        "tokens",
+        "invalid_field",
+    ),
+    (
+        "body too large",
+        json.dumps({"tokens": prompt(900), "session_id": "s"}).encode(),
+        413,
+        "body",
+        "body_too_large",
+    ),
+]
+
+
+async def test_bad_requests_get_json_errors_naming_the_field_and_server_stays_up() -> None:
+    """Every kind of bad body is answered 400/413 naming the field; good requests still work."""
+    settings = ServerSettings(max_body_bytes=2048)
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=settings, stages=four_stages(ctx_size=256)) as h:
+            answers = {
+                name: await h.client.post("/v1/prefill", content=body)
+                for name, body, *_ in BAD_REQUESTS
+            }
+            healthy = await h.client.get("/healthz")
+            good = await h.client.post("/v1/prefill", json={"tokens": [5, 6], "session_id": "s"})
+            stats = (await h.client.get("/v1/stats")).json()
+
+    for name, _body, status, field, error in BAD_REQUESTS:
+        answer = answers[name]
+        assert answer.status_code == status, (name, answer.text)
+        assert answer.headers["content-type"] == "application/json"
+        document = answer.json()
+        assert (document["field"], document["error"]) == (field, error), name
+        assert field in document["message"], name
+    assert healthy.status_code == 200
+    assert good.status_code == 200
+    assert stats["server"]["prefills"] == 1  # no bad request reached the pipeline
+    assert all(stage["cache"]["lookups"] == 1 for stage in stats["stages"])
+
+
+async def test_unknown_paths_and_wrong_methods_get_404_and_405() -> None:
+    """Routing errors are JSON too; 405 names the allowed method."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            missing = await h.client.get("/v2/prefill")
+            wrong = await h.client.get("/v1/prefill")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == "not_found"
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"] == "method_not_allowed"
+
+
+async def _raw_request(url: str, head: bytes, body_parts: Sequence[bytes]) -> bytes:
+    """Send a request by hand (headers, then body parts) and read the response until close."""
+    port = int(url.rsplit(":", 1)[1])
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(head)
+        for part in body_parts:
+            await stream.send_all(part)
+        # The request body is never finished, so the server must close after answering.
+        response = b""
+        while chunk := await stream.receive_some():
+            response += chunk
+        return response
+
+
+async def test_body_limit_is_enforced_while_reading_a_chunked_body() -> None:
+    """A chunked body is refused with 413 as soon as it passes the limit, before it ends."""
+    head = (
+        b"POST /v1/prefill HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b'{"tokens": [' + b"1, " * 200
+    # 600+ bytes against a 512-byte limit, and the terminating zero-size chunk is never sent:
+    # the server can only answer because it stops reading at the limit.
+    part = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=ServerSettings(max_body_bytes=512)) as h:
+            response = await _raw_request(h.server.url, head, [part])
+            healthy = await h.client.get("/healthz")
+    assert response.startswith(b"HTTP/1.1 413 ")
+    assert healthy.status_code == 200
+    assert h.pipeline.entered == 0
+
+
+async def test_declared_content_length_over_limit_is_refused_before_reading() -> None:
+    """A Content-Length above the limit gets 413 without the server waiting for the body."""
+    head = (
+        b"POST /v1/prefill HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=ServerSettings(max_body_bytes=512)) as h:
+            response = await _raw_request(h.server.url, head, [])
+    assert response.startswith(b"HTTP/1.1 413 ")
+    assert b'"field":"body"' in response
+
+
+# -- load and faults ------------------------------------------------------------------------------
+
+
+async def test_admission_control_answers_503_with_retry_after_beyond_max_inflight() -> None:
+    """With max_inflight prefills held in the pipeline, the next one gets 503 + Retry-After."""
+    gate = trio.Event()
+    settings = ServerSettings(max_inflight=2, retry_after_s=3)
+    answers: list[httpx.Response] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=settings, model_factory=gated_factory(gate)) as h:
+
+            async def held(index: int) -> None:
+                body = {"tokens": prompt(20, offset=index), "session_id": "held"}
+                answers.append(await h.client.post("/v1/prefill", json=body))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(held, 0)
+                nursery.start_soon(held, 1)
+                await h.pipeline.wait_until(lambda p: p.entered == 2)
+                refused = await h.client.post(
+                    "/v1/prefill", json={"tokens": [1, 2, 3], "session_id": "late"}
+                )
+                metrics = (await h.client.get("/metrics")).text
+                gate.set()
+            after = await h.client.post("/v1/prefill", json={"tokens": [1, 2], "session_id": "x"})
+
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "3"
+    assert refused.json()["error"] == "overloaded"
+    assert 'stage_runtime_prefill_rejected_total{reason="overloaded"} 1' in metrics
+    assert "stage_runtime_prefill_inflight 2" in metrics
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert after.status_code == 200
+    assert h.pipeline.entered == 3  # the refused request never reached the pipeline
+
+
+async def test_model_error_fails_only_that_request(capture_stage_logs: LogEvents) -> None:
+    """A model raising on one prompt answers that client 500; the server keeps serving."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(model_factory=picky_factory()) as h:
+            failed = await h.client.post(
+                "/v1/prefill", json={"tokens": [666, 1, 2], "session_id": "bad"}
+            )
+            fine = await h.client.post("/v1/prefill", json={"tokens": [1, 2], "session_id": "ok"})
+            ready = await h.client.get("/readyz")
+    assert failed.status_code == 500
+    assert failed.json()["error"] == "prefill_failed"
+    assert "token 666" in failed.json()["message"]
+    assert fine.status_code == 200
+    assert ready.status_code == 200
+    assert [e["status"] for e in served_events(capture_stage_logs)][:2] == [500, 200]
+    failures = [e for e in capture_stage_logs if e["event"] == "request_failed"]
+    assert [e["session_id"] for e in failures] == ["bad"]
+
+
+@pytest.mark.parametrize("quitter_state", ["queued", "computing"])
+async def test_client_disconnect_cancels_its_prefill_without_disturbing_others(
+    quitter_state: str, capture_stage_logs: LogEvents
+) -> None:
+    """A client hanging up cancels its own prefill (queued or computing); the other completes."""
+    gate = trio.Event()
+    kept: list[httpx.Response] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(model_factory=gated_factory(gate)) as h:
+
+            async def keeper() -> None:
+                body = {"tokens": prompt(40), "session_id": "keeper", "request_id": "kept"}
+                kept.append(await h.client.post("/v1/prefill", json=body))
+
+            async def quitter(cancel_scope: trio.CancelScope) -> None:
+                with cancel_scope:
+                    async with httpx.AsyncClient(base_url=h.server.url) as own:
+                        body = {"tokens": prompt(40, offset=7), "session_id": "quitter"}
+                        await own.post("/v1/prefill", json=body)
+
+            hang_up = trio.CancelScope()
+            # Stage 0 works on one request at a time: the first one waits at the gate inside
+            # the model, the second waits in stage 0's inbox.
+            first, second = (
+                (partial(quitter, hang_up), keeper)
+                if quitter_state == "computing"
+                else (keeper, partial(quitter, hang_up))
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await h.pipeline.wait_until(lambda p: p.entered == 1)
+                nursery.start_soon(second)
+                await h.pipeline.wait_until(lambda p: p.entered == 2)
+                hang_up.cancel()  # closes the quitter's connection mid-request
+                await h.pipeline.wait_until(lambda p: p.left == 1)
+                await trio.testing.wait_all_tasks_blocked()  # let the handler unwind
+                assert not kept  # the keeper is still held by the gate
+                inflight_after_hang_up = h.server.app.inflight
+                gate.set()
+            stats = (await h.client.get("/v1/stats")).json()
+
+    assert inflight_after_hang_up == 1
+    assert [answer.status_code for answer in kept] == [200]
+    assert kept[0].json()["request_id"] == "kept"
+    assert kept[0].json()["stages"][0]["computed_tokens"] == 40
+    prefills = [e for e in served_events(capture_stage_logs) if e["path"] == "/v1/prefill"]
+    assert sorted((e["status"], e["session_id"]) for e in prefills) == [
+        (200, "keeper"),
+        (499, "quitter"),
+    ]
+    cancelled = [e for e in capture_stage_logs if e["event"] == "prefill_cancelled"]
+    assert [e["session_id"] for e in cancelled] == ["quitter"]
+    assert stats["server"]["prefills"] == 1
+
+
+async def test_graceful_shutdown_drains_inflight_requests_then_stops_pipeline() -> None:
+    """Draining fails readiness and refuses new work; in-flight requests all complete."""
+    gate = trio.Event()
+    answers: list[httpx.Response] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(model_factory=gated_factory(gate)) as h:
+
+            async def in_flight(index: int) -> None:
+                async with httpx.AsyncClient(base_url=h.server.url, timeout=TIMEOUT_S) as own:
+                    body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
+                    answers.append(await own.post("/v1/prefill", json=body))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(3):
+                    nursery.start_soon(in_flight, index)
+                await h.pipeline.wait_until(lambda p: p.entered == 3)
+
+                h.server.drain()
+                ready = await h.client.get("/readyz")
+                refused = await h.client.post(
+                    "/v1/prefill", json={"tokens": [1], "session_id": "n"}
+                )
+                alive = await h.client.get("/healthz")
+
+                h.server.shutdown()
+                assert not h.pipeline.draining  # the pipeline stops only after the server
+                gate.set()
+            await h.server.wait_stopped()
+            pipeline_running_after_server = not h.pipeline.draining
+            with pytest.raises(httpx.ConnectError):
+                async with httpx.AsyncClient(base_url=h.server.url) as late:
+                    await late.get("/healthz")
+        assert h.pipeline.draining  # leaving open_pipeline drained and stopped it
+
+    assert ready.status_code == 503
+    assert ready.json() == {"status": "draining"}
+    assert refused.status_code == 503
+    assert refused.json()["error"] == "draining"
+    assert "retry-after" in refused.headers
+    assert alive.status_code == 200
+    assert [answer.status_code for answer in answers] == [200, 200, 200]  # none lost
+    assert pipeline_running_after_server
+
+
+# -- probes, metrics, logs ----------------------------------------------------------------------
+
+
+async def test_healthz_and_readyz_report_ok_while_serving() -> None:
+    """Liveness and readiness are 200 on a running server bound to the port the OS picked."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            health = await h.client.get("/healthz")
+            ready = await h.client.get("/readyz")
+            address = (h.server.host, h.server.port)
+    assert address[0] == "127.0.0.1"
+    assert address[1] > 0  # the port the OS picked for port 0
+    assert h.server.url == f"http://127.0.0.1:{address[1]}"
+    assert h.server.stopped
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+
+
+_METRIC_LINE = re.compile(r"^([a-z_:][a-z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+async def test_metrics_are_valid_prometheus_text_matching_stats() -> None:
+    """Each family has HELP then TYPE before its samples, and counters match /v1/stats."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            body = {"tokens": prompt(64), "session_id": "m"}
+            for _ in range(2):
+                await h.client.post("/v1/prefill", json=body)
+            await h.client.post("/v1/prefill", content=b"nope")
+            response = await h.client.get("/metrics")
+            stats = (await h.client.get("/v1/stats")).json()
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = response.text
+    assert text.endswith("\n")
+    declared: dict[str, str] = {}
+    helped: set[str] = set()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split()[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name in helped, f"TYPE before HELP for {name}"
+            assert name not in declared, f"{name} declared twice"
+            declared[name] = kind
+        else:
+            match = _METRIC_LINE.match(line)
+            assert match, line
+            name = match.group(1)
+            family = re.sub(r"_(sum|count)$", "", name) if name not in declared else name
+            assert family in declared, f"sample {name} before its TYPE"
+            samples[name + (match.group(2) or "")] = float(match.group(3))
+    assert all(name.endswith("_total") for name, kind in declared.items() if kind == "counter")
+    for stage in stats["stages"]:
+        label = f'{{stage_id="{stage["stage_id"]}"}}'
+        assert samples[f"stage_runtime_cache_hits_total{label}"] == stage["cache"]["hits"]
+        assert samples[f"stage_runtime_cache_entries{label}"] == stage["cache"]["entries"]
+        assert samples[f"stage_runtime_mailbox_size{label}"] == stage["mailbox"]["mailbox_size"]
+        # /v1/stats came after /metrics, and its own stats request is one more processed message.
+        processed = samples[f"stage_runtime_mailbox_processed_total{label}"]
+        assert 0 < processed < stage["mailbox"]["processed"]
+    assert samples["stage_runtime_prefill_duration_seconds_count"] == 2
+    assert samples['stage_runtime_http_responses_total{route="/v1/prefill",status="400"}'] == 1
+    assert samples["stage_runtime_ready"] == 1
+
+
+async def test_each_request_logs_one_request_served_event(capture_stage_logs: LogEvents) -> None:
+    """Every request logs request_served once, prefills with tokens and restored tokens."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            body = {"tokens": prompt(50), "session_id": "logs", "request_id": "r"}
+            await h.client.post("/v1/prefill", json=body)
+            await h.client.post("/v1/prefill", json=body)
+            await h.client.post("/v1/prefill", json={"tokens": []})
+            await h.client.get("/healthz")
+    served = served_events(capture_stage_logs)
+    assert [(e["path"], e["status"]) for e in served] == [
+        ("/v1/prefill", 200),
+        ("/v1/prefill", 200),
+        ("/v1/prefill", 400),
+        ("/healthz", 200),
+    ]
+    assert (served[2]["error"], served[2]["field"]) == ("invalid_field", "tokens")
+    second = served[1]
+    assert second["tokens"] == 50
+    assert second["request_id"] == "r"
+    assert set(second["restored_tokens"]) == {f"stage-{i}" for i in range(4)}
+    assert all(count > 0 for count in second["restored_tokens"].values())
+    assert all(event["elapsed_s"] >= 0 for event in served)
+
+
+# -- command line and example --------------------------------------------------------------------
+
+
+def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
+    """The serve flags parse with sensible defaults and refuse nonsense."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--topology", "t.toml"])
+    assert (args.bind, args.max_inflight, args.max_body_bytes) == ("127.0.0.1:8000", 64, 1 << 20)
+    assert args.topology == Path("t.toml")
+    for bad in (
+        ["--max-inflight", "0"],
+        ["--max-body-bytes", "many"],
+        ["--bind", "localhost"],
+        ["--bind", "h:99999"],
+        ["--shutdown-timeout", "0"],
+        ["--drain-grace", "-1"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--topology", "t.toml", *bad])
+
+
+@pytest.fixture
+def restore_logging_config() -> Iterator[None]:
+    """run_serve configures structlog like a program does; put the test's configuration back."""
+    saved = structlog.get_config()
+    yield
+    structlog.reset_defaults()
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_2_on_a_bad_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A topology with a gap between stages is reported by file and field, exit status 2."""
+    topology = tmp_path / "gap.toml"
+    topology.write_text(
+        '[[stage]]\nstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+        '[[stage]]\nstage_id = "b"\nmodel_id = "m"\nlayer_start = 5\nlayer_end = 8\n'
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    status = run_serve(parser.parse_args(["--topology", str(topology), "--log-format", "json"]))
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "stage-runtime serve: error:" in err
+    assert "gap.toml" in err
+    assert "layer_start" in err
+
+
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_1_when_the_address_is_taken(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Binding an address already in use fails cleanly with exit status 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        topology = str(ROOT / "examples" / "topology.toml")
+        status = run_serve(
+            parser.parse_args(["--topology", topology, "--bind", bind, "--log-format", "json"])
+        )
+    assert status == 1
+    assert f"cannot listen on {bind}" in capsys.readouterr().err
+
+
+SERVE_SCRIPT = (
+    "import argparse, sys\n"
+    "from stage_runtime.server.command import add_serve_arguments, run_serve\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_serve_arguments(parser)\n"
+    "sys.exit(run_serve(parser.parse_args(sys.argv[1:])))\n"
+)
+
+
+@attrs.define(eq=False)
+class ServeProcess:
+    """``run_serve`` in a child process, with its JSON log lines readable one event at a time."""
+
+    process: trio.Process
+    events: list[dict[str, Any]] = attrs.field(factory=list)
+    _buffer: bytes = b""
+
+    async def next_event(self, name: str) -> dict[str, Any]:
+        """Read log lines until the next event called ``name``."""
+        assert self.process.stderr is not None
+        while True:
+            while b"\n" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\n", 1)
+                if raw.startswith(b"{"):
+                    self.events.append(json.loads(raw))
+                    if self.events[-1]["event"] == name:
+                        return self.events[-1]
+            chunk = await self.process.stderr.receive_some()
+            assert chunk, f"process exited before logging {name}: {self._buffer!r}"
+            self._buffer += chunk
+
+
+@asynccontextmanager
+async def serve_process(*options: str) -> AsyncIterator[ServeProcess]:
+    """Start the serve command on a free port (JSON logs: stderr is a pipe); kill it if needed."""
+    topology = ROOT / "examples" / "topology.toml"
+    argv = [sys.executable, "-c", SERVE_SCRIPT, "--topology", str(topology), *options]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = await trio.lowlevel.open_process(
+        [*argv, "--bind", "127.0.0.1:0"], stderr=subprocess.PIPE, env=env
+    )
+    try:
+        yield ServeProcess(process=process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
+    """The serve command, run as a process, answers requests, logs JSON, and exits 0 on SIGTERM."""
+    with trio.fail_after(60):
+        async with serve_process() as child:
+            started = await child.next_event("server_started")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                body = {"text": "hello, pipeline " * 4, "session_id": "cli"}
+                answer = await client.post("/v1/prefill", json=body)
+            served = await child.next_event("request_served")
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("server_stopped")
+            status = await child.process.wait()
+    assert answer.status_code == 200
+    assert len(answer.json()["stages"]) == 4
+    assert served["status"] == 200
+    assert served["level"] == "info"
+    assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
+    assert any(event["event"] == "shutdown_requested" for event in child.events)
+    assert status == 0
+
+
+async def test_serve_command_reports_draining_during_grace_and_a_second_signal_hastens() -> None:
+    """During --drain-grace the listener stays open with readiness 503; SIGTERM again ends it."""
+    with trio.fail_after(60):
+        async with serve_process("--drain-grace", "600") as child:
+            started = await child.next_event("server_started")
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("server_draining")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                ready = await client.get("/readyz")
+                health = await client.get("/healthz")
+                refused = await client.post("/v1/prefill", json={"tokens": [1], "session_id": "s"})
+            child.process.send_signal(signal.SIGTERM)
+            await child.next_event("shutdown_hastened")
+            await child.next_event("server_stopped")
+            status = await child.process.wait()
+    assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
+    assert health.status_code == 200
+    assert refused.status_code == 503
+    assert refused.json()["error"] == "draining"
+    assert status == 0
+
+
+async def test_http_server_example_main_restores_the_repeated_prompt() -> None:
+    """examples/http_server.py main() serves, prefills twice and sees the second restored."""
+    spec = importlib.util.spec_from_file_location(
+        "http_server_example", ROOT / "examples" / "http_server.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with trio.fail_after(TIMEOUT_S):
+        result = await module.main()
+    assert all(stage["restored_tokens"] == 0 for stage in result["first"]["stages"])
+    assert all(stage["restored_tokens"] > 0 for stage in result["second"]["stages"])
+    assert len(result["stats"]["stages"]) == 4

@@ -1,0 +1,252 @@
+"""Unit tests of the server's pure parts: tokenizer, request validation, Prometheus text."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage_runtime.errors import ConfigError
+from stage_runtime.server import (
+    ByteTokenizer,
+    InvalidRequestError,
+    MetricFamily,
+    Sample,
+    ServerSettings,
+    parse_prefill_request,
+    render_metrics,
+)
+
+
+def _body(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_maps_each_utf8_byte_to_its_value() -> None:
+    """The text "hé" is the UTF-8 bytes 104, 195, 169."""
+    tokens = ByteTokenizer().encode("hé")
+    assert tokens.dtype == np.int32
+    assert tokens.tolist() == [104, 195, 169]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text())
+def test_byte_tokenizer_round_trips_text(text: str) -> None:
+    """Decoding the tokens of any encodable text gives the text back."""
+    tokenizer = ByteTokenizer()
+    try:
+        tokens = tokenizer.encode(text)
+    except ConfigError:
+        assert any(0xD800 <= ord(char) <= 0xDFFF for char in text)
+        return
+    assert tokenizer.decode(tokens) == text
+    assert tokens.size == len(text.encode("utf-8"))
+
+
+def test_byte_tokenizer_rejects_lone_surrogates_and_out_of_range_ids() -> None:
+    """Unencodable text and ids outside 0..255 raise ConfigError naming the problem."""
+    tokenizer = ByteTokenizer()
+    with pytest.raises(ConfigError, match="surrogate"):
+        tokenizer.encode("a\ud800")
+    with pytest.raises(ConfigError, match="got 256"):
+        tokenizer.decode([1, 256])
+
+
+# -- request validation ------------------------------------------------------------------------
+
+
+def test_parse_accepts_tokens_with_session_and_request_ids() -> None:
+    """A well-formed token request comes back typed, tokens as int32."""
+    request = parse_prefill_request(
+        _body(tokens=[1, -(2**31), 2**31 - 1], session_id="s", request_id="r-1")
+    )
+    assert request.tokens.dtype == np.int32
+    assert request.tokens.tolist() == [1, -(2**31), 2**31 - 1]
+    assert (request.session_id, request.request_id, request.source) == ("s", "r-1", "tokens")
+
+
+def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
+    """A text prompt becomes its UTF-8 bytes; request_id defaults to None."""
+    request = parse_prefill_request(_body(text="abc", session_id="s"))
+    assert request.tokens.tolist() == [97, 98, 99]
+    assert request.request_id is None
+    assert request.source == "text"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "error", "message"),
+    [
+        (b"{not json", "body", "malformed_json", "valid JSON"),
+        (b"\xff\xfe", "body", "malformed_json", "valid JSON"),
+        (b'{"tokens": [NaN], "session_id": "s"}', "body", "malformed_json", "NaN"),
+        (b"[1, 2]", "body", "invalid_field", "JSON object, got an array"),
+        (_body(session_id="s"), "tokens", "missing_field", "tokens is required"),
+        (_body(tokens=[1]), "session_id", "missing_field", "session_id is required"),
+        (_body(tokens="1 2", session_id="s"), "tokens", "invalid_field", "got a string"),
+        (_body(tokens=[], session_id="s"), "tokens", "invalid_field", "must not be empty"),
+        (_body(tokens=[1, 2.5], session_id="s"), "tokens", "invalid_field", r"tokens\[1\]"),
+        (_body(tokens=[True], session_id="s"), "tokens", "invalid_field", "got a boolean"),
+        (_body(tokens=[2**31], session_id="s"), "tokens", "invalid_field", "int32"),
+        (_body(tokens=[-(2**31) - 1], session_id="s"), "tokens", "invalid_field", "int32"),
+        (_body(tokens=[1], text="a", session_id="s"), "tokens", "invalid_field", "exclusive"),
+        (_body(text="", session_id="s"), "text", "invalid_field", "must not be empty"),
+        (_body(text=["a"], session_id="s"), "text", "invalid_field", "got an array"),
+        (_body(tokens=[1], session_id=7), "session_id", "invalid_field", "got an integer"),
+        (_body(tokens=[1], session_id=""), "session_id", "invalid_field", "must not be empty"),
+        (_body(tokens=[1], session_id="s", request_id=None), "request_id", "invalid_field", "null"),
+        (_body(tokens=[1], session_id="s" * 257), "session_id", "invalid_field", "at most 256"),
+        (_body(tokens=[1], session_id="s", token=[2]), "token", "unknown_field", "not a known"),
+    ],
+)
+def test_parse_rejects_bad_bodies_naming_the_field(
+    body: bytes, field: str, error: str, message: str
+) -> None:
+    """Every malformed body raises InvalidRequestError with the culprit field and a 400."""
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        parse_prefill_request(body)
+    assert caught.value.field == field
+    assert caught.value.error == error
+    assert caught.value.status == 400
+    assert caught.value.to_json() == {"error": error, "field": field, "message": str(caught.value)}
+
+
+def test_parse_enforces_max_tokens_for_tokens_and_text() -> None:
+    """Prompts longer than the pipeline's context are refused, counting text in bytes."""
+    assert parse_prefill_request(_body(tokens=[1] * 4, session_id="s"), max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="at most 4 tokens, got 5") as caught:
+        parse_prefill_request(_body(tokens=[1] * 5, session_id="s"), max_tokens=4)
+    assert caught.value.field == "tokens"
+    with pytest.raises(InvalidRequestError, match="got 6") as caught:
+        parse_prefill_request(_body(text="ééé", session_id="s"), max_tokens=4)
+    assert caught.value.field == "text"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(), min_size=1, max_size=20))
+def test_parse_accepts_exactly_the_int32_token_lists(tokens: list[int]) -> None:
+    """A token list is accepted iff every id fits int32, and then round-trips unchanged."""
+    body = _body(tokens=tokens, session_id="s")
+    if all(-(2**31) <= token < 2**31 for token in tokens):
+        assert parse_prefill_request(body).tokens.tolist() == tokens
+    else:
+        with pytest.raises(InvalidRequestError, match="int32"):
+            parse_prefill_request(body)
+
+
+# -- Prometheus text ---------------------------------------------------------------------------
+
+_SAMPLE_LINE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+    r'(,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*\})? (NaN|[+-]Inf|-?[0-9.e+-]+)$'
+)
+
+
+def test_render_metrics_writes_help_type_and_escaped_samples() -> None:
+    """HELP/TYPE precede samples; label values and help escape backslash, quote, newline."""
+    text = render_metrics(
+        [
+            MetricFamily(
+                name="demo_hits_total",
+                help="Hits.\nPer stage \\ cache.",
+                type="counter",
+                samples=[Sample(value=3, labels=(("stage_id", 'a"b\\c\nd'),))],
+            ),
+            MetricFamily(
+                name="demo_seconds",
+                help="Durations.",
+                type="summary",
+                samples=[Sample(value=0.25, suffix="_sum"), Sample(value=2, suffix="_count")],
+            ),
+            MetricFamily(name="demo_empty", help="No samples yet.", type="gauge"),
+        ]
+    )
+    assert text == (
+        "# HELP demo_hits_total Hits.\\nPer stage \\\\ cache.\n"
+        "# TYPE demo_hits_total counter\n"
+        'demo_hits_total{stage_id="a\\"b\\\\c\\nd"} 3\n'
+        "# HELP demo_seconds Durations.\n"
+        "# TYPE demo_seconds summary\n"
+        "demo_seconds_sum 0.25\n"
+        "demo_seconds_count 2\n"
+        "# HELP demo_empty No samples yet.\n"
+        "# TYPE demo_empty gauge\n"
+    )
+    for line in text.splitlines():
+        assert line.startswith("# ") or _SAMPLE_LINE.match(line), line
+
+
+def test_render_metrics_formats_special_float_values() -> None:
+    """Infinities and NaN use the format's spellings; integral floats print as integers."""
+    samples = [Sample(value=v) for v in (float("inf"), float("-inf"), float("nan"), 2.0, 1e-7)]
+    text = render_metrics([MetricFamily(name="x", help="x.", type="gauge", samples=samples)])
+    assert text.splitlines()[2:] == ["x +Inf", "x -Inf", "x NaN", "x 2", "x 1e-07"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_inflight", 0),
+        ("max_inflight", True),
+        ("max_body_bytes", 1.5),
+        ("retry_after_s", 0),
+        ("shutdown_timeout_s", 0.0),
+        ("shutdown_timeout_s", float("nan")),
+    ],
+)
+def test_server_settings_reject_non_positive_or_mistyped_limits(field: str, value: object) -> None:
+    """Each limit must be positive (and an integer where HTTP needs one); the error names it."""
+    with pytest.raises(ConfigError, match=f"^{field} must be"):
+        ServerSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_importing_the_serve_command_does_not_import_hypercorn() -> None:
+    """The CLI can import the serve command without the server extra's packages."""
+    code = (
+        "import sys, stage_runtime.server.command; "
+        "print('hypercorn' in sys.modules, 'starlette' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.split() == ["False", "False"]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["tokens", "text", "session_id", "request_id", "x"]),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(_JSON.map(lambda doc: json.dumps(doc).encode()), st.binary(max_size=40)))
+def test_parse_never_fails_with_anything_but_invalid_request(body: bytes) -> None:
+    """Any body either parses or raises InvalidRequestError with a 400 and a named field."""
+    error: InvalidRequestError | None = None
+    try:
+        request = parse_prefill_request(body)
+    except InvalidRequestError as exc:
+        error = exc
+    if error is not None:
+        assert error.status == 400
+        assert error.field
+        assert str(error)
+    else:
+        assert request.tokens.size > 0
+        assert request.session_id
