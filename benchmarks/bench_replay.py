@@ -24,7 +24,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import blake3
-import numpy as np
 import structlog
 
 from stage_runtime.sim import BlockTokenizer, SimConfig, SimRequest, read_trace, run_replay
@@ -61,7 +60,7 @@ def floor_seconds(
     for request in requests:
         started = time.perf_counter()
         tokens = tokenizer.request_tokens(request)
-        data = tokens.view(np.uint8)
+        data = tokens.tobytes() if not tokens.flags.c_contiguous else tokens.data.cast("B")
         generated = time.perf_counter()
         for _ in range(stages):
             blake3.blake3(data).digest()

@@ -61,7 +61,7 @@ def _scalars(result: object) -> str:
         "tokens_per_s",
         "peak_rss_bytes",
     ]
-    shown = []
+    shown: list[str] = []
     for key, value in result.items():
         if (key in keys or len(shown) < 4) and isinstance(value, int | float):
             shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")

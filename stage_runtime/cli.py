@@ -182,7 +182,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
     help_text = "run the HTTP server (needs '.[server]')"
     try:
-        from stage_runtime.server import command
+        from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         serve = subcommands.add_parser("serve", help=help_text, description=help_text)
         serve.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -203,10 +203,10 @@ def _serve_unavailable(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from stage_runtime.server import command
+    from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
 
     try:
-        return command.run_serve(args)
+        return int(command.run_serve(args))
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in {"hypercorn", "starlette"}:
             raise
@@ -401,6 +401,9 @@ def _run_simulation(args: argparse.Namespace) -> int:
 
     json_to_stdout = args.json == "-"
     console = Console(stderr=json_to_stdout)
+    if not console.is_terminal:
+        # Piped or redirected: rich would assume 80 columns and squeeze the tables.
+        console = Console(stderr=json_to_stdout, width=120)
     status = Console(stderr=True)
     capacities: list[int] | None = args.sweep_capacity
     runs = len(capacities) if capacities else 1

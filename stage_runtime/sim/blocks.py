@@ -99,7 +99,8 @@ class BlockTokenizer:
 
     def block(self, block_id: int) -> npt.NDArray[np.int32]:
         """Return the ``block_size`` tokens of one block id."""
-        return self.blocks([block_id])[0]
+        row: npt.NDArray[np.int32] = self.blocks([block_id])[0]
+        return row
 
     def prompt(
         self,
@@ -130,7 +131,7 @@ class BlockTokenizer:
                     f"{self.block_size * len(block_ids)}, got {input_length}"
                 )
                 raise ConfigError(msg)
-            flat = self.blocks(block_ids[:used]).reshape(-1)
+            flat: npt.NDArray[np.int32] = self.blocks(block_ids[:used]).reshape(-1)
             return flat[:input_length]
         if len(block_lengths) != len(block_ids):
             msg = (

@@ -149,6 +149,7 @@ def render_report(
         cached = getattr(result.ttft_cached, name)
         uncached = getattr(result.ttft_uncached, name)
         saved = 1 - cached / uncached if uncached > 0 else 0.0
+        saved = 0.0 if abs(saved) < 0.005 else saved  # no "-0%"
         ttft.add_row(name, _seconds(cached), _seconds(uncached), f"{saved:.0%}")
     console.print(ttft)
 

@@ -174,3 +174,21 @@ def test_demo_excerpt_replays_with_real_sharing() -> None:
         stage.computed_tokens + stage.restored_tokens == result.prompt_tokens
         for stage in result.stages
     )
+
+
+async def test_example_program_restores_shared_prompts(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/multi_stage_simulation.py restores a real share, never above the theory."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[3] / "examples" / "multi_stage_simulation.py"
+    spec = importlib.util.spec_from_file_location("example_multi_stage_simulation", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures = await module.main()
+    assert 0.3 < figures["hit_ratio"] <= figures["theoretical_max"]
+    assert "requests: stage 0 restored" in capsys.readouterr().out
