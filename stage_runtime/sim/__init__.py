@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
-from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
-from stage_runtime.sim.replay import (
+from stage_runtime.sim.driver import (
     ReplayResult,
     RequestOutcome,
     SimConfig,
@@ -28,6 +27,7 @@ from stage_runtime.sim.replay import (
     run_sweep,
     stage_configs,
 )
+from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import render_report, render_sweep, result_to_json, write_plot
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import (

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.replay import ReplayResult
+from stage_runtime.sim.driver import ReplayResult
 
 __all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
 

@@ -127,13 +127,22 @@ def test_concurrency_replays_arrivals_in_virtual_time() -> None:
 
 
 async def test_replay_embeds_in_a_trio_program(autojump_clock: trio.testing.MockClock) -> None:
-    """replay() runs inside the caller's trio run; its virtual time passes on the caller's clock."""
+    """replay() runs inside the caller's trio run; with virtual_time its costs pass on the
+    caller's clock, and they add up to the TTFTs the sleep-free default computes."""
+    restore = 1e-4
+    config = _config(cost=CostModel(prefill_s_per_token=P, restore_s_per_byte=restore))
     before = trio.current_time()
-    result = await replay(HAND_TRACE, _config())
-    assert result.restored_tokens == 48
-    assert trio.current_time() - before == pytest.approx(
-        sum(o.ttft_cached_s for o in result.outcomes)
+    slept = await replay(HAND_TRACE, config, virtual_time=True)
+    elapsed = trio.current_time() - before
+    assert slept.restored_tokens == 48
+    assert elapsed == pytest.approx(sum(o.ttft_cached_s for o in slept.outcomes))
+    assert slept.virtual_s == pytest.approx(elapsed)
+    added_up = await replay(HAND_TRACE, config)
+    assert trio.current_time() - before == pytest.approx(elapsed)  # no sleeping this time
+    assert [o.ttft_cached_s for o in added_up.outcomes] == pytest.approx(
+        [o.ttft_cached_s for o in slept.outcomes]
     )
+    assert added_up.virtual_s == pytest.approx(elapsed)
 
 
 def test_stage_configs_carry_the_cache_settings() -> None:
