@@ -54,17 +54,15 @@ def _machine() -> dict[str, str]:
 def _scalars(result: object) -> str:
     if not isinstance(result, dict):
         return ""
-    keys = [
-        "wall_s",
-        "floor_s",
-        "ratio_to_floor",
-        "tokens_per_s",
-        "peak_rss_bytes",
-    ]
+    preferred = ["wall_s", "floor_s", "ratio_to_floor", "tokens_per_s", "peak_rss_bytes"]
+    keys = [k for k in preferred if k in result]
+    keys += [k for k in result if k not in preferred]
     shown: list[str] = []
-    for key, value in result.items():
-        if (key in keys or len(shown) < 4) and isinstance(value, int | float):
-            shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")
+    for key in keys:
+        value = result[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")
     return ", ".join(shown[:6])
 
 
