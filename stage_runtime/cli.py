@@ -11,6 +11,7 @@ Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file);
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -185,7 +186,6 @@ def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
         from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         serve = subcommands.add_parser("serve", help=help_text, description=help_text)
-        serve.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         serve.set_defaults(run=_serve_unavailable)
         return
     serve = subcommands.add_parser("serve", help=help_text, description=help_text)
@@ -336,6 +336,9 @@ def _check_usage(args: argparse.Namespace) -> None:
             "use --stride >= 1 or --record-limit 0"
         )
         raise _UsageError(msg)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
+        raise _UsageError(msg)
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
         msg = "--groups and --conversations are both 0: the workload has no requests"
         raise _UsageError(msg)
@@ -485,7 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 success, 1 bad input data, 2 bad usage.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.run is not _serve_unavailable:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prefix = f"{PROG} {args.command}: error:"
     run: Callable[[argparse.Namespace], int] = args.run
     try:

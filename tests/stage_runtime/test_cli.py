@@ -79,7 +79,7 @@ def test_serve_without_the_server_module_is_a_clear_error(
     """If stage_runtime.server is not installed, serve says so and exits 2."""
     monkeypatch.setitem(sys.modules, "stage_runtime.server.command", None)
     monkeypatch.setitem(sys.modules, "stage_runtime.server", None)
-    assert main(["serve"]) == 2
+    assert main(["serve", "--topology", "pipeline.toml"]) == 2
     assert "server" in capsys.readouterr().err
 
 
@@ -166,3 +166,19 @@ def test_serve_without_the_server_extra_names_the_missing_package(
     err = capsys.readouterr().err
     assert "pip install 'stage-runtime[server]'" in err
     assert "hypercorn" in err
+
+
+def test_plot_without_matplotlib_is_refused_before_replaying(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot without the plot extra exits 2 at once, naming the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    assert main(["demo", "--plot", "out.png"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'stage-runtime[plot]'" in err
+    assert err.count("\n") == 1
