@@ -26,6 +26,7 @@ from stage_runtime.sim.driver import (
     run_replay,
     run_sweep,
     stage_configs,
+    validate_requests,
 )
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import render_report, render_sweep, result_to_json, write_plot
@@ -73,5 +74,6 @@ __all__ = [
     "synthetic_workload",
     "theoretical_max_hit_ratio",
     "total_prompt_tokens",
+    "validate_requests",
     "write_plot",
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "run_replay",
     "run_sweep",
     "stage_configs",
+    "validate_requests",
 ]
 
 ProgressCallback = Callable[[int], None]
@@ -310,6 +311,44 @@ class _Collector:
             self.progress(self.done)
 
 
+def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> None:
+    """Check that every request can be turned into a prompt, before any replay starts.
+
+    Raises:
+        ConfigError: naming the request: an empty prompt, more tokens than its blocks hold,
+            block lengths that do not add up, or two requests with the same index.
+    """
+    seen: set[int] = set()
+    for request in requests:
+        where = f"request {request.index}"
+        if request.index in seen:
+            msg = f"{where}: index must be unique, got {request.index} twice"
+            raise ConfigError(msg)
+        seen.add(request.index)
+        if request.input_length < 1:
+            msg = f"{where}: input_length must be >= 1, got {request.input_length}"
+            raise ConfigError(msg)
+        lengths = request.block_lengths
+        if lengths is None:
+            capacity = block_size * len(request.block_ids)
+            if request.input_length > capacity:
+                msg = (
+                    f"{where}: input_length must be <= block_size * len(block_ids) = "
+                    f"{capacity}, got {request.input_length}"
+                )
+                raise ConfigError(msg)
+        elif (
+            len(lengths) != len(request.block_ids)
+            or any(not 0 <= length <= block_size for length in lengths)
+            or sum(lengths) != request.input_length
+        ):
+            msg = (
+                f"{where}: block_lengths must give one length in [0, {block_size}] per block "
+                f"and sum to input_length {request.input_length}, got {list(lengths)}"
+            )
+            raise ConfigError(msg)
+
+
 async def _prefill(
     pipeline: Pipeline, tokenizer: BlockTokenizer, request: SimRequest
 ) -> PrefillResult:
@@ -352,6 +391,7 @@ async def replay(
         ConfigError: the requests or the settings are invalid.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    validate_requests(requests, block_size=config.block_size)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     configs = stage_configs(config, capacity_tokens=capacity)

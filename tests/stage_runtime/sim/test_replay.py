@@ -201,3 +201,22 @@ async def test_example_program_restores_shared_prompts(
     figures = await module.main()
     assert 0.3 < figures["hit_ratio"] <= figures["theoretical_max"]
     assert "requests: stage 0 restored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ([_request(0, [1], 17)], "request 0: input_length must be <= block_size"),
+        ([_request(0, [1], 8), _request(0, [2], 8)], "request 0: index must be unique"),
+        (
+            [SimRequest(index=4, input_length=9, block_ids=(1, 2), block_lengths=(4, 4))],
+            "request 4: block_lengths must give one length",
+        ),
+    ],
+)
+def test_unusable_requests_are_refused_before_the_replay(
+    requests: list[SimRequest], message: str
+) -> None:
+    """Requests that cannot become prompts raise ConfigError naming them, before any work."""
+    with pytest.raises(ConfigError, match=message):
+        run_replay(requests, _config())
