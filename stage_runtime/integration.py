@@ -8,10 +8,12 @@ Every argument is validated before the cache is touched, so a rejected call (a
 :class:`~stage_runtime.errors.ConfigError` or :class:`~stage_runtime.errors.FrameError`) leaves the
 cache exactly as it was: same entries, same recency, same counters.
 
-A stage calls restore and then record with the same tokens. The prefix hashes computed for the
-restore's lookup candidates are remembered (keyed on the token *contents*, compared against a
-private copy) and reused by the record, whose candidates are a subset of the lookup candidates,
-so the pair costs one pass over the tokens.
+A stage calls restore and then record with the same tokens. The cache indexes its keys by
+``(token_start, width, token_count)``, so a restore hashes only the candidate lengths that could
+hit (the others are accounted as misses without hashing, exactly as probing them would be). It
+hashes the record lengths in the same pass; the hashes are remembered (keyed on the token
+*contents*, compared against a private copy) and reused by the record, so the pair costs about
+one pass over the tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
 
 __all__ = [
     "ActivationRecordSummary",
+    "activation_key_slot",
     "KvStageIntegration",
     "PageIdentity",
     "PrefillKvIdentity",
@@ -275,6 +278,11 @@ class KvStageIntegration:
     cache_healthy: bool = True
     """Cleared to stop all lookups and records (the upstream's V-E health gate)."""
 
+    probe_all: bool = False
+    """Hash and look up every candidate on restore, as the spec reads literally. By default only
+    candidate lengths with a resident key are hashed (same results, clock and counters); set this
+    when something must see the key of every candidate (e.g. miss-reason tracking)."""
+
     _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
@@ -320,6 +328,7 @@ class KvStageIntegration:
                 max_entries=cache_config.max_entries,
                 max_bytes=cache_config.max_bytes,
                 min_tokens=cache_config.min_tokens,
+                key_index=activation_key_slot,
             ),
         )
 
@@ -420,32 +429,64 @@ class KvStageIntegration:
         width = _check_width(activation_width)
         if not self.should_lookup() or array.size == 0:
             return None
-        counts = self.policy.candidate_token_counts(int(array.size))
-        hashes = self._hashes(config, base, token_start, array, counts)
-        for count in counts:
+        n = int(array.size)
+        counts = self.policy.candidate_token_counts(n)
+        # Only candidates with a resident key of their (start, width, count) can hit; the others
+        # are accounted as the misses they would be without hashing them (same clock, same
+        # counters, same recency as probing every candidate).
+        if not self.probe_all and self.cache.key_index is activation_key_slot:
+            group = (str(token_start), f"w{width}")
+            probes = sorted(
+                (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
+                reverse=True,
+            )
+        else:  # a cache built without our index: probe every candidate
+            probes = counts
+        if not probes:
+            self.cache.count_misses(len(counts))
+            return None
+        wanted = list(probes)
+        if self.should_record():
+            # The record of this prompt comes next: hash its lengths in the same pass.
+            wanted += self.policy.record_candidate_token_counts(n)
+        hashes = self._hashes(config, base, token_start, array, wanted)
+        skipped = 0
+        remaining = iter(probes)
+        probe = next(remaining)
+        for index, count in enumerate(counts):
+            if count != probe:
+                skipped += 1
+                continue
+            self.cache.count_misses(skipped)
+            skipped = 0
             pid = page_id(config, token_start, count, hashes[count])
             key = activation_page_id(pid, width)
             hit = self.cache.lookup(key)
-            if hit is None:
-                continue
-            frame = hit.frame
-            if (
-                hit.token_count != count
-                or frame.desc.token_count != count
-                or frame.desc.payload_bytes != hit.byte_size
-                or frame.payload.size != hit.byte_size
-            ):
-                continue
-            identity = self._identity(config, base, token_start, array, count, hashes[count])
-            return ResidentActivationRestore(
-                identity=identity,
-                page_id=key,
-                token_count=count,
-                payload_bytes=hit.byte_size,
-                entries=hit.entries,
-                frame=frame,
-            )
-        return None
+            if hit is not None:
+                frame = hit.frame
+                if (
+                    hit.token_count == count
+                    and frame.desc.token_count == count
+                    and frame.desc.payload_bytes == hit.byte_size
+                    and frame.payload.size == hit.byte_size
+                ):
+                    identity = self._identity(
+                        config, base, token_start, array, count, hashes[count]
+                    )
+                    return ResidentActivationRestore(
+                        identity=identity,
+                        page_id=key,
+                        token_count=count,
+                        payload_bytes=hit.byte_size,
+                        entries=hit.entries,
+                        frame=frame,
+                    )
+            next_probe = next(remaining, None)
+            if next_probe is None:
+                self.cache.count_misses(len(counts) - index - 1)
+                return None
+            probe = next_probe
+        return None  # pragma: no cover - every probe is a candidate, so the loop returns
 
     def record_resident_activation(
         self,
@@ -555,18 +596,20 @@ class KvStageIntegration:
         array: TokenArray,
         counts: list[int],
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches."""
+        """Prefix hashes for ``counts``, reusing those of the previous prompt when it matches.
+
+        The memo is keyed on the token contents (compared against a private copy), so a caller
+        mutating its array between calls gets fresh hashes. Missing counts of a matching prompt
+        are added by one more pass.
+        """
         namespace = base.chat_template_id
         memo = self._memo
         if memo is not None and memo.matches(config, token_start, namespace, array):
-            missing = [c for c in counts if c not in memo.hashes]
+            missing = [count for count in counts if count not in memo.hashes]
             if missing:
                 memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
             return memo.hashes
-        # Hash every lookup candidate now: a record of the same prompt reuses them.
-        wanted = set(counts)
-        wanted.update(self.policy.candidate_token_counts(int(array.size)))
-        hashes = prefix_hashes(config, token_start, array, wanted, namespace)
+        hashes = prefix_hashes(config, token_start, array, counts, namespace)
         self._memo = _HashMemo(
             config=config,
             token_start=token_start,
@@ -607,6 +650,25 @@ class KvStageIntegration:
             namespace=prefix_namespace_hash(config, token_start, namespace),
             token_ids=_readonly(array[:count]),
         )
+
+
+def activation_key_slot(key: str) -> tuple[tuple[str, str], int] | None:
+    """``((token_start, "w{width}"), token_count)`` of an ``act:`` key, or None for other keys.
+
+    The cache's :data:`~stage_runtime.cache.KeyIndex` for activation keys
+    ``act:{stage}:{start}:{count}:{layer_start}:{digest}:w{width}`` (the stage id may itself
+    contain colons, so the key is split from the right).
+    """
+    if not key.startswith("act:"):
+        return None
+    parts = key.rsplit(":", 5)
+    if len(parts) != 6 or not parts[5].startswith("w"):
+        return None
+    try:
+        count = int(parts[2])
+    except ValueError:
+        return None
+    return (parts[1], parts[5]), count
 
 
 def _check_width(width: object) -> int:

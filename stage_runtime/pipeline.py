@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import tomllib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, StageRuntimeError
 from stage_runtime.frames import ActivationFrame
@@ -91,7 +92,7 @@ class Pipeline:
     _pending: set[PrefillRequest] = attrs.field(factory=set, init=False)
     _draining: bool = attrs.field(default=False, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
-    _ids: Iterable[int] = attrs.field(factory=itertools.count, init=False)
+    _ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
 
     @property
     def draining(self) -> bool:
@@ -130,14 +131,18 @@ class Pipeline:
             msg = f"session_id must be a string, got {session_id!r}"
             raise ConfigError(msg)
         if request_id is None:
-            request_id = f"prefill-{next(self._ids)}"  # type: ignore[call-overload]
+            request_id = f"prefill-{next(self._ids)}"
         elif not isinstance(request_id, str):
             msg = f"request_id must be a string or None, got {request_id!r}"
             raise ConfigError(msg)
         request = PrefillRequest(request_id=request_id, session_id=session_id, tokens=token_array)
         self._pending.add(request)
         try:
-            await self._entry.send(request)
+            try:
+                await self._entry.send(request)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                msg = f"pipeline stopped before request {request_id!r} finished"
+                raise StageRuntimeError(msg) from None
             await request.done.wait()
         finally:
             self._pending.discard(request)
@@ -158,6 +163,14 @@ class Pipeline:
     async def stats(self) -> PipelineStats:
         """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor)."""
         return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+
+    async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
+        """Empty every stage's cache (each entry logged as ``cleared``).
+
+        Returns:
+            Per stage, in pipeline order, the entries that were evicted.
+        """
+        return tuple([await stage.clear_cache() for stage in self._stages])
 
     async def _drain(self) -> None:
         """Refuse new prefills, wait for the pending ones, then close stage 0's inbox."""
@@ -350,8 +363,7 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
             merged.setdefault("upstream", ids[position - 1])
         if position + 1 < len(tables):
             merged.setdefault("downstream", ids[position + 1])
-        configs.append(
-            StageConfig.from_mapping(merged, source=f"{source} (stage {ids[position]!r})")
-        )
+        label = repr(ids[position]) if ids[position] is not None else f"#{position}"
+        configs.append(StageConfig.from_mapping(merged, source=f"{source} (stage {label})"))
     validate_topology(configs, source=source)
     return configs

@@ -42,6 +42,7 @@ from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
     CacheStatsRequest,
+    ClearCache,
     RecordActivation,
     RestoreActivation,
 )
@@ -82,6 +83,12 @@ class StagePrefillReport:
 
     evicted: tuple[EvictedEntry, ...]
     """Entries those records evicted, in eviction order."""
+
+    started_s: float = 0.0
+    """``trio.current_time()`` when the stage took the request (virtual under a mock clock)."""
+
+    finished_s: float = 0.0
+    """``trio.current_time()`` when the stage had computed and recorded it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -179,6 +186,9 @@ class Stage:
     _lookup: bool = attrs.field(default=False, init=False)
     _record: bool = attrs.field(default=False, init=False)
     _final_stats: StageStats | None = attrs.field(default=None, init=False)
+    _counts: dict[str, int] = attrs.field(
+        factory=lambda: {"completed": 0, "failed": 0, "skipped": 0}, init=False
+    )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve requests until the inbox closes, then stop the cache actor.
@@ -214,15 +224,26 @@ class Stage:
                 record=self._record,
             )
             task_status.started()
+            counts = self._counts
             async with self.inbox:
                 async for request in self.inbox:
                     if request.live:
                         await self._process(request)
+                    else:
+                        counts["skipped"] += 1
             if self.outbox is not None:
                 await self.outbox.aclose()
             self._final_stats = await self.stats()
             await self._cache.stop(drain=True)
-        log.info("stage_stopped", processed=self._final_stats.mailbox.processed)
+        log.info("stage_stopped", **self._counts)
+
+    async def clear_cache(self) -> tuple[EvictedEntry, ...]:
+        """Evict every entry of the stage's cache; returns them (each logged as ``cleared``)."""
+        if self._cache is None:
+            msg = f"stage {self.config.stage_id!r} has not started"
+            raise RuntimeError(msg)
+        evicted: tuple[EvictedEntry, ...] = await self._cache.ask(ClearCache())
+        return evicted
 
     async def stats(self) -> StageStats:
         """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
@@ -240,6 +261,7 @@ class Stage:
         assert self._model is not None
         assert self._cache is not None
         model, cache, config = self._model, self._cache, self.config
+        started = trio.current_time()
         tokens = request.tokens
         n = int(tokens.size)
         width = model.activation_width
@@ -263,9 +285,18 @@ class Stage:
                     output = await self._compute(request, restored, k, n)
                 except Exception as exc:  # the model failed on this input: that caller's error
                     request.fail(exc)
+                    self._counts["failed"] += 1
+                    log.warning(
+                        "prefill_failed",
+                        request_id=request.request_id,
+                        error_type=type(exc).__name__,
+                        error=str(exc),
+                    )
         request._scope = None
         if output is None or not request.live:
-            return  # failed, or abandoned (maybe interrupted): no record, nothing forwarded
+            if output is not None or scope.cancelled_caught:
+                self._counts["skipped"] += 1  # abandoned while this stage worked on it
+            return  # no record, nothing forwarded
         records: tuple[ResidentActivationRecord, ...] = ()
         if base is not None and self._record:
             records = tuple(
@@ -281,9 +312,12 @@ class Stage:
                 computed_tokens=n - k,
                 records=records,
                 evicted=tuple(e for r in records for e in r.evicted) if records else (),
+                started_s=started,
+                finished_s=trio.current_time(),
             )
         )
         request.frame = output
+        self._counts["completed"] += 1
         if self.outbox is None:
             request.succeed()
         else:

@@ -148,6 +148,12 @@ async def test_concurrent_prefills_overlap_across_stages(
         elapsed = trio.current_time() - start
     assert elapsed == pytest.approx(11.0)
     assert len(results) == 10
+    # stage 0 finished request i at i + 1 s; stage 1 started it then and took 1 s
+    by_id = {result.request_id: result for result in results}
+    for i in range(10):
+        s0, s1 = by_id[f"prefill-{i}"].stages
+        assert (s0.finished_s - start, s1.started_s - start) == pytest.approx((i + 1, i + 1))
+        assert s1.finished_s - s1.started_s == pytest.approx(1.0)
     assert all(result.frame.is_virtual for result in results)
     assert {result.request_id for result in results} == {f"prefill-{i}" for i in range(10)}
 
@@ -215,7 +221,7 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
     assert result.tokens == 3
 
 
-async def test_model_error_fails_only_that_request() -> None:
+async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None:
     """A model that fails on one input fails that caller; concurrent callers succeed."""
     registry = ModelRegistry(mix_factory())
     outcomes: dict[int, object] = {}
@@ -233,6 +239,8 @@ async def test_model_error_fails_only_that_request() -> None:
             for i in (0, 4, 5, 30):
                 nursery.start_soon(one, pipeline, i)
         stats = await pipeline.stats()
+    (failed,) = events_named(logs, "prefill_failed")
+    assert (failed["stage"], failed["error_type"]) == ("stage-0", "ValueError")
     assert isinstance(outcomes[5], ValueError)
     assert "token 24" in str(outcomes[5])
     assert all(isinstance(outcomes[i], PrefillResult) for i in (0, 4, 30))
@@ -241,7 +249,7 @@ async def test_model_error_fails_only_that_request() -> None:
 
 
 async def test_cancelled_caller_leaves_no_partial_state(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
     """Cancelling a prefill while stage 1 computes: stage 1 stops and records nothing."""
     factory = virtual_model_factory(width=4, seconds_per_token=0.01)
@@ -257,10 +265,13 @@ async def test_cancelled_caller_leaves_no_partial_state(
         result = await pipeline.prefill(prompt(100), session_id="s")
         assert trio.current_time() - start == pytest.approx(1.0)
     assert restored(result) == [100, 0]
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 1)
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
 
 
 async def test_request_cancelled_while_queued_is_skipped(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
     """A request whose caller gave up before stage 0 reached it is never computed."""
     registry = ModelRegistry(virtual_model_factory(width=4, seconds_per_token=0.01))
@@ -271,8 +282,9 @@ async def test_request_cancelled_while_queued_is_skipped(
             with trio.move_on_after(0.5):
                 await pipeline.prefill(prompt(100, start=500), session_id="b")
         assert [len(m.calls) for m in registry.models.values()] == [1, 1]
-        stats = await pipeline.stats()
-    assert stats.stages[0].mailbox.processed >= 2
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (1, 1)
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 0)
 
 
 async def test_leaving_the_context_drains_in_flight_requests(
@@ -375,6 +387,18 @@ async def test_stats_report_cache_and_mailbox_per_stage() -> None:
         assert stage.mailbox.mailbox_size == 64
 
 
+async def test_clear_caches_empties_every_stage(logs: list[LogEvent]) -> None:
+    """clear_caches evicts every entry of every stage; the next prefill computes everything."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+        cleared = await pipeline.clear_caches()
+        result = await pipeline.prefill(prompt(300), session_id="s")
+    assert [sorted(e.token_count for e in stage) for stage in cleared] == [[256, 300]] * 2
+    assert restored(result) == [0, 0]
+    reasons = [e["reason"] for e in events_named(logs, "activation_evicted")]
+    assert reasons == ["cleared"] * 4
+
+
 async def test_virtual_frames_flow_through_without_memory() -> None:
     """Virtual frames stay virtual through restore, concat and record."""
     factory = virtual_model_factory(width=64, bytes_per_token=8192)
@@ -438,6 +462,15 @@ max_entries = 1
             r"layer_end 3, got 4",
         ),
         ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
+            r"topology.toml \(stage #1\): missing required field stage_id",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
+            r"topology.toml \(stage 'a'\): layer_end must be an integer, got 'x'",
+        ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
     ],
@@ -489,7 +522,7 @@ def workloads(draw: st.DrawFn) -> tuple[list[StageConfig], list[np.ndarray[Any, 
     return configs, prompts, draw(st.booleans())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
 def test_cached_pipeline_equals_uncached_pipeline(
     workload: tuple[list[StageConfig], list[np.ndarray[Any, Any]], bool],
