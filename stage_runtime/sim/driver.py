@@ -403,7 +403,9 @@ async def replay(
     collector = _Collector(config, [c.stage_id for c in configs], progress=progress)
 
     wall_start = time.perf_counter()
-    async with open_pipeline(configs, factory) as pipeline:
+    # Channels as deep as the concurrency: a stage never waits for room downstream, so the
+    # stages behave as FIFO queues with unbounded buffers, the model the uncached TTFT uses.
+    async with open_pipeline(configs, factory, channel_size=max(4, config.concurrency)) as pipeline:
         clock_start = trio.current_time()
         if config.concurrency == 1:
             for request in requests:

@@ -220,3 +220,31 @@ def test_unusable_requests_are_refused_before_the_replay(
     """Requests that cannot become prompts raise ConfigError naming them, before any work."""
     with pytest.raises(ConfigError, match=message):
         run_replay(requests, _config())
+
+
+def test_concurrent_replay_times_follow_the_fifo_pipeline_model() -> None:
+    """At concurrency 3, measured TTFTs equal the FIFO tandem-queue model of the same costs."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.0),
+        _request(1, [1, 2, 4], 40, arrival_s=0.001),
+        _request(2, [9], 16, arrival_s=0.002),
+        _request(3, [1, 2, 3], 44, arrival_s=0.003),
+        _request(4, [8, 7], 30, arrival_s=0.2),
+    ]
+    config = _config(stages=3, concurrency=3)
+    result = run_replay(trace, config)
+    costs = [
+        [(o.input_length - restored) * P for restored in o.restored_tokens] for o in result.outcomes
+    ]
+    arrivals = [r.arrival_s for r in trace]
+    finishes = pipeline_finish_times(arrivals, costs, concurrency=3)
+    expected = [f - a for f, a in zip(finishes, arrivals, strict=True)]
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx(expected)
+    # r1 queues behind r0 at every stage, so r0 is recorded there before r1 is looked up.
+    assert [o.restored_tokens for o in result.outcomes] == [
+        (0, 0, 0),
+        (32, 32, 32),
+        (0, 0, 0),
+        (32, 32, 32),
+        (0, 0, 0),
+    ]
