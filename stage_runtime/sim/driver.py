@@ -296,7 +296,6 @@ class ReplayResult:
 class _Collector:
     """Per-request bookkeeping during one replay (written by one task at a time)."""
 
-    config: SimConfig
     stage_ids: list[str]
     outcomes: dict[int, tuple[SimRequest, PrefillResult, float, float]] = attrs.field(factory=dict)
     done: int = 0
@@ -369,10 +368,10 @@ async def replay(
 ) -> ReplayResult:
     """Replay requests through a pipeline of simulated stages (call inside a trio run).
 
-    Run it under a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``, or the
-    ``autojump_clock`` fixture in tests): the stages sleep their simulated cost. Under a real
-    clock it works too, but takes the simulated time for real. :func:`run_replay` starts a
-    virtual-time trio run for you.
+    With ``concurrency > 1`` (or ``virtual_time=True``) the stages sleep their simulated cost,
+    so run it under a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``, or the
+    ``autojump_clock`` fixture in tests); under a real clock it works too, but takes the
+    simulated time for real. :func:`run_replay` starts a virtual-time trio run for you.
 
     Args:
         requests: The workload, in file order (arrival order is by ``arrival_s`` when
@@ -400,7 +399,7 @@ async def replay(
         bytes_per_token=config.bytes_per_token, cost=config.cost, sleep=sleep
     )
     tokenizer = BlockTokenizer(config.block_size)
-    collector = _Collector(config, [c.stage_id for c in configs], progress=progress)
+    collector = _Collector([c.stage_id for c in configs], progress=progress)
 
     wall_start = time.perf_counter()
     # Channels as deep as the concurrency: a stage never waits for room downstream, so the
