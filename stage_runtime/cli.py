@@ -23,7 +23,7 @@ import structlog
 from stage_runtime.errors import ConfigError, TraceFormatError
 
 if TYPE_CHECKING:
-    from stage_runtime.sim import SimConfig
+    from stage_runtime.sim import SimConfig, WorkloadSpec
 
 __all__ = ["build_parser", "main"]
 
@@ -445,6 +445,8 @@ def _run_simulation(args: argparse.Namespace) -> int:
             results = [sim.run_replay(requests, config, progress=advance)]
 
     documents = [sim.result_to_json(result, source=source) for result in results]
+    for document in documents:
+        document["skipped_lines"] = skipped
     payload: object = documents if capacities else documents[0]
     if not json_to_stdout:
         if capacities:
@@ -462,10 +464,10 @@ def _run_simulation(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_dict(spec: object) -> dict[str, object]:
+def _spec_dict(spec: WorkloadSpec) -> dict[str, object]:
     import attrs
 
-    return attrs.asdict(spec)  # type: ignore[arg-type]
+    return attrs.asdict(spec)
 
 
 def _write_json(payload: object, target: str, stdout: TextIO) -> None:

@@ -121,6 +121,7 @@ def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> No
     assert skipped.returncode == 0, skipped.stderr
     document = json.loads(skipped.stdout)
     assert document["requests"] == 2
+    assert document["skipped_lines"] == 1
     assert document["config"]["source"]["skipped_lines"] == 1
 
 
