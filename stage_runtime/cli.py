@@ -77,6 +77,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _costs(text: str) -> list[float]:
+    try:
+        return [_non_negative_float(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        msg = f"every cost {exc}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def _capacities(text: str) -> list[int]:
     parts = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not part for part in parts):
@@ -154,9 +162,11 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--prefill-us-per-token",
-        type=_non_negative_float,
-        default=25.0,
-        help="simulated compute per token per stage, microseconds (25)",
+        type=_costs,
+        default=[25.0],
+        metavar="US[,US...]",
+        help="simulated compute per token per stage, microseconds; one value for every stage "
+        "or one per stage (25)",
     )
     run.add_argument(
         "--restore-ns-per-byte",
@@ -336,6 +346,10 @@ def _check_usage(args: argparse.Namespace) -> None:
             "use --stride >= 1 or --record-limit 0"
         )
         raise _UsageError(msg)
+    costs = len(args.prefill_us_per_token)
+    if costs > 1 and costs != args.stages:
+        msg = f"--prefill-us-per-token needs one cost or one per stage ({args.stages}), got {costs}"
+        raise _UsageError(msg)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
         raise _UsageError(msg)
@@ -358,7 +372,12 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,
         cost=CostModel(
-            prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+            prefill_s_per_token=args.prefill_us_per_token[0] * 1e-6,
+            stage_prefill_s_per_token=(
+                [us * 1e-6 for us in args.prefill_us_per_token]
+                if len(args.prefill_us_per_token) > 1
+                else []
+            ),
             restore_s_per_byte=args.restore_ns_per_byte * 1e-9,
         ),
     )

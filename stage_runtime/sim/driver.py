@@ -115,6 +115,13 @@ class SimConfig:
     """Model id in every stage's configuration (identity only)."""
 
     def __attrs_post_init__(self) -> None:
+        per_stage = len(self.cost.stage_prefill_s_per_token)
+        if per_stage and per_stage != self.stages:
+            msg = (
+                f"cost.stage_prefill_s_per_token must have one cost per stage ({self.stages}), "
+                f"got {per_stage}"
+            )
+            raise ConfigError(msg)
         if self.stride == 0 and self.record_limit > 0:
             msg = (
                 f"stride 0 leaves no lookup grid for record_limit {self.record_limit} to pick "
@@ -151,7 +158,8 @@ class SimConfig:
             "max_bytes": self.max_bytes(capacity),
             "bytes_per_token": self.bytes_per_token,
             "concurrency": self.concurrency,
-            "prefill_s_per_token": self.cost.prefill_s_per_token,
+            "prefill_s_per_token": list(self.cost.stage_prefill_s_per_token)
+            or self.cost.prefill_s_per_token,
             "restore_s_per_byte": self.cost.restore_s_per_byte,
             "layers_per_stage": self.layers_per_stage,
             "ctx_size": self.ctx_size,
@@ -490,10 +498,13 @@ def _summarise(
                 unslept_s += cost.stage_cost(
                     computed_tokens=report.computed_tokens,
                     restored_bytes=report.restored_tokens * config.bytes_per_token,
+                    stage_index=position,
                 )
         cached[request.index] = finished_s - started_s + unslept_s
         arrivals.append(started_s if config.concurrency == 1 else request.arrival_s)
-        uncached_costs.append([cost.uncached_stage_cost(request.input_length)] * stage_count)
+        uncached_costs.append(
+            [cost.uncached_stage_cost(request.input_length, s) for s in range(stage_count)]
+        )
 
     if config.concurrency == 1:
         # One at a time: each request starts when the previous one finished, so its uncached

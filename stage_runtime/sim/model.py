@@ -73,7 +73,9 @@ class SimulatedStageModel:
             msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
             raise FrameError(msg)
         restored_bytes = 0 if restored is None else restored.payload_bytes
-        delay = self.cost.stage_cost(computed_tokens=n - start, restored_bytes=restored_bytes)
+        delay = self.cost.stage_cost(
+            computed_tokens=n - start, restored_bytes=restored_bytes, stage_index=self.stage_index
+        )
         if self.sleep and delay > 0:
             await trio.sleep(delay)
         return self._frame(n - start)

@@ -248,3 +248,18 @@ def test_concurrent_replay_times_follow_the_fifo_pipeline_model() -> None:
         (32, 32, 32),
         (0, 0, 0),
     ]
+
+
+def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:
+    """Per-stage costs: back-to-back requests leave the pipeline at the slowest stage's pace."""
+    trace = [_request(i, [100 + i], 10, arrival_s=0.0001 * i) for i in range(4)]
+    cost = CostModel(stage_prefill_s_per_token=[P, 3 * P], restore_s_per_byte=0.0)
+    result = run_replay(trace, _config(cost=cost, concurrency=4))
+    finishes = [o.ttft_cached_s + r.arrival_s for o, r in zip(result.outcomes, trace, strict=True)]
+    # Stage 0 takes 10 ms a request, stage 1 30 ms: they leave 30 ms apart after the first 40 ms.
+    assert finishes == pytest.approx([0.04, 0.07, 0.10, 0.13])
+    assert [o.ttft_uncached_s for o in result.outcomes] == pytest.approx(
+        [o.ttft_cached_s for o in result.outcomes]
+    )
+    with pytest.raises(ConfigError, match="one cost per stage \\(2\\), got 3"):
+        _config(cost=CostModel(stage_prefill_s_per_token=[P, P, P]))
