@@ -372,13 +372,13 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,
         cost=CostModel(
-            prefill_s_per_token=args.prefill_us_per_token[0] * 1e-6,
+            prefill_s_per_token=args.prefill_us_per_token[0] / 1e6,
             stage_prefill_s_per_token=(
-                [us * 1e-6 for us in args.prefill_us_per_token]
+                [us / 1e6 for us in args.prefill_us_per_token]
                 if len(args.prefill_us_per_token) > 1
                 else []
             ),
-            restore_s_per_byte=args.restore_ns_per_byte * 1e-9,
+            restore_s_per_byte=args.restore_ns_per_byte / 1e9,
         ),
     )
 
