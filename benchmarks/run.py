@@ -72,14 +72,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--trace", help="trace for the benchmarks that take one")
     parser.add_argument("--only", action="append", help="run only this benchmark (repeatable)")
     parser.add_argument("--output", default=str(HERE / "results.json"))
+    parser.add_argument("--out-dir", default=str(HERE / "out"), help="per-benchmark JSON files")
     parser.add_argument(
         "extra", nargs=argparse.REMAINDER, help="arguments after -- go to every benchmark"
     )
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
 
-    out_dir = HERE / "out"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {}
     summary: list[tuple[str, str, float, str]] = []
     for script in discover(args.only):
