@@ -104,34 +104,48 @@ _NON_NEGATIVE = _int_at_least(0)
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline = parser.add_argument_group("pipeline and cache")
-    pipeline.add_argument("--stages", type=_POSITIVE, default=4, help="pipeline stages (4)")
     pipeline.add_argument(
-        "--block-size", type=_POSITIVE, default=512, help="tokens per trace hash id (512)"
+        "--stages", type=_POSITIVE, metavar="N", default=4, help="pipeline stages (4)"
+    )
+    pipeline.add_argument(
+        "--block-size",
+        type=_POSITIVE,
+        metavar="N",
+        default=512,
+        help="tokens per trace hash id (512)",
     )
     pipeline.add_argument(
         "--min-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="shortest cached prefix (default: the block size)",
     )
     pipeline.add_argument(
         "--stride",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="lookup-grid stride in tokens (default: the block size)",
     )
     pipeline.add_argument(
         "--record-limit",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=2,
         help="prefix lengths recorded per request; 0 = every grid length (2)",
     )
     pipeline.add_argument(
-        "--max-entries", type=_POSITIVE, default=64, help="entries per stage cache (64)"
+        "--max-entries",
+        type=_POSITIVE,
+        metavar="N",
+        default=64,
+        help="entries per stage cache (64)",
     )
     pipeline.add_argument(
         "--capacity-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="per-stage cache capacity in tokens: max_bytes = capacity x bytes per token; "
         "0 = unbounded (0)",
@@ -139,6 +153,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--bytes-per-token",
         type=_POSITIVE,
+        metavar="N",
         default=8192,
         help="activation bytes per token (8192: 4096-wide bf16)",
     )
@@ -154,11 +169,16 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--concurrency",
         type=_POSITIVE,
+        metavar="N",
         default=1,
         help="requests in flight; 1 = file order, one at a time; more = arrivals by timestamp",
     )
     run.add_argument(
-        "--limit-requests", type=_POSITIVE, default=None, help="replay only the first N requests"
+        "--limit-requests",
+        type=_POSITIVE,
+        metavar="N",
+        default=None,
+        help="replay only the first N requests",
     )
     run.add_argument(
         "--prefill-us-per-token",
@@ -172,6 +192,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--restore-ns-per-byte",
         type=_non_negative_float,
         default=0.05,
+        metavar="NS",
         help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
     )
 
@@ -281,30 +302,57 @@ def build_parser() -> argparse.ArgumentParser:
         "and multi-turn conversations, arriving as a seeded Poisson process.",
     )
     workload = simulate.add_argument_group("workload")
-    workload.add_argument("--groups", type=_NON_NEGATIVE, default=8, help="prompt groups (8)")
     workload.add_argument(
-        "--prompts-per-group", type=_POSITIVE, default=12, help="prompts per group (12)"
+        "--groups", type=_NON_NEGATIVE, metavar="N", default=8, help="prompt groups (8)"
+    )
+    workload.add_argument(
+        "--prompts-per-group",
+        type=_POSITIVE,
+        metavar="N",
+        default=12,
+        help="prompts per group (12)",
     )
     workload.add_argument(
         "--system-prompt-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=3072,
         help="system prompt shared by a group (3072)",
     )
     workload.add_argument(
-        "--question-tokens", type=_POSITIVE, default=384, help="question after it (384)"
+        "--question-tokens",
+        type=_POSITIVE,
+        metavar="N",
+        default=384,
+        help="question after it (384)",
     )
     workload.add_argument(
-        "--conversations", type=_NON_NEGATIVE, default=8, help="multi-turn conversations (8)"
+        "--conversations",
+        type=_NON_NEGATIVE,
+        metavar="N",
+        default=8,
+        help="multi-turn conversations (8)",
     )
-    workload.add_argument("--turns", type=_POSITIVE, default=6, help="turns per conversation (6)")
     workload.add_argument(
-        "--tokens-per-turn", type=_POSITIVE, default=512, help="tokens each turn adds (512)"
+        "--turns", type=_POSITIVE, metavar="N", default=6, help="turns per conversation (6)"
     )
     workload.add_argument(
-        "--rate", type=_positive_float, default=4.0, help="mean arrivals per second (4)"
+        "--tokens-per-turn",
+        type=_POSITIVE,
+        metavar="N",
+        default=512,
+        help="tokens each turn adds (512)",
     )
-    workload.add_argument("--seed", type=int, default=0, help="seed of order and arrivals (0)")
+    workload.add_argument(
+        "--rate",
+        type=_positive_float,
+        default=4.0,
+        metavar="PER_S",
+        help="mean arrivals per second (4)",
+    )
+    workload.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of order and arrivals (0)"
+    )
     _add_simulation_arguments(simulate)
     simulate.set_defaults(run=_run_simulation)
 
