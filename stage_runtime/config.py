@@ -1,0 +1,554 @@
+"""Stage and cache configuration, loaded from mappings, TOML, JSON or the environment.
+
+Every class here is a frozen attrs class whose validators raise :class:`ConfigError` naming the
+field and the bad value; derive variants with :func:`attrs.evolve`. Loading from a file adds the
+file name to the message.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import attrs
+
+from stage_runtime.errors import ConfigError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CacheMode",
+    "CachePayload",
+    "FlashAttention",
+    "KvCacheConfig",
+    "LoadMode",
+    "MessageBase",
+    "StageConfig",
+    "kill_switch_engaged",
+]
+
+SCHEMA_VERSION: Final = 1
+"""Version of the stage message schema carried in :attr:`MessageBase.schema_version`."""
+
+_U32_MAX: Final = 2**32 - 1
+_U64_MAX: Final = 2**64 - 1
+_I32_MIN: Final = -(2**31)
+_I32_MAX: Final = 2**31 - 1
+
+
+class CacheMode(enum.StrEnum):
+    """What a stage does with its activation cache (the upstream's ``StageKvCacheMode``).
+
+    There is no lookup-only mode, as upstream. ``AUTO`` maps to disabled.
+    """
+
+    DISABLED = "disabled"
+    AUTO = "auto"
+    RECORD = "record"
+    LOOKUP_RECORD = "lookup-record"
+
+
+class CachePayload(enum.StrEnum):
+    """Which state the upstream caches (``StageKvCachePayload``); activations ignore it."""
+
+    AUTO = "auto"
+    RESIDENT_KV = "resident-kv"
+    KV_RECURRENT = "kv-recurrent"
+    FULL_STATE = "full-state"
+
+
+class LoadMode(enum.StrEnum):
+    """How the stage's weights were loaded; part of the weight identity (spec §1.2)."""
+
+    LAYER_PACKAGE = "layer-package"
+    RUNTIME_SLICE = "runtime-slice"
+    ARTIFACT_SLICE = "artifact-slice"
+
+
+class FlashAttention(enum.StrEnum):
+    """Flash-attention setting; part of the layout identity (spec §1.2)."""
+
+    AUTO = "auto"
+    DISABLED = "disabled"
+    ENABLED = "enabled"
+
+
+# --------------------------------------------------------------------------------------------
+# validators and converters (each names its field in the message)
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _int_in(low: int, high: int) -> Any:
+    """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``."""
+
+    def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            msg = f"{attribute.name} must be an integer, got {value!r}"
+            raise ConfigError(msg)
+        if value < low:
+            msg = f"{attribute.name} must be >= {low}, got {value}"
+            raise ConfigError(msg)
+        if value > high:
+            msg = f"{attribute.name} must be <= {high}, got {value}"
+            raise ConfigError(msg)
+
+    return check
+
+
+def _str(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = f"{attribute.name} must be a string, got {value!r}"
+        raise ConfigError(msg)
+
+
+def _nonempty_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _str(instance, attribute, value)
+    if not value:
+        msg = f"{attribute.name} must be a non-empty string, got {value!r}"
+        raise ConfigError(msg)
+
+
+def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _str(instance, attribute, value)
+
+
+def _optional_bool(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        msg = f"{attribute.name} must be true, false or absent, got {value!r}"
+        raise ConfigError(msg)
+
+
+def _optional_int(low: int, high: int) -> Any:
+    inner = _int_in(low, high)
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None:
+            inner(instance, attribute, value)
+
+    return check
+
+
+def _enum(kind: type[_E], name: str, value: object) -> _E:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        try:
+            return kind(value.strip().lower().replace("_", "-"))
+        except ValueError:
+            pass
+    choices = ", ".join(repr(str(member)) for member in kind)
+    msg = f"{name} must be one of {choices}, got {value!r}"
+    raise ConfigError(msg)
+
+
+def _to_cache_mode(value: object) -> CacheMode:
+    return _enum(CacheMode, "mode", value)
+
+
+def _to_cache_payload(value: object) -> CachePayload:
+    return _enum(CachePayload, "payload", value)
+
+
+def _to_load_mode(value: object) -> LoadMode:
+    return _enum(LoadMode, "load_mode", value)
+
+
+def _to_flash_attention(value: object) -> FlashAttention:
+    return _enum(FlashAttention, "flash_attn", value)
+
+
+def _to_kv_cache(value: object) -> KvCacheConfig | None:
+    if value is None or isinstance(value, KvCacheConfig):
+        return value
+    if isinstance(value, Mapping):
+        return KvCacheConfig.from_mapping(value)
+    msg = f"kv_cache must be a table of cache settings or absent, got {value!r}"
+    raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# KvCacheConfig
+
+_ENV_MODE: Final = ("STAGE_RUNTIME_KV_CACHE", "STAGE_RUNTIME_PREFIX_CACHE")
+_ENV_PREFIX: Final = "STAGE_RUNTIME_KV_CACHE_"
+
+_ENV_MODE_VALUES: Final[dict[str, CacheMode]] = {
+    "": CacheMode.AUTO,
+    "auto": CacheMode.AUTO,
+    **dict.fromkeys(("0", "off", "false", "disabled", "disable"), CacheMode.DISABLED),
+    "record": CacheMode.RECORD,
+    **dict.fromkeys(
+        ("1", "on", "true", "lookup-record", "lookuprecord", "exact"), CacheMode.LOOKUP_RECORD
+    ),
+}
+
+_ENV_PAYLOAD_VALUES: Final[dict[str, CachePayload]] = {
+    "": CachePayload.AUTO,
+    "auto": CachePayload.AUTO,
+    **dict.fromkeys(("resident", "resident-kv", "kv"), CachePayload.RESIDENT_KV),
+    **dict.fromkeys(("kv-recurrent", "kvrecurrent"), CachePayload.KV_RECURRENT),
+    **dict.fromkeys(("full", "full-state", "fullstate"), CachePayload.FULL_STATE),
+}
+
+
+def _env_mode(environ: Mapping[str, str]) -> CacheMode | None:
+    """Mode from the first mode variable that is set; None if unset or unrecognised."""
+    for name in _ENV_MODE:
+        raw = environ.get(name)
+        if raw is not None:
+            return _ENV_MODE_VALUES.get(raw.strip().lower().replace("_", "-"))
+    return None
+
+
+def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether either mode variable turns the cache off (spec §6.1, V-E kill switch).
+
+    ``STAGE_RUNTIME_KV_CACHE`` or ``STAGE_RUNTIME_PREFIX_CACHE`` set to ``0``, ``off``,
+    ``false``, ``disabled`` or ``disable`` disables the cache even when the stage
+    configuration has a ``kv_cache`` block.
+    """
+    env = os.environ if environ is None else environ
+    for name in _ENV_MODE:
+        raw = env.get(name)
+        normal = None if raw is None else raw.strip().lower().replace("_", "-")
+        if normal is not None and _ENV_MODE_VALUES.get(normal) is CacheMode.DISABLED:
+            return True
+    return False
+
+
+@attrs.frozen(kw_only=True)
+class KvCacheConfig:
+    """Bounds and candidate policy of one stage's activation cache (upstream defaults)."""
+
+    mode: CacheMode = attrs.field(default=CacheMode.AUTO, converter=_to_cache_mode)
+    """What the stage does with the cache; ``auto`` (the default) means disabled, as upstream."""
+
+    payload: CachePayload = attrs.field(default=CachePayload.AUTO, converter=_to_cache_payload)
+    """Upstream payload kind; kept for parity, it does not change activation caching."""
+
+    max_entries: int = attrs.field(default=64, validator=_int_in(1, _U64_MAX))
+    """Entries kept before the least recently used is evicted."""
+
+    max_bytes: int = attrs.field(default=0, validator=_int_in(0, _U64_MAX))
+    """Byte bound on resident payloads; ``0`` means unbounded."""
+
+    min_tokens: int = attrs.field(default=64, validator=_int_in(0, _U64_MAX))
+    """Shortest prefix worth caching; also the lowest rung and the grid's page size."""
+
+    shared_prefix_stride_tokens: int = attrs.field(default=128, validator=_int_in(0, _U64_MAX))
+    """Spacing of the lookup grid (capped at ``min_tokens``; 0 acts as 1)."""
+
+    shared_prefix_record_limit: int = attrs.field(default=2, validator=_int_in(0, _U64_MAX))
+    """How many prefix lengths one record stores; ``0`` means every lookup candidate."""
+
+    @classmethod
+    def from_mapping(
+        cls, mapping: Mapping[str, Any], *, source: str | None = None
+    ) -> KvCacheConfig:
+        """Build from a mapping of field names to values (a TOML or JSON table).
+
+        Raises:
+            ConfigError: an unknown key or a bad value; the message names the field, the value
+                and ``source`` when given.
+        """
+        return _build(cls, mapping, source=source, prefix="kv_cache.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KvCacheConfig | None:
+        """Cache settings from environment variables (spec §6.1), or None when not configured.
+
+        ``STAGE_RUNTIME_KV_CACHE`` (falling back to ``STAGE_RUNTIME_PREFIX_CACHE`` when unset, as
+        upstream falls back from ``SKIPPY_KV_CACHE`` to ``SKIPPY_PREFIX_CACHE``) sets the mode:
+        values are trimmed, lowercased and ``_`` becomes ``-``; ``""``/``auto`` give ``auto``,
+        ``0``/``off``/``false``/``disabled``/``disable`` give ``disabled``, ``record`` gives
+        ``record``, ``1``/``on``/``true``/``lookup-record``/``lookuprecord``/``exact`` give
+        ``lookup-record``; an unset or unrecognised value means no configuration (None). The
+        bounds come from ``STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES``, ``_MAX_BYTES``, ``_MIN_TOKENS``,
+        ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT`` and ``_PAYLOAD``.
+
+        Raises:
+            ConfigError: a bound or payload variable is set but not valid (the upstream ignores
+                such values; we refuse them, naming the variable).
+        """
+        env = os.environ if environ is None else environ
+        mode = _env_mode(env)
+        if mode is None:
+            return None
+        values: dict[str, Any] = {"mode": mode}
+        numbers = {
+            "MAX_ENTRIES": "max_entries",
+            "MAX_BYTES": "max_bytes",
+            "MIN_TOKENS": "min_tokens",
+            "SHARED_STRIDE_TOKENS": "shared_prefix_stride_tokens",
+            "SHARED_RECORD_LIMIT": "shared_prefix_record_limit",
+        }
+        for suffix, field in numbers.items():
+            name = _ENV_PREFIX + suffix
+            raw = env.get(name)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                values[field] = int(raw.strip())
+            except ValueError:
+                msg = f"{name} must be an integer, got {raw!r}"
+                raise ConfigError(msg) from None
+        raw_payload = env.get(_ENV_PREFIX + "PAYLOAD")
+        if raw_payload is not None:
+            payload = _ENV_PAYLOAD_VALUES.get(raw_payload.strip().lower().replace("_", "-"))
+            if payload is None:
+                choices = ", ".join(repr(k) for k in _ENV_PAYLOAD_VALUES if k)
+                msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {raw_payload!r}"
+                raise ConfigError(msg)
+            values["payload"] = payload
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            msg = f"environment: {exc}"
+            raise ConfigError(msg) from None
+
+
+# --------------------------------------------------------------------------------------------
+# StageConfig and MessageBase
+
+
+@attrs.frozen(kw_only=True)
+class StageConfig:
+    """One pipeline stage: what it runs, and the fields that make up its cache identity.
+
+    Only ``stage_id``, ``model_id``, ``layer_start`` and ``layer_end`` are required. Fields
+    marked *identity* feed the prefix hash (spec §1.2); changing one changes every cache key.
+    """
+
+    stage_id: str = attrs.field(validator=_nonempty_str)
+    """Name of the stage (identity)."""
+
+    model_id: str = attrs.field(validator=_nonempty_str)
+    """Model name (identity)."""
+
+    layer_start: int = attrs.field(validator=_int_in(0, _U32_MAX))
+    """First layer this stage runs (identity)."""
+
+    layer_end: int = attrs.field(validator=_int_in(0, _U32_MAX))
+    """One past the last layer this stage runs (identity); must be >= ``layer_start``."""
+
+    stage_index: int = attrs.field(default=0, validator=_int_in(0, _U32_MAX))
+    """Position of the stage in the pipeline (identity)."""
+
+    run_id: str = attrs.field(default="", validator=_str)
+    """Run name; not part of the identity."""
+
+    topology_id: str = attrs.field(default="", validator=_str)
+    """Topology name; not part of the identity (V-D onward), so caches survive restarts."""
+
+    package_ref: str | None = attrs.field(default=None, validator=_optional_str)
+    """Reference of the weight package (identity)."""
+
+    manifest_sha256: str | None = attrs.field(default=None, validator=_optional_str)
+    """Digest of the package manifest (identity)."""
+
+    source_model_sha256: str | None = attrs.field(default=None, validator=_optional_str)
+    """Digest of the source model file (identity)."""
+
+    load_mode: LoadMode = attrs.field(default=LoadMode.RUNTIME_SLICE, converter=_to_load_mode)
+    """How the weights were loaded (identity)."""
+
+    ctx_size: int = attrs.field(default=8192, validator=_int_in(1, _U32_MAX))
+    """Context length (identity, as ``ctx:{ctx_size}``); also sets the record-ladder budget."""
+
+    lane_count: int = attrs.field(default=1, validator=_int_in(1, _U32_MAX))
+    """Concurrent sequences the stage serves."""
+
+    cache_type_k: str = attrs.field(default="f16", validator=_nonempty_str)
+    """KV cache element type for keys (identity)."""
+
+    cache_type_v: str = attrs.field(default="f16", validator=_nonempty_str)
+    """KV cache element type for values (identity)."""
+
+    flash_attn: FlashAttention = attrs.field(
+        default=FlashAttention.AUTO, converter=_to_flash_attention
+    )
+    """Flash-attention setting (identity)."""
+
+    n_gpu_layers: int = attrs.field(default=0, validator=_int_in(_I32_MIN, _I32_MAX))
+    """Layers offloaded to the GPU; negative means all (identity)."""
+
+    selected_device: str | None = attrs.field(default=None, validator=_optional_str)
+    """Backend device name such as ``"CUDA0"``, or None (identity)."""
+
+    kv_unified: bool | None = attrs.field(default=None, validator=_optional_bool)
+    """Unified KV buffer setting, or None when absent (identity)."""
+
+    swa_full: bool | None = attrs.field(default=None, validator=_optional_bool)
+    """Full sliding-window-attention cache setting, or None when absent (identity)."""
+
+    kv_cache: KvCacheConfig | None = attrs.field(default=None, converter=_to_kv_cache)
+    """Cache settings; None falls back to the environment (spec §6.1)."""
+
+    upstream: str | None = attrs.field(default=None, validator=_optional_str)
+    """Id of the previous stage, or None for the first."""
+
+    downstream: str | None = attrs.field(default=None, validator=_optional_str)
+    """Id of the next stage, or None for the last."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.layer_end < self.layer_start:
+            msg = f"layer_end must be >= layer_start ({self.layer_start}), got {self.layer_end}"
+            raise ConfigError(msg)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], *, source: str | None = None) -> StageConfig:
+        """Build from a mapping (a parsed TOML or JSON document); ``kv_cache`` may be a table.
+
+        Args:
+            mapping: Field names to values. Enum fields take their string values.
+            source: Where the mapping came from (a file name), added to error messages.
+
+        Raises:
+            ConfigError: a missing or unknown key, or a bad value; the message names the field,
+                the value and ``source``.
+        """
+        return _build(cls, mapping, source=source, prefix="")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> StageConfig:
+        """Load from a TOML file (top-level keys are fields; ``[kv_cache]`` is a table).
+
+        Raises:
+            ConfigError: the file cannot be read or parsed, or holds a bad value.
+        """
+        source = os.fspath(path)
+        try:
+            with open(source, "rb") as handle:
+                document = tomllib.load(handle)
+        except OSError as exc:
+            msg = f"{source}: cannot read config file: {exc.strerror}"
+            raise ConfigError(msg) from exc
+        except tomllib.TOMLDecodeError as exc:
+            msg = f"{source}: invalid TOML: {exc}"
+            raise ConfigError(msg) from exc
+        return cls.from_mapping(document, source=source)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> StageConfig:
+        """Load from a JSON file holding one object.
+
+        Raises:
+            ConfigError: the file cannot be read or parsed, or holds a bad value.
+        """
+        source = os.fspath(path)
+        try:
+            with open(source, encoding="utf-8") as handle:
+                document = json.load(handle)
+        except OSError as exc:
+            msg = f"{source}: cannot read config file: {exc.strerror}"
+            raise ConfigError(msg) from exc
+        except json.JSONDecodeError as exc:
+            msg = f"{source}: invalid JSON: {exc}"
+            raise ConfigError(msg) from exc
+        if not isinstance(document, dict):
+            msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
+            raise ConfigError(msg)
+        return cls.from_mapping(document, source=source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> StageConfig:
+        """Load from a ``.toml`` or ``.json`` file, chosen by suffix.
+
+        Raises:
+            ConfigError: an unknown suffix, or any error of :meth:`from_toml`/:meth:`from_json`.
+        """
+        suffix = Path(path).suffix.lower()
+        if suffix == ".toml":
+            return cls.from_toml(path)
+        if suffix == ".json":
+            return cls.from_json(path)
+        msg = f"{os.fspath(path)}: config file suffix must be .toml or .json, got {suffix!r}"
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class MessageBase:
+    """Envelope fields every stage message carries (the upstream's ``MessageBase``).
+
+    None of these is hashed into the cache identity except ``chat_template_id``, which is the
+    cache namespace (so prompts are shared across sessions by design).
+    """
+
+    schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_int_in(0, _U32_MAX))
+    """Message schema version."""
+
+    run_id: str = attrs.field(default="", validator=_str)
+    """Run the message belongs to."""
+
+    request_id: str = attrs.field(default="", validator=_str)
+    """Request the message belongs to."""
+
+    session_id: str = attrs.field(default="", validator=_str)
+    """Session the request belongs to (metadata only; never hashed)."""
+
+    stage_id: str = attrs.field(default="", validator=_str)
+    """Stage the message is addressed to."""
+
+    stage_index: int = attrs.field(default=0, validator=_int_in(0, _U32_MAX))
+    """Index of that stage."""
+
+    topology_id: str = attrs.field(default="", validator=_str)
+    """Topology of the run."""
+
+    model_id: str | None = attrs.field(default=None, validator=_optional_str)
+    """Model the request targets."""
+
+    tokenizer_id: str | None = attrs.field(default=None, validator=_optional_str)
+    """Tokenizer; the identity metadata falls back to the model id when absent."""
+
+    chat_template_id: str | None = attrs.field(default=None, validator=_optional_str)
+    """Cache namespace: hashed into every prefix identity when present."""
+
+    seq: int | None = attrs.field(default=None, validator=_optional_int(0, _U64_MAX))
+    """Sequence number of the message within its request."""
+
+
+# --------------------------------------------------------------------------------------------
+# building from mappings
+
+_T = TypeVar("_T")
+
+
+def _build(
+    cls: Callable[..., _T], mapping: Mapping[str, Any], *, source: str | None, prefix: str
+) -> _T:
+    """Construct ``cls`` from ``mapping``; errors name ``prefix + field`` and ``source``."""
+    where = f"{source}: " if source else ""
+    if not isinstance(mapping, Mapping):
+        msg = f"{where}{prefix.rstrip('.') or 'config'} must be a table, got {mapping!r}"
+        raise ConfigError(msg)
+    fields = attrs.fields_dict(cls)  # type: ignore[arg-type]
+    for key in mapping:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            msg = f"{where}unknown field {prefix}{key} (known fields: {known})"
+            raise ConfigError(msg)
+    missing = [
+        name
+        for name, field in fields.items()
+        if field.default is attrs.NOTHING and name not in mapping
+    ]
+    if missing:
+        msg = f"{where}missing required field {prefix}{missing[0]}"
+        raise ConfigError(msg)
+    values = dict(mapping)
+    if "kv_cache" in values and isinstance(values["kv_cache"], Mapping):
+        values["kv_cache"] = _build(
+            KvCacheConfig, values["kv_cache"], source=source, prefix=prefix + "kv_cache."
+        )
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        msg = f"{where}{prefix}{exc}"
+        raise ConfigError(msg) from None

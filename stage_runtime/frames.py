@@ -1,0 +1,467 @@
+"""Activation frames: the rows a stage produces for a run of tokens.
+
+A frame is a small descriptor (:class:`ActivationDesc`) plus a read-only 1-D ``uint8`` numpy
+payload. Frames never copy their payload: a prefix is a view, and a *virtual* frame (used by
+simulations that replay millions of tokens) is a zero-stride view of a single byte, so it has the
+right size without holding any memory. Code in this module therefore only looks at ``.size``,
+``.shape`` and ``.strides`` of a payload and never materialises it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.errors import FrameError
+
+__all__ = [
+    "ActivationDType",
+    "ActivationDesc",
+    "ActivationFrame",
+    "ActivationLayout",
+]
+
+_U32_MAX: Final = 2**32 - 1
+_U64_MAX: Final = 2**64 - 1
+_I32_MIN: Final = -(2**31)
+_I32_MAX: Final = 2**31 - 1
+
+
+class ActivationDType(enum.IntEnum):
+    """Element type of an activation payload (the upstream's ``RuntimeActivationDType``)."""
+
+    UNKNOWN = 0
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+
+
+class ActivationLayout(enum.IntEnum):
+    """How the payload bytes are arranged (the upstream's ``RuntimeActivationLayout``)."""
+
+    OPAQUE = 0
+    """No known structure: the frame can be cached at its exact length only."""
+
+    TOKEN_MAJOR = 1
+    """Row ``t`` holds token ``t``: a prefix of ``k`` tokens is the first ``k`` rows."""
+
+
+# numpy element type for each dtype; bf16 has no numpy type, so it travels as raw uint16.
+_NUMPY_DTYPE: Final[dict[ActivationDType, np.dtype[Any]]] = {
+    ActivationDType.F32: np.dtype(np.float32),
+    ActivationDType.F16: np.dtype(np.float16),
+    ActivationDType.BF16: np.dtype(np.uint16),
+}
+
+
+def _int_in(low: int, high: int) -> Any:
+    """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``, else FrameError."""
+
+    def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            msg = f"{attribute.name} must be an integer, got {value!r}"
+            raise FrameError(msg)
+        if not low <= int(value) <= high:
+            msg = f"{attribute.name} must be in [{low}, {high}], got {value}"
+            raise FrameError(msg)
+
+    return check
+
+
+def _to_dtype(value: object) -> ActivationDType:
+    try:
+        return ActivationDType(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        msg = f"dtype must be one of {[int(d) for d in ActivationDType]}, got {value!r}"
+        raise FrameError(msg) from None
+
+
+def _to_layout(value: object) -> ActivationLayout:
+    try:
+        return ActivationLayout(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        msg = f"layout must be one of {[int(v) for v in ActivationLayout]}, got {value!r}"
+        raise FrameError(msg) from None
+
+
+@attrs.frozen(kw_only=True)
+class ActivationDesc:
+    """Descriptor of an activation frame; field widths follow the upstream's ``ActivationDesc``."""
+
+    version: int = attrs.field(default=1, validator=_int_in(0, _U32_MAX))
+    """Descriptor format version (always 1 today)."""
+
+    dtype: ActivationDType = attrs.field(converter=_to_dtype)
+    """Element type of the payload."""
+
+    layout: ActivationLayout = attrs.field(converter=_to_layout)
+    """Byte arrangement; only ``TOKEN_MAJOR`` frames can be cut into prefixes."""
+
+    producer_stage_index: int = attrs.field(default=0, validator=_int_in(_I32_MIN, _I32_MAX))
+    """Index of the stage that produced the frame."""
+
+    layer_start: int = attrs.field(default=0, validator=_int_in(_I32_MIN, _I32_MAX))
+    """First layer of the producing stage."""
+
+    layer_end: int = attrs.field(default=0, validator=_int_in(_I32_MIN, _I32_MAX))
+    """One past the last layer of the producing stage."""
+
+    token_count: int = attrs.field(validator=_int_in(0, _U32_MAX))
+    """Number of tokens the frame covers."""
+
+    sequence_count: int = attrs.field(default=1, validator=_int_in(0, _U32_MAX))
+    """Number of sequences in the frame (1 for a prefill)."""
+
+    payload_bytes: int = attrs.field(validator=_int_in(0, _U64_MAX))
+    """Length of the payload in bytes; must equal the payload's size."""
+
+    flags: int = attrs.field(default=0, validator=_int_in(0, _U64_MAX))
+    """Side-band bits; a non-zero value means the payload is not plain token rows."""
+
+
+def _readonly_payload(value: object) -> npt.NDArray[np.uint8]:
+    """Check a payload and return a read-only view of it (never a copy)."""
+    if not isinstance(value, np.ndarray):
+        msg = f"payload must be a numpy uint8 array, got {type(value).__name__}"
+        raise FrameError(msg)
+    if value.dtype != np.uint8:
+        msg = f"payload dtype must be uint8, got {value.dtype}"
+        raise FrameError(msg)
+    if value.ndim != 1:
+        msg = f"payload must be 1-D, got shape {value.shape}"
+        raise FrameError(msg)
+    if not value.flags.writeable:
+        return value
+    view = value.view()
+    view.flags.writeable = False
+    return view
+
+
+def _is_zero_stride(payload: npt.NDArray[np.uint8]) -> bool:
+    return payload.size > 0 and payload.strides[0] == 0
+
+
+# One shared zero byte backs every virtual payload: broadcasting it costs no memory.
+_ZERO_BYTE: Final = np.zeros(1, dtype=np.uint8)
+_ZERO_BYTE.flags.writeable = False
+
+
+def _virtual_payload(size: int, fill: int = 0) -> npt.NDArray[np.uint8]:
+    base = _ZERO_BYTE if fill == 0 else np.full(1, fill, dtype=np.uint8)
+    return np.broadcast_to(base, (size,))
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ActivationFrame:
+    """An activation descriptor plus its read-only ``uint8`` payload.
+
+    The payload may be any 1-D ``uint8`` array, including zero-stride broadcast views (see
+    :meth:`virtual`); it is stored as a read-only view and never copied. Frames compare by
+    identity; compare contents with :meth:`same_content`.
+    """
+
+    desc: ActivationDesc = attrs.field(validator=attrs.validators.instance_of(ActivationDesc))
+    """What the payload holds."""
+
+    payload: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_payload)
+    """The bytes, read-only; ``payload.size == desc.payload_bytes``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.desc.payload_bytes != self.payload.size:
+            msg = (
+                f"payload_bytes must equal the payload size {self.payload.size}, "
+                f"got {self.desc.payload_bytes}"
+            )
+            raise FrameError(msg)
+
+    @classmethod
+    def from_array(
+        cls,
+        rows: npt.NDArray[Any],
+        *,
+        dtype: ActivationDType | None = None,
+        producer_stage_index: int = 0,
+        layer_start: int = 0,
+        layer_end: int = 0,
+    ) -> ActivationFrame:
+        """Wrap a 2-D ``(tokens, width)`` array as a token-major frame.
+
+        Zero-copy when ``rows`` is C-contiguous (the frame then shares its memory, so do not
+        write to ``rows`` afterwards); otherwise the rows are copied once.
+
+        Args:
+            rows: float32 or float16 rows, or uint16 rows holding raw bf16 values.
+            dtype: The activation dtype; inferred from ``rows.dtype`` when None. Required
+                (``BF16``) for uint16 rows.
+            producer_stage_index: Index of the producing stage.
+            layer_start: First layer of the producing stage.
+            layer_end: One past the last layer of the producing stage.
+
+        Raises:
+            FrameError: ``rows`` is not 2-D or its element type does not match ``dtype``.
+        """
+        if not isinstance(rows, np.ndarray) or rows.ndim != 2:
+            shape = getattr(rows, "shape", type(rows).__name__)
+            msg = f"rows must be a 2-D (tokens, width) array, got {shape}"
+            raise FrameError(msg)
+        if dtype is None:
+            inferred: dict[np.dtype[Any], ActivationDType] = {
+                np.dtype(np.float32): ActivationDType.F32,
+                np.dtype(np.float16): ActivationDType.F16,
+            }
+            if rows.dtype not in inferred:
+                msg = (
+                    f"rows dtype must be float32 or float16 (or uint16 with dtype=BF16), "
+                    f"got {rows.dtype}"
+                )
+                raise FrameError(msg)
+            dtype = inferred[rows.dtype]
+        dtype = _to_dtype(dtype)
+        expected = _NUMPY_DTYPE.get(dtype)
+        if expected is None or rows.dtype != expected:
+            msg = f"rows dtype {rows.dtype} does not match activation dtype {dtype.name}"
+            raise FrameError(msg)
+        contiguous = np.ascontiguousarray(rows)
+        payload = contiguous.reshape(-1).view(np.uint8)
+        desc = ActivationDesc(
+            dtype=dtype,
+            layout=ActivationLayout.TOKEN_MAJOR,
+            producer_stage_index=producer_stage_index,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            token_count=rows.shape[0],
+            payload_bytes=payload.size,
+        )
+        return cls(desc=desc, payload=payload)
+
+    @classmethod
+    def virtual(
+        cls,
+        *,
+        token_count: int,
+        bytes_per_token: int,
+        dtype: ActivationDType = ActivationDType.F32,
+        layout: ActivationLayout = ActivationLayout.TOKEN_MAJOR,
+        producer_stage_index: int = 0,
+        layer_start: int = 0,
+        layer_end: int = 0,
+        flags: int = 0,
+        fill: int = 0,
+    ) -> ActivationFrame:
+        """A frame of the right size whose payload holds no memory.
+
+        The payload is a zero-stride broadcast of one byte (``fill``), so a frame of 61 million
+        tokens at 8,192 bytes each costs nothing. Simulations use it to account bytes
+        faithfully without allocating them.
+
+        Raises:
+            FrameError: a count is negative or ``fill`` is not a byte value.
+        """
+        for name, value in (("token_count", token_count), ("bytes_per_token", bytes_per_token)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                msg = f"{name} must be an integer >= 0, got {value!r}"
+                raise FrameError(msg)
+        if not isinstance(fill, int) or isinstance(fill, bool) or not 0 <= fill <= 255:
+            msg = f"fill must be an integer in [0, 255], got {fill!r}"
+            raise FrameError(msg)
+        size = token_count * bytes_per_token
+        desc = ActivationDesc(
+            dtype=dtype,
+            layout=layout,
+            producer_stage_index=producer_stage_index,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            token_count=token_count,
+            payload_bytes=size,
+            flags=flags,
+        )
+        return cls(desc=desc, payload=_virtual_payload(size, fill))
+
+    @property
+    def token_count(self) -> int:
+        """Number of tokens the frame covers."""
+        return self.desc.token_count
+
+    @property
+    def payload_bytes(self) -> int:
+        """Length of the payload in bytes."""
+        return self.desc.payload_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Payload bytes per token (0 for an empty frame); exact for sliceable frames."""
+        if self.desc.token_count == 0:
+            return 0
+        return self.desc.payload_bytes // self.desc.token_count
+
+    @property
+    def is_virtual(self) -> bool:
+        """Whether the payload is a zero-stride view (no memory behind it)."""
+        return _is_zero_stride(self.payload)
+
+    def rows(self) -> npt.NDArray[Any]:
+        """The payload as a read-only ``(tokens, width)`` array in the frame's element type.
+
+        float32 for F32, float16 for F16, uint16 (raw bf16) for BF16. A view when the payload
+        is contiguous or virtual.
+
+        Raises:
+            FrameError: the frame is not token-major, has flags, an unknown dtype, or a payload
+                that is not a whole number of rows.
+        """
+        if self.desc.layout != ActivationLayout.TOKEN_MAJOR:
+            msg = f"rows() needs a TOKEN_MAJOR frame, got layout {self.desc.layout.name}"
+            raise FrameError(msg)
+        if self.desc.flags != 0:
+            msg = f"rows() needs a frame without side-band flags, got flags {self.desc.flags}"
+            raise FrameError(msg)
+        element = _NUMPY_DTYPE.get(self.desc.dtype)
+        if element is None:
+            msg = f"rows() needs a known dtype, got {self.desc.dtype.name}"
+            raise FrameError(msg)
+        tokens = self.desc.token_count
+        row_bytes = self.bytes_per_token
+        if tokens and (row_bytes * tokens != self.payload.size or row_bytes % element.itemsize):
+            msg = (
+                f"payload_bytes {self.payload.size} is not {tokens} rows of whole "
+                f"{element.name} elements"
+            )
+            raise FrameError(msg)
+        width = row_bytes // element.itemsize
+        if self.is_virtual:
+            # Reinterpret one element's worth of the repeated byte, then broadcast it again.
+            one = np.ascontiguousarray(self.payload[: element.itemsize]).view(element)
+            return np.broadcast_to(one, (tokens, width))
+        data = np.ascontiguousarray(self.payload).view(element).reshape(tokens, width)
+        data.flags.writeable = False
+        return data
+
+    def prefix_error(self, token_count: int) -> str | None:
+        """Why :meth:`prefix` would refuse ``token_count``, or None when it would succeed."""
+        frame_tokens = self.desc.token_count
+        if token_count == frame_tokens:
+            return None
+        if token_count <= 0 or token_count > frame_tokens:
+            return f"token_count must be in [1, {frame_tokens}], got {token_count}"
+        if self.desc.layout != ActivationLayout.TOKEN_MAJOR:
+            return f"only TOKEN_MAJOR frames can be cut, got layout {self.desc.layout.name}"
+        if self.desc.flags != 0:
+            return f"frames with side-band flags cannot be cut, got flags {self.desc.flags}"
+        if self.payload.size % frame_tokens:
+            return (
+                f"payload_bytes {self.payload.size} is not a multiple of token_count {frame_tokens}"
+            )
+        return None
+
+    def prefix(self, token_count: int) -> ActivationFrame:
+        """The first ``token_count`` tokens of this frame, as a zero-copy view (spec §5.3).
+
+        ``token_count == self.token_count`` returns this frame unchanged, whatever its layout
+        and flags. Any other length needs a token-major frame without flags whose payload is a
+        whole number of rows, and ``0 < token_count < self.token_count``.
+
+        Raises:
+            FrameError: the frame cannot be cut at ``token_count``; the message says why.
+        """
+        if not isinstance(token_count, int | np.integer) or isinstance(token_count, bool):
+            msg = f"token_count must be an integer, got {token_count!r}"
+            raise FrameError(msg)
+        token_count = int(token_count)
+        reason = self.prefix_error(token_count)
+        if reason is not None:
+            raise FrameError(reason)
+        return self._cut(token_count)
+
+    def _cut(self, token_count: int) -> ActivationFrame:
+        """Unchecked prefix: the caller has made sure :meth:`prefix_error` returns None."""
+        if token_count == self.desc.token_count:
+            return self
+        payload_bytes = self.payload.size // self.desc.token_count * token_count
+        desc = attrs.evolve(self.desc, token_count=token_count, payload_bytes=payload_bytes)
+        return ActivationFrame(desc=desc, payload=self.payload[:payload_bytes])
+
+    @staticmethod
+    def concat(first: ActivationFrame, second: ActivationFrame) -> ActivationFrame:
+        """Token-major concatenation: the rows of ``first`` followed by those of ``second``.
+
+        Copies the payloads once, except when both are virtual with the same fill byte: the
+        result is then virtual too. An empty frame contributes nothing (the other is returned).
+
+        Raises:
+            FrameError: the frames are not token-major, carry flags, are not whole rows, or
+                their descriptors differ in anything but token count and payload size.
+        """
+        for name, frame in (("first", first), ("second", second)):
+            if not isinstance(frame, ActivationFrame):
+                msg = f"{name} must be an ActivationFrame, got {type(frame).__name__}"
+                raise FrameError(msg)
+        a, b = first.desc, second.desc
+        fields = (
+            "version",
+            "dtype",
+            "layout",
+            "producer_stage_index",
+            "layer_start",
+            "layer_end",
+            "sequence_count",
+            "flags",
+        )
+        for name in fields:
+            if getattr(a, name) != getattr(b, name):
+                msg = (
+                    f"cannot concat frames whose {name} differs: "
+                    f"{getattr(a, name)!r} != {getattr(b, name)!r}"
+                )
+                raise FrameError(msg)
+        if a.layout != ActivationLayout.TOKEN_MAJOR or a.flags != 0:
+            msg = (
+                f"concat needs TOKEN_MAJOR frames without flags, "
+                f"got layout {a.layout.name} and flags {a.flags}"
+            )
+            raise FrameError(msg)
+        if b.token_count == 0 and b.payload_bytes == 0:
+            return first
+        if a.token_count == 0 and a.payload_bytes == 0:
+            return second
+        for name, frame in (("first", first), ("second", second)):
+            d = frame.desc
+            if d.token_count == 0 or d.payload_bytes % d.token_count:
+                msg = (
+                    f"{name} frame is not whole rows: payload_bytes {d.payload_bytes}, "
+                    f"token_count {d.token_count}"
+                )
+                raise FrameError(msg)
+        if first.bytes_per_token != second.bytes_per_token:
+            msg = (
+                f"cannot concat frames whose bytes_per_token differs: "
+                f"{first.bytes_per_token} != {second.bytes_per_token}"
+            )
+            raise FrameError(msg)
+        token_count = a.token_count + b.token_count
+        payload_bytes = a.payload_bytes + b.payload_bytes
+        if first.is_virtual and second.is_virtual and first.payload[0] == second.payload[0]:
+            payload = _virtual_payload(payload_bytes, int(first.payload[0]))
+        else:
+            payload = np.concatenate((first.payload, second.payload))
+        desc = attrs.evolve(a, token_count=token_count, payload_bytes=payload_bytes)
+        return ActivationFrame(desc=desc, payload=payload)
+
+    def same_content(self, other: ActivationFrame) -> bool:
+        """Whether both frames have equal descriptors and equal payload bytes.
+
+        Virtual payloads are compared by their fill byte, without materialising them.
+        """
+        if self.desc != other.desc:
+            return False
+        if self.payload is other.payload or self.payload.size == 0:
+            return True
+        if self.is_virtual and other.is_virtual:
+            return bool(self.payload[0] == other.payload[0])
+        if self.is_virtual or other.is_virtual:
+            virtual, real = (self, other) if self.is_virtual else (other, self)
+            return bool(np.all(real.payload == virtual.payload[0]))
+        return bool(np.array_equal(self.payload, other.payload))

@@ -1,0 +1,421 @@
+"""Prefix identity: the BLAKE3 hash that names a cached prefix, and the keys built from it.
+
+The hash covers everything that makes one stage's activations for a token prefix reusable: the
+weights, the stage's layer range, the KV layout, the platform, the context size, the cache
+namespace, the start position and the tokens themselves (spec §1.2, version V-E). Session, request
+and run ids are deliberately left out, so prompts are shared across sessions.
+
+All identities of a prompt's candidate lengths come from **one pass** over its tokens: one hasher
+is fed the tokens in ascending candidate order and read out at each candidate length
+(:func:`prefix_hashes`). BLAKE3's digest does not consume the hasher, so reading it at a length is
+the same as hashing a ``.copy()`` of it there, without the copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform as _platform
+import struct
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import attrs
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.config import FlashAttention, LoadMode, StageConfig
+from stage_runtime.errors import ConfigError
+
+__all__ = [
+    "RUNTIME_ABI_VERSION",
+    "PlatformIdentity",
+    "TokenArray",
+    "activation_page_id",
+    "as_token_array",
+    "page_id",
+    "prefix_hash",
+    "prefix_hashes",
+    "prefix_namespace_hash",
+]
+
+RUNTIME_ABI_VERSION: Final = "stage-abi-0.1/native-kv-page-v2"
+"""ABI string hashed into every identity (the upstream's V-D/V-E value)."""
+
+_HASH_PREFIX: Final = "blake3:"
+_LAYOUT_CONSTANT: Final = 4  # the upstream's layer-contiguous page layout, hashed as i32
+_KV_DTYPE: Final = "ggml-native-kv"
+_TOKEN_DTYPE: Final = np.dtype("<i4")
+_I32_MIN: Final = -(2**31)
+_I32_MAX: Final = 2**31 - 1
+_U64_MAX: Final = 2**64 - 1
+
+TokenArray = npt.NDArray[np.int32]
+"""A 1-D array of little-endian int32 token ids, as returned by :func:`as_token_array`."""
+
+_LOAD_MODE_TAGS: Final = {
+    LoadMode.LAYER_PACKAGE: "load:package-",
+    LoadMode.RUNTIME_SLICE: "load:runslice",
+    LoadMode.ARTIFACT_SLICE: "load:artslice",
+}
+# Fixed-width tags, as upstream ("offf"/"onnn" keep all three the same length).
+_FLASH_TAGS: Final = {
+    FlashAttention.AUTO: "fa:auto",
+    FlashAttention.DISABLED: "fa:offf",
+    FlashAttention.ENABLED: "fa:onnn",
+}
+
+# platform.machine() spellings mapped to the Rust target_arch names the upstream hashes.
+_RUST_ARCH: Final = {
+    "x86_64": "x86_64",
+    "amd64": "x86_64",
+    "x64": "x86_64",
+    "i386": "x86",
+    "i486": "x86",
+    "i586": "x86",
+    "i686": "x86",
+    "x86": "x86",
+    "aarch64": "aarch64",
+    "arm64": "aarch64",
+    "armv6l": "arm",
+    "armv7l": "arm",
+    "armv8l": "arm",
+    "arm": "arm",
+    "ppc64le": "powerpc64",
+    "ppc64": "powerpc64",
+    "ppc": "powerpc",
+    "s390x": "s390x",
+    "riscv64": "riscv64",
+    "loongarch64": "loongarch64",
+    "mips64": "mips64",
+    "mips": "mips",
+    "wasm32": "wasm32",
+}
+
+
+@attrs.frozen(kw_only=True)
+class PlatformIdentity:
+    """The platform part of the identity: caches never alias across ABIs (spec §1.2 step 5)."""
+
+    arch: str
+    """Rust ``target_arch`` name, such as ``"x86_64"`` or ``"aarch64"``."""
+
+    little_endian: bool
+    """Byte order of the host."""
+
+    pointer_width: int
+    """Pointer width in bits (32 or 64)."""
+
+    @classmethod
+    def current(cls) -> PlatformIdentity:
+        """The identity of the running interpreter's platform."""
+        return _current_platform()
+
+
+@functools.cache
+def _current_platform() -> PlatformIdentity:
+    machine = _platform.machine().lower()
+    return PlatformIdentity(
+        arch=_RUST_ARCH.get(machine, machine),
+        little_endian=sys.byteorder == "little",
+        pointer_width=struct.calcsize("P") * 8,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# tokens
+
+
+def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[int]) -> TokenArray:
+    """Validate token ids once and return them as a 1-D little-endian int32 array.
+
+    An int32 array that is already contiguous is returned as is (no copy); anything else is
+    converted once.
+
+    Args:
+        tokens: Any sequence of Python ints or a 1-D integer numpy array.
+
+    Raises:
+        ConfigError: tokens are not 1-D, not integers, or outside the int32 range; the message
+            names the first offending index and value.
+    """
+    original: Sequence[object] | None = None
+    if isinstance(tokens, np.ndarray):
+        array: npt.NDArray[Any] = tokens
+    else:
+        if not isinstance(tokens, Sequence):
+            tokens = list(tokens)
+        if len(tokens) == 0:
+            return np.zeros(0, dtype=_TOKEN_DTYPE)
+        original = tokens
+        try:
+            array = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError) as exc:
+            msg = f"tokens must be a flat sequence of integers: {exc}"
+            raise ConfigError(msg) from None
+    if array.ndim != 1:
+        msg = f"tokens must be 1-D, got shape {array.shape}"
+        raise ConfigError(msg)
+    if array.dtype.kind not in "iu":
+        if array.size == 0:
+            return np.zeros(0, dtype=_TOKEN_DTYPE)
+        _raise_first_bad_token(array.tolist() if original is None else original, array.dtype)
+    if array.dtype == _TOKEN_DTYPE:
+        return np.ascontiguousarray(array)
+    if array.size and (array.dtype.itemsize > 4 or array.dtype.kind == "u"):
+        out_of_range = (array < _I32_MIN) | (array > _I32_MAX)
+        if out_of_range.any():
+            bad = int(np.flatnonzero(out_of_range)[0])
+            msg = (
+                f"tokens must be in int32 range [{_I32_MIN}, {_I32_MAX}], "
+                f"got {int(array[bad])} at index {bad}"
+            )
+            raise ConfigError(msg)
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def _raise_first_bad_token(values: Sequence[object], dtype: np.dtype[Any]) -> None:
+    """Raise the ConfigError naming the first token that is not an int32 integer."""
+    for index, value in enumerate(values):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            msg = f"tokens must be integers, got {value!r} at index {index} (dtype {dtype})"
+            raise ConfigError(msg)
+        if not _I32_MIN <= int(value) <= _I32_MAX:
+            msg = (
+                f"tokens must be in int32 range [{_I32_MIN}, {_I32_MAX}], "
+                f"got {value} at index {index}"
+            )
+            raise ConfigError(msg)
+    # Integers in range but an object array (e.g. Python ints too mixed for numpy): convert.
+    msg = f"tokens must be an integer array, got dtype {dtype}"
+    raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# the byte stream (spec §1.2, V-E)
+
+
+def _u32(value: int) -> bytes:
+    return value.to_bytes(4, "little")
+
+
+def _i32(value: int) -> bytes:
+    return value.to_bytes(4, "little", signed=True)
+
+
+def _u64(value: int) -> bytes:
+    return value.to_bytes(8, "little")
+
+
+def _tri_state(value: bool | None) -> bytes:
+    return b"absent" if value is None else (b"true" if value else b"false")
+
+
+def _check_token_start(token_start: int) -> int:
+    if not isinstance(token_start, int | np.integer) or isinstance(token_start, bool):
+        msg = f"token_start must be an integer, got {token_start!r}"
+        raise ConfigError(msg)
+    if not 0 <= token_start <= _U64_MAX:
+        msg = f"token_start must be in [0, {_U64_MAX}], got {token_start}"
+        raise ConfigError(msg)
+    return int(token_start)
+
+
+def _check_namespace(namespace: str | None) -> None:
+    if namespace is not None and not isinstance(namespace, str):
+        msg = f"namespace must be a string or None, got {namespace!r}"
+        raise ConfigError(msg)
+
+
+@functools.lru_cache(maxsize=512)
+def _namespace_hasher(
+    config: StageConfig, token_start: int, namespace: str | None, platform: PlatformIdentity
+) -> blake3.blake3:
+    """The hasher fed with everything but the tokens; callers feed a ``.copy()`` of it."""
+    h = blake3.blake3()
+    # 1. weight identity
+    h.update(b"kv-weight-identity-v1")
+    h.update(config.model_id.encode())
+    for tag, value in (
+        (b"manifest:", config.manifest_sha256),
+        (b"source:", config.source_model_sha256),
+        (b"package:", config.package_ref),
+    ):
+        h.update(tag)
+        h.update(b"<absent>" if value is None else b"=" + value.encode())
+    h.update(_LOAD_MODE_TAGS[config.load_mode].encode())
+    # 2. stage
+    h.update(config.stage_id.encode())
+    h.update(_u32(config.stage_index))
+    h.update(_u32(config.layer_start))
+    h.update(_u32(config.layer_end))
+    # 3. page ABI
+    h.update(RUNTIME_ABI_VERSION.encode())
+    h.update(_i32(_LAYOUT_CONSTANT))
+    h.update(_KV_DTYPE.encode())
+    # 4. KV layout
+    h.update(b"kv-layout-identity-v1")
+    h.update(config.cache_type_k.encode())
+    h.update(b"/")
+    h.update(config.cache_type_v.encode())
+    h.update(_FLASH_TAGS[config.flash_attn].encode())
+    h.update(_i32(config.n_gpu_layers))
+    device = config.selected_device
+    h.update(b"<no-selected-device>" if device is None else device.encode())
+    h.update(b"kv-unified:" + _tri_state(config.kv_unified))
+    h.update(b"swa-full:" + _tri_state(config.swa_full))
+    # 5. platform
+    h.update(b"kv-platform-identity-v1")
+    h.update(platform.arch.encode())
+    h.update(b"endian:le" if platform.little_endian else b"endian:be")
+    h.update(_u32(platform.pointer_width))
+    # 6. context, 7. namespace, 8. start position
+    h.update(f"ctx:{config.ctx_size}".encode())
+    if namespace is not None:
+        h.update(b"openai-cache-namespace-v1")
+        h.update(namespace.encode())
+    h.update(_u64(token_start))
+    return h
+
+
+def _prelude(
+    config: StageConfig,
+    token_start: int,
+    namespace: str | None,
+    platform: PlatformIdentity | None,
+) -> blake3.blake3:
+    if not isinstance(config, StageConfig):
+        msg = f"config must be a StageConfig, got {type(config).__name__}"
+        raise ConfigError(msg)
+    _check_namespace(namespace)
+    start = _check_token_start(token_start)
+    return _namespace_hasher(config, start, namespace, platform or _current_platform()).copy()
+
+
+def prefix_namespace_hash(
+    config: StageConfig,
+    token_start: int,
+    namespace: str | None = None,
+    *,
+    platform: PlatformIdentity | None = None,
+) -> str:
+    """Hash of everything but the tokens: the namespace a family of prefixes lives in.
+
+    Args:
+        config: The stage whose identity is hashed.
+        token_start: Position of the first token.
+        namespace: Cache namespace (``MessageBase.chat_template_id``), or None.
+        platform: Platform identity to hash; the running platform when None.
+
+    Returns:
+        ``"blake3:"`` followed by 64 lowercase hex digits.
+    """
+    return _HASH_PREFIX + _prelude(config, token_start, namespace, platform).hexdigest()
+
+
+def prefix_hash(
+    config: StageConfig,
+    token_start: int,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    namespace: str | None = None,
+    *,
+    platform: PlatformIdentity | None = None,
+) -> str:
+    """The identity of a token prefix on a stage (spec §1.2, V-E byte stream).
+
+    Args:
+        config: The stage whose identity is hashed.
+        token_start: Position of the first token.
+        tokens: The prefix's token ids (hashed as little-endian int32).
+        namespace: Cache namespace (``MessageBase.chat_template_id``), or None.
+        platform: Platform identity to hash; the running platform when None.
+
+    Returns:
+        ``"blake3:"`` followed by 64 lowercase hex digits.
+
+    Raises:
+        ConfigError: bad tokens, token_start or namespace.
+    """
+    array = as_token_array(tokens)
+    h = _prelude(config, token_start, namespace, platform)
+    h.update(array.data.cast("B"))
+    return _HASH_PREFIX + h.hexdigest()
+
+
+def prefix_hashes(
+    config: StageConfig,
+    token_start: int,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    token_counts: Iterable[int],
+    namespace: str | None = None,
+    *,
+    platform: PlatformIdentity | None = None,
+) -> dict[int, str]:
+    """The identities of several prefixes of ``tokens``, in one pass over the tokens.
+
+    One hasher is fed the tokens in ascending order of ``token_counts`` and read out at each
+    count, so the cost is one hash of ``max(token_counts)`` tokens plus one finalisation per
+    count, not one pass per count. ``prefix_hashes(c, s, t, [k])[k] == prefix_hash(c, s, t[:k])``.
+
+    Args:
+        config: The stage whose identity is hashed.
+        token_start: Position of the first token.
+        tokens: The token ids.
+        token_counts: Prefix lengths, each in ``[0, len(tokens)]``, in any order.
+        namespace: Cache namespace, or None.
+        platform: Platform identity to hash; the running platform when None.
+
+    Returns:
+        A mapping from each distinct count to its ``"blake3:..."`` hash.
+
+    Raises:
+        ConfigError: bad tokens, token_start, namespace, or a count out of range.
+    """
+    array = as_token_array(tokens)
+    counts = sorted(set(token_counts))
+    if counts and (counts[0] < 0 or counts[-1] > array.size):
+        bad = counts[0] if counts[0] < 0 else counts[-1]
+        msg = f"token_counts must be in [0, {array.size}], got {bad}"
+        raise ConfigError(msg)
+    h = _prelude(config, token_start, namespace, platform)
+    return _hash_counts(h, array.data.cast("B"), counts)
+
+
+def _hash_counts(h: blake3.blake3, data: memoryview, counts: list[int]) -> dict[int, str]:
+    """Feed ``data`` (int32 bytes) to ``h`` up to each ascending count and read it out there."""
+    out: dict[int, str] = {}
+    done = 0
+    for count in counts:
+        end = count * 4
+        if end > done:
+            h.update(data[done:end])
+            done = end
+        out[count] = _HASH_PREFIX + h.hexdigest()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# keys (spec §1.3)
+
+
+def page_id(config: StageConfig, token_start: int, token_count: int, prefix_hash: str) -> str:
+    """The page id of a prefix: ``"{stage}:{start}:{count}:{layer_start}:{digest[:16]}"``.
+
+    The ``"blake3:"`` (or legacy ``"sha256:"``) prefix is stripped before taking the first 16
+    hex digits; a shorter digest is used whole.
+    """
+    digest = prefix_hash
+    for scheme in ("blake3:", "sha256:"):
+        if digest.startswith(scheme):
+            digest = digest[len(scheme) :]
+            break
+    return f"{config.stage_id}:{token_start}:{token_count}:{config.layer_start}:{digest[:16]}"
+
+
+def activation_page_id(page_id: str, width: int) -> str:
+    """The activation cache key of a page at an activation width: ``"act:{page_id}:w{width}"``.
+
+    Negative widths become ``w0``, as upstream. Different widths never alias.
+    """
+    return f"act:{page_id}:w{max(width, 0)}"

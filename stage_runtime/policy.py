@@ -1,0 +1,161 @@
+"""Which prefix lengths a stage looks up and records (spec §2).
+
+Lookups probe a stride-aligned grid of prefix lengths, longest first; records store a short
+"ladder" of them: the exact length, the longest grid length below it (the near-tail page that an
+extended prompt will find), and, for limits above 2, rungs spaced geometrically between
+``min_tokens`` and the prompt length within an optional token budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+import attrs
+
+from stage_runtime.config import KvCacheConfig
+from stage_runtime.errors import ConfigError
+
+__all__ = [
+    "CandidatePolicy",
+    "derive_max_resident_tokens",
+    "round_half_away_from_zero",
+]
+
+_U64_MAX: Final = 2**64 - 1
+
+
+def _count(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U64_MAX:
+        msg = f"{attribute.name} must be an integer >= 0, got {value!r}"
+        raise ConfigError(msg)
+
+
+def round_half_away_from_zero(value: float) -> int:
+    """Round like Rust's ``f64::round`` (2.5 -> 3, -2.5 -> -3), unlike Python's ``round``."""
+    return int(math.copysign(math.floor(abs(value) + 0.5), value))
+
+
+def derive_max_resident_tokens(ctx_size: int) -> int:
+    """The record-ladder token budget for a context size (spec §6.2, V-A..V-D variant).
+
+    0 (no budget) below 8,192 tokens of context, else half the context.
+    """
+    if ctx_size < 8192:
+        return 0
+    return ctx_size // 2
+
+
+def _check_n(token_count: object) -> int:
+    if not isinstance(token_count, int) or isinstance(token_count, bool) or token_count < 0:
+        msg = f"token_count must be an integer >= 0, got {token_count!r}"
+        raise ConfigError(msg)
+    return token_count
+
+
+@attrs.frozen(kw_only=True)
+class CandidatePolicy:
+    """The lookup grid and record ladder (the upstream's ``SparseCheckpointPolicy``)."""
+
+    min_tokens: int = attrs.field(default=64, validator=_count)
+    """Shortest prefix considered; 0 makes every candidate list exact-only."""
+
+    stride_tokens: int = attrs.field(default=128, validator=_count)
+    """Grid spacing before capping at ``page_size_tokens`` (0 acts as 1)."""
+
+    record_limit: int = attrs.field(default=2, validator=_count)
+    """Lengths one record stores; 0 means all lookup candidates."""
+
+    page_size_tokens: int = attrs.field(default=64, validator=_count)
+    """Caps the stride; ``max(min_tokens, 1)`` when built from a cache config."""
+
+    max_resident_tokens_hint: int = attrs.field(default=0, validator=_count)
+    """Token budget of the geometric rungs (limits above 2); 0 means no budget."""
+
+    @classmethod
+    def from_cache_config(cls, cfg: KvCacheConfig) -> CandidatePolicy:
+        """The policy of a cache configuration, with no token budget (hint 0)."""
+        return cls(
+            min_tokens=cfg.min_tokens,
+            stride_tokens=cfg.shared_prefix_stride_tokens,
+            record_limit=cfg.shared_prefix_record_limit,
+            page_size_tokens=max(cfg.min_tokens, 1),
+        )
+
+    @property
+    def effective_stride(self) -> int:
+        """The grid spacing actually used: the stride capped at the page size, at least 1."""
+        return min(max(self.stride_tokens, 1), max(self.page_size_tokens, 1))
+
+    def candidate_token_counts(self, token_count: int) -> list[int]:
+        """Prefix lengths to look up for an N-token prompt, longest first (spec §2.1).
+
+        ``[N]`` when N is at most ``min_tokens`` (or ``min_tokens`` is 0), else N followed by the
+        grid floor below N and every grid line down to ``min_tokens``.
+
+        Raises:
+            ConfigError: ``token_count`` is not an integer >= 0.
+        """
+        n = _check_n(token_count)
+        low = self.min_tokens
+        if n == 0:
+            return []
+        if low == 0 or n <= low:
+            return [n]
+        stride = self.effective_stride
+        top = n - n % stride
+        if top == n:
+            top = n - stride
+        top = max(top, low)
+        return [n, *range(top, low, -stride), low]
+
+    def record_candidate_token_counts(self, token_count: int) -> list[int]:
+        """Prefix lengths to record for an N-token prompt, longest first (spec §2.2).
+
+        Raises:
+            ConfigError: ``token_count`` is not an integer >= 0.
+        """
+        candidates = self.candidate_token_counts(token_count)
+        limit = self.record_limit
+        if limit == 0 or len(candidates) <= limit:
+            return candidates
+        n = candidates[0]
+        if limit == 1:
+            return [n]
+        shared = candidates[1:]
+        selected = [n, shared[0]]
+        taken = {shared[0]}
+        pinned = 0
+        hint = self.max_resident_tokens_hint
+        for target in self._geometric_targets(n, limit - 2):
+            if len(selected) >= limit:
+                break
+            pick = None
+            best = 0
+            for value in shared:  # descending: on a tie the larger value stays
+                if value in taken:
+                    continue
+                distance = abs(value - target)
+                if pick is None or distance < best:
+                    pick, best = value, distance
+            if pick is None:
+                break
+            if hint > 0 and pinned + pick > hint:
+                break
+            pinned += pick
+            taken.add(pick)
+            selected.append(pick)
+        return sorted(set(selected), reverse=True)
+
+    def _geometric_targets(self, n: int, slots: int) -> list[int]:
+        if slots <= 0:
+            return []
+        floor = min(max(self.min_tokens, 1), max(n, 1))
+        ceiling = max(n, 1)
+        if ceiling <= floor:
+            return [self.min_tokens]
+        ratio = ceiling / floor
+        return [
+            max(round_half_away_from_zero(floor * ratio ** (i / (slots + 1))), 1)
+            for i in range(1, slots + 1)
+        ]

@@ -1,0 +1,275 @@
+"""Stage and cache configuration: defaults, validation, files and the environment."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+
+from stage_runtime import (
+    CacheMode,
+    CachePayload,
+    ConfigError,
+    FlashAttention,
+    KvCacheConfig,
+    LoadMode,
+    MessageBase,
+    StageConfig,
+    kill_switch_engaged,
+)
+
+
+def test_kv_cache_defaults_match_upstream_serde_defaults() -> None:
+    """mode auto, payload auto, 64 entries, unbounded bytes, min 64, stride 128, limit 2."""
+    cfg = KvCacheConfig()
+    assert cfg.mode is CacheMode.AUTO
+    assert cfg.payload is CachePayload.AUTO
+    assert (cfg.max_entries, cfg.max_bytes, cfg.min_tokens) == (64, 0, 64)
+    assert (cfg.shared_prefix_stride_tokens, cfg.shared_prefix_record_limit) == (128, 2)
+
+
+def test_enum_values_are_the_upstream_kebab_case_strings() -> None:
+    """Modes and payloads use the upstream's serialised names."""
+    assert [str(m) for m in CacheMode] == ["disabled", "auto", "record", "lookup-record"]
+    assert [str(p) for p in CachePayload] == ["auto", "resident-kv", "kv-recurrent", "full-state"]
+    assert KvCacheConfig(mode="lookup_record").mode is CacheMode.LOOKUP_RECORD
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_entries", 0, "max_entries must be >= 1, got 0"),
+        ("max_bytes", -1, "max_bytes must be >= 0, got -1"),
+        ("min_tokens", "64", "min_tokens must be an integer, got '64'"),
+        ("shared_prefix_record_limit", True, "shared_prefix_record_limit must be an integer"),
+        ("mode", "lookup", "mode must be one of 'disabled', 'auto', 'record', 'lookup-record'"),
+        ("payload", 3, "payload must be one of"),
+    ],
+)
+def test_kv_cache_rejects_bad_values(field: str, value: object, message: str) -> None:
+    """Each bad cache setting is a ConfigError naming the field and the value."""
+    with pytest.raises(ConfigError, match=message):
+        KvCacheConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_max_entries_is_not_clamped_to_512() -> None:
+    """Unlike the upstream, a large max_entries is kept as given."""
+    assert KvCacheConfig(max_entries=100_000).max_entries == 100_000
+
+
+def test_stage_config_from_mapping_with_kv_cache_table() -> None:
+    """A mapping with a nested kv_cache table builds frozen configs with enum fields."""
+    cfg = StageConfig.from_mapping(
+        {
+            "stage_id": "stage-0",
+            "model_id": "org/model:Q4_K_M",
+            "layer_start": 0,
+            "layer_end": 4,
+            "load_mode": "runtime-slice",
+            "flash_attn": "enabled",
+            "kv_cache": {"mode": "lookup-record", "min_tokens": 256},
+        }
+    )
+    assert cfg.load_mode is LoadMode.RUNTIME_SLICE
+    assert cfg.flash_attn is FlashAttention.ENABLED
+    assert cfg.kv_cache == KvCacheConfig(mode=CacheMode.LOOKUP_RECORD, min_tokens=256)
+    assert attrs.evolve(cfg, stage_index=3).stage_index == 3
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        cfg.stage_id = "x"  # type: ignore[misc]
+
+
+BASE = {"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": 4}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"bogus": 1}, "unknown field bogus"),
+        ({"layer_end": -1}, "layer_end must be >= 0, got -1"),
+        ({"layer_start": 5}, r"layer_end must be >= layer_start \(5\), got 4"),
+        ({"stage_id": ""}, "stage_id must be a non-empty string, got ''"),
+        ({"kv_unified": "yes"}, "kv_unified must be true, false or absent, got 'yes'"),
+        ({"kv_cache": {"max_entries": 0}}, "kv_cache.max_entries must be >= 1, got 0"),
+        ({"kv_cache": {"strde": 1}}, "unknown field kv_cache.strde"),
+        ({"kv_cache": 5}, "kv_cache must be a table of cache settings or absent, got 5"),
+        ({"load_mode": "mmap"}, "load_mode must be one of"),
+    ],
+)
+def test_stage_config_errors_name_field_and_value(changes: dict[str, object], message: str) -> None:
+    """Bad keys and values are ConfigErrors naming the field (with its table) and value."""
+    with pytest.raises(ConfigError, match=message):
+        StageConfig.from_mapping({**BASE, **changes})
+
+
+def test_stage_config_requires_identity_fields() -> None:
+    """A missing required key is named."""
+    with pytest.raises(ConfigError, match="missing required field model_id"):
+        StageConfig.from_mapping({"stage_id": "s", "layer_start": 0, "layer_end": 1})
+
+
+def test_load_toml_and_json_agree(tmp_path: Path) -> None:
+    """The same stage written as TOML and JSON loads to equal configs."""
+    toml = tmp_path / "stage.toml"
+    toml.write_text(
+        'stage_id = "stage-0"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+        'ctx_size = 8192\n[kv_cache]\nmode = "lookup-record"\nmax_entries = 8\n'
+    )
+    as_json = tmp_path / "stage.json"
+    as_json.write_text(
+        json.dumps(
+            {
+                "stage_id": "stage-0",
+                "model_id": "m",
+                "layer_start": 0,
+                "layer_end": 4,
+                "ctx_size": 8192,
+                "kv_cache": {"mode": "lookup-record", "max_entries": 8},
+            }
+        )
+    )
+    from_toml = StageConfig.load(toml)
+    assert from_toml == StageConfig.load(as_json)
+    assert from_toml.kv_cache is not None
+    assert from_toml.kv_cache.max_entries == 8
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    """Errors from a file start with its path and name the field and value."""
+    path = tmp_path / "bad.toml"
+    path.write_text('stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n')
+    path.write_text(path.read_text() + "[kv_cache]\nmax_entries = 0\n")
+    expected = f"^{re.escape(str(path))}: kv_cache.max_entries must be >= 1, got 0$"
+    with pytest.raises(ConfigError, match=expected):
+        StageConfig.from_toml(path)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(broken))}: invalid JSON"):
+        StageConfig.from_json(broken)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        StageConfig.from_toml(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=re.escape("suffix must be .toml or .json, got '.yaml'")):
+        StageConfig.load(tmp_path / "x.yaml")
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    with pytest.raises(ConfigError, match="config must be a JSON object, got list"):
+        StageConfig.from_json(listed)
+
+
+def test_message_base_defaults() -> None:
+    """A message base needs no arguments; the namespace is chat_template_id."""
+    base = MessageBase(session_id="session", chat_template_id="template", seq=1)
+    assert base.schema_version == 1
+    assert base.tokenizer_id is None
+    with pytest.raises(ConfigError, match="seq must be >= 0, got -1"):
+        MessageBase(seq=-1)
+
+
+# --- environment (spec §6.1) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [
+        ("", CacheMode.AUTO),
+        (" Auto ", CacheMode.AUTO),
+        ("0", CacheMode.DISABLED),
+        ("OFF", CacheMode.DISABLED),
+        ("false", CacheMode.DISABLED),
+        ("disabled", CacheMode.DISABLED),
+        ("disable", CacheMode.DISABLED),
+        ("record", CacheMode.RECORD),
+        ("1", CacheMode.LOOKUP_RECORD),
+        ("on", CacheMode.LOOKUP_RECORD),
+        ("true", CacheMode.LOOKUP_RECORD),
+        ("lookup_record", CacheMode.LOOKUP_RECORD),
+        ("lookuprecord", CacheMode.LOOKUP_RECORD),
+        ("exact", CacheMode.LOOKUP_RECORD),
+    ],
+)
+def test_env_mode_values(value: str, mode: CacheMode) -> None:
+    """Mode values are trimmed, lowercased and _ becomes -, as upstream."""
+    cfg = KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": value})
+    assert cfg is not None
+    assert cfg.mode is mode
+
+
+def test_env_unset_or_unknown_mode_means_no_config() -> None:
+    """No mode variable, or an unrecognised value, gives no configuration."""
+    assert KvCacheConfig.from_env({}) is None
+    assert KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "sometimes"}) is None
+
+
+def test_env_prefix_cache_variable_is_the_fallback() -> None:
+    """STAGE_RUNTIME_PREFIX_CACHE is read only when STAGE_RUNTIME_KV_CACHE is unset."""
+    only_fallback = KvCacheConfig.from_env({"STAGE_RUNTIME_PREFIX_CACHE": "record"})
+    assert only_fallback is not None
+    assert only_fallback.mode is CacheMode.RECORD
+    both = KvCacheConfig.from_env(
+        {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_PREFIX_CACHE": "record"}
+    )
+    assert both is not None
+    assert both.mode is CacheMode.LOOKUP_RECORD
+
+
+def test_env_bounds_and_payload() -> None:
+    """Bounds and payload come from their variables; defaults otherwise (effective stride 64)."""
+    cfg = KvCacheConfig.from_env(
+        {
+            "STAGE_RUNTIME_KV_CACHE": "on",
+            "STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES": "8",
+            "STAGE_RUNTIME_KV_CACHE_MAX_BYTES": "1024",
+            "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS": "256",
+            "STAGE_RUNTIME_KV_CACHE_SHARED_STRIDE_TOKENS": "32",
+            "STAGE_RUNTIME_KV_CACHE_SHARED_RECORD_LIMIT": "0",
+            "STAGE_RUNTIME_KV_CACHE_PAYLOAD": "kvrecurrent",
+        }
+    )
+    assert cfg == KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD,
+        payload=CachePayload.KV_RECURRENT,
+        max_entries=8,
+        max_bytes=1024,
+        min_tokens=256,
+        shared_prefix_stride_tokens=32,
+        shared_prefix_record_limit=0,
+    )
+    defaults = KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "on"})
+    assert defaults == KvCacheConfig(mode=CacheMode.LOOKUP_RECORD)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "eight", "MAX_ENTRIES must be an integer, got 'e"),
+        ("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "0", "environment: max_entries must be >= 1, got 0"),
+        ("STAGE_RUNTIME_KV_CACHE_PAYLOAD", "weights", "PAYLOAD must be one of"),
+    ],
+)
+def test_env_bad_values_are_named(name: str, value: str, message: str) -> None:
+    """A malformed bound or payload variable is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=message):
+        KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "on", name: value})
+
+
+@pytest.mark.parametrize(
+    ("kv", "prefix", "engaged"),
+    [
+        (None, None, False),
+        ("on", None, False),
+        ("off", None, True),
+        (None, "off", True),
+        ("on", "off", True),
+        ("off", "on", True),
+    ],
+)
+def test_kill_switch_vectors(kv: str | None, prefix: str | None, engaged: bool) -> None:
+    """Spec §6.1: either variable parsing as disabled turns the cache off."""
+    env = {}
+    if kv is not None:
+        env["STAGE_RUNTIME_KV_CACHE"] = kv
+    if prefix is not None:
+        env["STAGE_RUNTIME_PREFIX_CACHE"] = prefix
+    assert kill_switch_engaged(env) is engaged

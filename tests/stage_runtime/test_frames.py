@@ -1,0 +1,310 @@
+"""Activation frames: construction, validation, zero-copy prefixes, virtual payloads, concat."""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage_runtime import (
+    ActivationDesc,
+    ActivationDType,
+    ActivationFrame,
+    ActivationLayout,
+    FrameError,
+)
+
+
+def byte_frame(token_count: int, payload_bytes: int, *, flags: int = 0) -> ActivationFrame:
+    """The upstream tests' frame: F32, token-major, layers 0..4, payload of 7s."""
+    desc = ActivationDesc(
+        dtype=ActivationDType.F32,
+        layout=ActivationLayout.TOKEN_MAJOR,
+        layer_end=4,
+        token_count=token_count,
+        payload_bytes=payload_bytes,
+        flags=flags,
+    )
+    return ActivationFrame(desc=desc, payload=np.full(payload_bytes, 7, dtype=np.uint8))
+
+
+def test_desc_defaults_match_upstream() -> None:
+    """version 1, sequence_count 1, flags 0 unless given."""
+    desc = ActivationDesc(
+        dtype=ActivationDType.F16, layout=ActivationLayout.OPAQUE, token_count=3, payload_bytes=6
+    )
+    assert (desc.version, desc.sequence_count, desc.flags) == (1, 1, 0)
+    assert desc.dtype is ActivationDType.F16
+    assert int(ActivationDType.BF16) == 3
+    assert int(ActivationLayout.TOKEN_MAJOR) == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"token_count": -1}, "token_count must be in [0, 4294967295], got -1"),
+        ({"token_count": 2**32}, "token_count must be in [0, 4294967295], got 4294967296"),
+        ({"payload_bytes": 1.5}, "payload_bytes must be an integer, got 1.5"),
+        ({"flags": True}, "flags must be an integer, got True"),
+        ({"dtype": 9}, "dtype must be one of [0, 1, 2, 3], got 9"),
+        ({"layout": "rows"}, "layout must be one of [0, 1], got 'rows'"),
+    ],
+)
+def test_desc_rejects_bad_fields(changes: dict[str, object], message: str) -> None:
+    """Each descriptor field is range-checked with a FrameError naming field and value."""
+    fields: dict[str, object] = {
+        "dtype": 1,
+        "layout": 1,
+        "token_count": 1,
+        "payload_bytes": 4,
+    }
+    fields.update(changes)
+    with pytest.raises(FrameError, match=f"^{re.escape(message)}$"):
+        ActivationDesc(**fields)  # type: ignore[arg-type]
+
+
+def test_frame_rejects_payload_size_mismatch() -> None:
+    """payload_bytes must equal the payload's size."""
+    desc = ActivationDesc(dtype=1, layout=1, token_count=2, payload_bytes=8)
+    with pytest.raises(FrameError, match="payload_bytes must equal the payload size 7, got 8"):
+        ActivationFrame(desc=desc, payload=np.zeros(7, dtype=np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"abcd", "payload must be a numpy uint8 array, got bytes"),
+        (np.zeros(4, dtype=np.int8), "payload dtype must be uint8, got int8"),
+        (np.zeros((2, 2), dtype=np.uint8), r"payload must be 1-D, got shape \(2, 2\)"),
+    ],
+)
+def test_frame_rejects_bad_payloads(payload: object, message: str) -> None:
+    """Only 1-D uint8 numpy arrays are payloads."""
+    desc = ActivationDesc(dtype=1, layout=1, token_count=1, payload_bytes=4)
+    with pytest.raises(FrameError, match=message):
+        ActivationFrame(desc=desc, payload=payload)
+
+
+def test_payload_is_read_only_view_without_copy() -> None:
+    """The frame stores a read-only view of the caller's array, not a copy."""
+    data = np.arange(8, dtype=np.uint8)
+    frame = ActivationFrame(
+        desc=ActivationDesc(dtype=1, layout=1, token_count=2, payload_bytes=8), payload=data
+    )
+    assert not frame.payload.flags.writeable
+    assert np.shares_memory(frame.payload, data)
+    with pytest.raises(ValueError, match="read-only"):
+        frame.payload[0] = 1
+
+
+def test_from_array_is_zero_copy_and_token_major() -> None:
+    """A C-contiguous float32 array becomes a token-major F32 frame sharing its memory."""
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frame = ActivationFrame.from_array(rows, producer_stage_index=2, layer_start=4, layer_end=8)
+    assert frame.desc.dtype is ActivationDType.F32
+    assert frame.desc.layout is ActivationLayout.TOKEN_MAJOR
+    assert (frame.token_count, frame.payload_bytes, frame.bytes_per_token) == (3, 48, 16)
+    assert (frame.desc.producer_stage_index, frame.desc.layer_start, frame.desc.layer_end) == (
+        2,
+        4,
+        8,
+    )
+    assert np.shares_memory(frame.payload, rows)
+    np.testing.assert_array_equal(frame.rows(), rows)
+    assert not frame.rows().flags.writeable
+
+
+def test_from_array_copies_non_contiguous_rows_once() -> None:
+    """A strided input is copied into a contiguous payload with the same rows."""
+    base = np.arange(24, dtype=np.float16).reshape(3, 8)
+    rows = base[:, ::2]
+    frame = ActivationFrame.from_array(rows)
+    assert frame.desc.dtype is ActivationDType.F16
+    np.testing.assert_array_equal(frame.rows(), rows)
+
+
+def test_from_array_bf16_needs_explicit_dtype() -> None:
+    """uint16 rows are raw bf16 values only when dtype=BF16 is given."""
+    rows = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    with pytest.raises(FrameError, match="rows dtype must be float32 or float16"):
+        ActivationFrame.from_array(rows)
+    frame = ActivationFrame.from_array(rows, dtype=ActivationDType.BF16)
+    assert frame.desc.dtype is ActivationDType.BF16
+    assert frame.rows().dtype == np.uint16
+    np.testing.assert_array_equal(frame.rows(), rows)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "message"),
+    [
+        (np.zeros(4, dtype=np.float32), None, r"rows must be a 2-D \(tokens, width\) array"),
+        (np.zeros((2, 2), dtype=np.float32), ActivationDType.F16, "does not match"),
+        (np.zeros((2, 2), dtype=np.float64), None, "got float64"),
+    ],
+)
+def test_from_array_rejects_bad_rows(
+    rows: np.ndarray[tuple[int, ...], np.dtype[np.generic]],
+    dtype: ActivationDType | None,
+    message: str,
+) -> None:
+    """Wrong rank or element type is a FrameError."""
+    with pytest.raises(FrameError, match=message):
+        ActivationFrame.from_array(rows, dtype=dtype)
+
+
+def test_virtual_frame_has_size_without_memory() -> None:
+    """A virtual frame of 61M tokens x 8192 B is a zero-stride view of one byte."""
+    frame = ActivationFrame.virtual(token_count=61_000_000, bytes_per_token=8192)
+    assert frame.is_virtual
+    assert frame.payload_bytes == 61_000_000 * 8192
+    assert frame.payload.strides == (0,)
+    assert frame.payload.base is not None
+    assert frame.payload.base.nbytes <= 8
+    assert frame.bytes_per_token == 8192
+
+
+def test_virtual_prefix_stays_virtual() -> None:
+    """Cutting a virtual frame keeps a zero-stride view of the right size."""
+    frame = ActivationFrame.virtual(token_count=131_072, bytes_per_token=8192)
+    prefix = frame.prefix(2048)
+    assert prefix.is_virtual
+    assert (prefix.token_count, prefix.payload_bytes) == (2048, 2048 * 8192)
+
+
+def test_virtual_rows_are_broadcast_floats() -> None:
+    """rows() of a virtual F32 frame is a broadcast (tokens, width) view of zeros."""
+    frame = ActivationFrame.virtual(token_count=5, bytes_per_token=16)
+    rows = frame.rows()
+    assert rows.shape == (5, 4)
+    assert rows.dtype == np.float32
+    assert rows.strides == (0, 0)
+    assert float(rows.sum()) == 0.0
+
+
+def test_virtual_rejects_negative_sizes() -> None:
+    """Negative counts and non-byte fills are refused."""
+    with pytest.raises(FrameError, match="token_count must be an integer >= 0, got -1"):
+        ActivationFrame.virtual(token_count=-1, bytes_per_token=4)
+    with pytest.raises(FrameError, match="fill must be an integer in \\[0, 255\\], got 256"):
+        ActivationFrame.virtual(token_count=1, bytes_per_token=4, fill=256)
+
+
+def test_prefix_is_view_with_updated_desc() -> None:
+    """A prefix is a view of the first k rows; other desc fields are unchanged."""
+    frame = byte_frame(300, 1200)
+    prefix = frame.prefix(256)
+    assert (prefix.token_count, prefix.payload_bytes) == (256, 1024)
+    assert np.shares_memory(prefix.payload, frame.payload)
+    assert attrs.evolve(prefix.desc, token_count=300, payload_bytes=1200) == frame.desc
+
+
+def test_prefix_of_full_length_returns_same_frame_even_if_flagged() -> None:
+    """k == token_count returns the frame unchanged, with no layout or flag checks."""
+    flagged = byte_frame(300, 600, flags=1)
+    assert flagged.prefix(300) is flagged
+    opaque = ActivationFrame(
+        desc=attrs.evolve(flagged.desc, layout=ActivationLayout.OPAQUE, flags=0),
+        payload=flagged.payload,
+    )
+    assert opaque.prefix(300) is opaque
+
+
+@pytest.mark.parametrize(
+    ("frame", "k", "message"),
+    [
+        (byte_frame(300, 1200), 0, r"token_count must be in \[1, 300\], got 0"),
+        (byte_frame(300, 1200), 301, r"token_count must be in \[1, 300\], got 301"),
+        (byte_frame(300, 600, flags=1), 256, "side-band flags cannot be cut, got flags 1"),
+        (byte_frame(3, 10), 2, "payload_bytes 10 is not a multiple of token_count 3"),
+    ],
+)
+def test_prefix_refuses_unsliceable_frames(frame: ActivationFrame, k: int, message: str) -> None:
+    """Spec §5.3 refusals raise FrameError naming the reason."""
+    with pytest.raises(FrameError, match=message):
+        frame.prefix(k)
+    assert frame.prefix_error(k) is not None
+
+
+def test_prefix_refuses_opaque_layout() -> None:
+    """Only token-major frames can be cut below their length."""
+    frame = byte_frame(4, 16)
+    opaque = ActivationFrame(
+        desc=attrs.evolve(frame.desc, layout=ActivationLayout.OPAQUE), payload=frame.payload
+    )
+    with pytest.raises(FrameError, match="only TOKEN_MAJOR frames can be cut, got layout OPAQUE"):
+        opaque.prefix(2)
+
+
+def test_concat_joins_rows() -> None:
+    """concat puts the second frame's rows after the first's."""
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.arange(8, 20, dtype=np.float32).reshape(3, 4)
+    joined = ActivationFrame.concat(ActivationFrame.from_array(a), ActivationFrame.from_array(b))
+    assert joined.token_count == 5
+    np.testing.assert_array_equal(joined.rows(), np.concatenate([a, b]))
+
+
+def test_concat_of_virtual_frames_is_virtual() -> None:
+    """Two virtual frames concatenate without allocating."""
+    a = ActivationFrame.virtual(token_count=100_000, bytes_per_token=8192)
+    b = ActivationFrame.virtual(token_count=31_072, bytes_per_token=8192)
+    joined = ActivationFrame.concat(a, b)
+    assert joined.is_virtual
+    assert (joined.token_count, joined.payload_bytes) == (131_072, 131_072 * 8192)
+
+
+def test_concat_with_empty_frame_returns_the_other() -> None:
+    """An empty side contributes nothing."""
+    a = ActivationFrame.from_array(np.ones((2, 4), dtype=np.float32))
+    empty = ActivationFrame(
+        desc=attrs.evolve(a.desc, token_count=0, payload_bytes=0),
+        payload=np.zeros(0, dtype=np.uint8),
+    )
+    assert ActivationFrame.concat(a, empty) is a
+    assert ActivationFrame.concat(empty, a) is a
+
+
+def test_concat_rejects_mismatched_descs() -> None:
+    """Descriptors must agree except for token counts; widths must match."""
+    a = ActivationFrame.from_array(np.ones((2, 4), dtype=np.float32), layer_end=4)
+    b = ActivationFrame.from_array(np.ones((2, 4), dtype=np.float32), layer_end=8)
+    with pytest.raises(FrameError, match="layer_end differs: 4 != 8"):
+        ActivationFrame.concat(a, b)
+    c = ActivationFrame.from_array(np.ones((2, 2), dtype=np.float32), layer_end=4)
+    with pytest.raises(FrameError, match="bytes_per_token differs: 16 != 8"):
+        ActivationFrame.concat(a, c)
+
+
+def test_same_content_compares_desc_and_bytes() -> None:
+    """same_content is true for equal bytes and false for a different byte or desc."""
+    a = byte_frame(4, 16)
+    assert a.same_content(byte_frame(4, 16))
+    other = np.full(16, 7, dtype=np.uint8)
+    other[3] = 8
+    assert not a.same_content(ActivationFrame(desc=a.desc, payload=other))
+    assert not a.same_content(byte_frame(4, 16, flags=1))
+    virtual = ActivationFrame.virtual(token_count=4, bytes_per_token=4, layer_end=4, fill=7)
+    assert virtual.same_content(a)
+    assert a.same_content(virtual)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    tokens=st.integers(min_value=1, max_value=64),
+    width=st.integers(min_value=1, max_value=16),
+    data=st.data(),
+)
+def test_prefix_then_concat_restores_the_frame(
+    tokens: int, width: int, data: st.DataObject
+) -> None:
+    """prefix(k) followed by the remaining rows concatenates back to the original frame."""
+    rows = np.arange(tokens * width, dtype=np.float32).reshape(tokens, width)
+    frame = ActivationFrame.from_array(rows)
+    k = data.draw(st.integers(min_value=1, max_value=tokens))
+    head = frame.prefix(k)
+    tail = ActivationFrame.from_array(rows[k:])
+    assert ActivationFrame.concat(head, tail).same_content(frame)
