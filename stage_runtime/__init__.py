@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.config import (
     SCHEMA_VERSION,
+    CacheIndex,
     CacheMode,
     CachePayload,
     FlashAttention,
@@ -36,6 +38,16 @@ from stage_runtime.identity import (
     prefix_hash,
     prefix_hashes,
     prefix_namespace_hash,
+)
+from stage_runtime.paged import (
+    EvictedPage,
+    PageChain,
+    PagedActivationIndex,
+    PagedIndexStats,
+    PagedLookup,
+    PagedRecordOutcome,
+    PagedRestore,
+    page_chain,
 )
 from stage_runtime.policy import (
     CandidatePolicy,
@@ -74,4 +86,16 @@ __all__ = [
     "prefix_hashes",
     "prefix_namespace_hash",
     "round_half_away_from_zero",
+    # paged index (issue 6)
+    "CacheAccounting",
+    "CacheIndex",
+    "EvictedPage",
+    "MissReason",
+    "PageChain",
+    "PagedActivationIndex",
+    "PagedIndexStats",
+    "PagedLookup",
+    "PagedRecordOutcome",
+    "PagedRestore",
+    "page_chain",
 ]
