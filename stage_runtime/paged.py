@@ -204,6 +204,10 @@ class PagedRecordOutcome:
     truncated: bool
     """The bounds could not fit the whole chain; pages past ``covered_tokens`` were not stored."""
     evicted: tuple[EvictedPage, ...]
+    last_key: bytes | None
+    """Key of the last entry covering ``covered_tokens`` (None when nothing is covered)."""
+    last_entry: str
+    """Printable name of that entry (``""`` when nothing is covered)."""
     entries: int
     """Resident entries after the call."""
     resident_bytes: int
@@ -231,6 +235,8 @@ class PagedRestore:
     """Tokens in each of ``pages``."""
     keys: tuple[str, ...]
     """Printable names of the entries used."""
+    last_key: bytes
+    """Key of the last entry used: the chained identity of the whole restored prefix."""
     entries: int
     """Resident entries at restore time."""
 
@@ -434,7 +440,7 @@ class PagedActivationIndex:
         evicted: list[EvictedPage] = []
         stored = [0, 0, 0]  # entries, bytes, reused
         if n == 0 or n < self.min_tokens or payload.size == 0:
-            return self._outcome(stored, 0, truncated=False, evicted=evicted)
+            return self._outcome(stored, None, truncated=False, evicted=evicted)
         if not token_major or payload.size % n:
             bpt = payload.size // n if payload.size % n == 0 else 0
             entry = self._put(
@@ -451,12 +457,10 @@ class PagedActivationIndex:
                 evicted,
                 stored,
             )
-            covered = n if entry is not None else 0
-            return self._outcome(stored, covered, truncated=entry is None, evicted=evicted)
+            return self._outcome(stored, entry, truncated=entry is None, evicted=evicted)
         bpt = payload.size // n
         p = chain.page_tokens
         parent: _Entry | None = None
-        covered = 0
         for i, key in enumerate(chain.page_keys):
             segment = payload[i * p * bpt : (i + 1) * p * bpt]
             entry = self._put(
@@ -474,9 +478,8 @@ class PagedActivationIndex:
                 stored,
             )
             if entry is None:
-                return self._outcome(stored, covered, truncated=True, evicted=evicted)
+                return self._outcome(stored, parent, truncated=True, evicted=evicted)
             parent = entry
-            covered += p
         if chain.tail_key is not None:
             i = len(chain.page_keys)
             segment = payload[i * p * bpt :]
@@ -495,20 +498,27 @@ class PagedActivationIndex:
                 stored,
             )
             if entry is None:
-                return self._outcome(stored, covered, truncated=True, evicted=evicted)
-            covered = n
-        return self._outcome(stored, covered, truncated=False, evicted=evicted)
+                return self._outcome(stored, parent, truncated=True, evicted=evicted)
+            parent = entry
+        return self._outcome(stored, parent, truncated=False, evicted=evicted)
 
     def _outcome(
-        self, stored: list[int], covered: int, *, truncated: bool, evicted: list[EvictedPage]
+        self,
+        stored: list[int],
+        last: _Entry | None,
+        *,
+        truncated: bool,
+        evicted: list[EvictedPage],
     ) -> PagedRecordOutcome:
         return PagedRecordOutcome(
             stored_entries=stored[0],
             stored_bytes=stored[1],
             reused_entries=stored[2],
-            covered_tokens=covered,
+            covered_tokens=0 if last is None else last.token_start + last.token_count,
             truncated=truncated,
             evicted=tuple(evicted),
+            last_key=None if last is None else last.key,
+            last_entry="" if last is None else last.name,
             entries=len(self._entries),
             resident_bytes=self._resident_bytes,
         )
@@ -706,6 +716,7 @@ class PagedActivationIndex:
                 pages=tuple(e.payload for e in used),
                 page_token_counts=tuple(e.token_count for e in used),
                 keys=tuple(e.name for e in used),
+                last_key=used[-1].key,
                 entries=len(self._entries),
             ),
             miss_reason=None,
