@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from stage_runtime.accounting import CacheAccounting, MissReason
+from stage_runtime.accounting import CacheAccounting, LadderAccounting, MissReason
+from stage_runtime.cache import (
+    CacheLookup,
+    CacheRecordOutcome,
+    EvictedEntry,
+    EvictionReason,
+    ResidentActivationCache,
+    ResidentCacheStats,
+)
 from stage_runtime.config import (
     SCHEMA_VERSION,
     CacheIndex,
@@ -39,6 +47,16 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
+from stage_runtime.integration import (
+    ActivationRecordSummary,
+    KvStageIntegration,
+    PageIdentity,
+    PrefillKvIdentity,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+    effective_cache_payload,
+    summarize_records,
+)
 from stage_runtime.paged import (
     EvictedPage,
     PageChain,
@@ -49,11 +67,13 @@ from stage_runtime.paged import (
     PagedRestore,
     page_chain,
 )
+from stage_runtime.paged_stage import PagedActivationRestore, PagedStageIntegration
 from stage_runtime.policy import (
     CandidatePolicy,
     derive_max_resident_tokens,
     round_half_away_from_zero,
 )
+from stage_runtime.tenancy import paged_namespace, salted_prefix_hash
 
 __all__ = [
     "RUNTIME_ABI_VERSION",
@@ -62,16 +82,28 @@ __all__ = [
     "ActivationDesc",
     "ActivationFrame",
     "ActivationLayout",
+    "ActivationRecordSummary",
+    "CacheLookup",
     "CacheMode",
-    "CandidatePolicy",
     "CachePayload",
+    "CacheRecordOutcome",
+    "CandidatePolicy",
     "ConfigError",
+    "EvictedEntry",
+    "EvictionReason",
     "FlashAttention",
     "FrameError",
     "KvCacheConfig",
+    "KvStageIntegration",
     "LoadMode",
     "MessageBase",
+    "PageIdentity",
     "PlatformIdentity",
+    "PrefillKvIdentity",
+    "ResidentActivationCache",
+    "ResidentActivationRecord",
+    "ResidentActivationRestore",
+    "ResidentCacheStats",
     "StageConfig",
     "StageFailedError",
     "StageRuntimeError",
@@ -80,6 +112,7 @@ __all__ = [
     "activation_page_id",
     "as_token_array",
     "derive_max_resident_tokens",
+    "effective_cache_payload",
     "kill_switch_engaged",
     "page_id",
     "prefix_hash",
@@ -98,4 +131,10 @@ __all__ = [
     "PagedRecordOutcome",
     "PagedRestore",
     "page_chain",
+    "LadderAccounting",
+    "PagedActivationRestore",
+    "PagedStageIntegration",
+    "paged_namespace",
+    "salted_prefix_hash",
+    "summarize_records",
 ]

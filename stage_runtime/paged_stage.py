@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-import blake3
 import numpy as np
 import numpy.typing as npt
 
@@ -31,7 +30,7 @@ from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
-from stage_runtime.identity import TokenArray, prefix_namespace_hash
+from stage_runtime.identity import TokenArray
 from stage_runtime.integration import (
     KvStageIntegration,
     PrefillKvIdentity,
@@ -40,35 +39,9 @@ from stage_runtime.integration import (
     _check_width,
 )
 from stage_runtime.paged import EvictedPage, PageChain, PagedActivationIndex, page_chain
+from stage_runtime.tenancy import paged_namespace
 
-__all__ = ["PagedActivationRestore", "PagedStageIntegration", "paged_namespace"]
-
-_NAMESPACE_DOMAIN = b"stage-runtime/paged-namespace-v1"
-_SALT_DOMAIN = b"stage-runtime/cache-salt-v1"
-
-
-def paged_namespace(
-    config: StageConfig,
-    token_start: int,
-    base: MessageBase,
-    activation_width: int,
-) -> bytes:
-    """The namespace bytes of a stage's pages: stage identity, cache namespace, width and salt.
-
-    Everything the upstream hashes before the tokens (spec §1.2, via
-    :func:`~stage_runtime.identity.prefix_namespace_hash`), the activation width (as the
-    ladder's ``w{width}`` key suffix), and, when ``base.cache_salt`` is set, the salt.
-    """
-    h = blake3.blake3(_NAMESPACE_DOMAIN)
-    h.update(prefix_namespace_hash(config, token_start, base.chat_template_id).encode())
-    h.update(activation_width.to_bytes(8, "little"))
-    salt = base.cache_salt
-    if salt is not None:
-        raw = salt.encode()
-        h.update(_SALT_DOMAIN)
-        h.update(len(raw).to_bytes(8, "little"))
-        h.update(raw)
-    return h.digest()
+__all__ = ["PagedActivationRestore", "PagedStageIntegration"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -184,7 +157,7 @@ class PagedStageIntegration(KvStageIntegration):
         Raises:
             ConfigError: a bad argument; the cache is left unchanged.
         """
-        array = self._check(config, base, tokens)
+        array = self._check(config, base, token_start, tokens)
         width = _check_width(activation_width)
         if not self.should_lookup() or array.size == 0:
             return None
@@ -239,7 +212,7 @@ class PagedStageIntegration(KvStageIntegration):
             ConfigError: a bad argument; the cache is left unchanged.
             FrameError: ``frame`` is not an ActivationFrame; the cache is left unchanged.
         """
-        array = self._check(config, base, tokens)
+        array = self._check(config, base, token_start, tokens)
         width = _check_width(activation_width)
         if not isinstance(frame, ActivationFrame):
             msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
@@ -335,8 +308,6 @@ class PagedStageIntegration(KvStageIntegration):
         ):
             return memo
         label = f"act:{config.stage_id}:{token_start}:{config.layer_start}:w{width}"
-        chain = page_chain(
-            namespace, array, page_tokens=self.index.page_tokens, label=label
-        )
+        chain = page_chain(namespace, array, page_tokens=self.index.page_tokens, label=label)
         self._chain_memo = chain
         return chain

@@ -1,0 +1,312 @@
+"""The resident activation cache: strict LRU over activation frames (spec §4).
+
+Plain single-owner state: no locks, no trio. A cache actor owns one and is the only caller.
+
+Recency is a logical clock that advances on every lookup (hit or miss) and every stored record;
+the victim is always the entry used longest ago. Entries are kept in a dict ordered from least to
+most recently used, so finding the victim is O(1) and equals the upstream's "smallest last_used".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import attrs
+
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationFrame
+
+__all__ = [
+    "CacheLookup",
+    "CacheRecordOutcome",
+    "EvictedEntry",
+    "EvictionReason",
+    "ResidentActivationCache",
+    "ResidentCacheStats",
+]
+
+_U64_MAX: Final = 2**64 - 1
+
+EvictionReason = Literal["max_entries", "max_bytes", "cleared"]
+"""Why an entry left the cache: the entry bound, the byte bound, or :meth:`clear`."""
+
+
+@attrs.frozen(kw_only=True)
+class EvictedEntry:
+    """An entry that left the cache."""
+
+    key: str
+    """The entry's key (an ``act:...`` page id)."""
+
+    token_count: int
+    """Tokens the entry covered."""
+
+    payload_bytes: int
+    """Bytes the entry held."""
+
+    reason: EvictionReason
+    """``"max_entries"``, ``"max_bytes"`` or ``"cleared"``."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheRecordOutcome:
+    """What one :meth:`ResidentActivationCache.record` call evicted."""
+
+    evicted_entries: int = 0
+    """Entries evicted to make room (a re-recorded key is not counted)."""
+
+    evicted_bytes: int = 0
+    """Bytes those entries held."""
+
+    evicted: tuple[EvictedEntry, ...] = ()
+    """The evicted entries, least recently used first."""
+
+    stored: bool = False
+    """Whether the entry was stored (False when refused: too few tokens or zero bytes)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class CacheLookup:
+    """A hit: the stored entry and the entry count at lookup time."""
+
+    token_count: int
+    """Tokens the entry was recorded for."""
+
+    byte_size: int
+    """Bytes the entry was recorded with."""
+
+    entries: int
+    """Entries resident when the lookup happened."""
+
+    frame: ActivationFrame
+    """The stored frame (shared, read-only: never copied)."""
+
+
+@attrs.frozen(kw_only=True)
+class ResidentCacheStats:
+    """Counters of a cache; the upstream has only ``entries`` and ``resident_bytes``."""
+
+    entries: int
+    """Entries resident now."""
+
+    resident_bytes: int
+    """Bytes resident now (may exceed ``max_bytes`` after an oversize record)."""
+
+    lookups: int = 0
+    """Lookups so far (hits + misses)."""
+
+    hits: int = 0
+    """Lookups that found their key."""
+
+    misses: int = 0
+    """Lookups that did not."""
+
+    records: int = 0
+    """Records that stored an entry (refused records are not counted)."""
+
+    evictions: int = 0
+    """Entries evicted by the entry or byte bound (not re-records, not :meth:`clear`)."""
+
+    evicted_bytes: int = 0
+    """Bytes those evictions freed."""
+
+
+@attrs.define(eq=False)
+class _Entry:
+    token_count: int
+    byte_size: int
+    last_used: int
+    frame: ActivationFrame
+
+
+def _bound(name: str, value: object, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        msg = f"{name} must be an integer, got {value!r}"
+        raise ConfigError(msg)
+    if not low <= value <= _U64_MAX:
+        msg = f"{name} must be >= {low}, got {value}"
+        raise ConfigError(msg)
+    return value
+
+
+@attrs.define(eq=False, init=False)
+class ResidentActivationCache:
+    """Activation frames by key, bounded by entry count and bytes, evicting least recently used.
+
+    Args:
+        max_entries: Entries kept (>= 1).
+        max_bytes: Bytes kept; 0 means no byte bound. An entry larger than this is still stored,
+            after evicting everything else (as upstream).
+        min_tokens: Records of fewer tokens are refused.
+
+    Raises:
+        ConfigError: a bound is negative, or ``max_entries`` is 0.
+    """
+
+    max_entries: int
+    max_bytes: int
+    min_tokens: int
+    _entries: dict[str, _Entry]
+    _clock: int
+    _resident_bytes: int
+    _lookups: int
+    _hits: int
+    _records: int
+    _evictions: int
+    _evicted_bytes: int
+
+    def __init__(self, max_entries: int = 64, max_bytes: int = 0, min_tokens: int = 0) -> None:
+        self.max_entries = _bound("max_entries", max_entries, 1)
+        self.max_bytes = _bound("max_bytes", max_bytes, 0)
+        self.min_tokens = _bound("min_tokens", min_tokens, 0)
+        self._entries = {}
+        self._clock = 0
+        self._resident_bytes = 0
+        self._lookups = 0
+        self._hits = 0
+        self._records = 0
+        self._evictions = 0
+        self._evicted_bytes = 0
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: lookups plus stored records so far."""
+        return self._clock
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident; does not touch recency or counters."""
+        return key in self._entries
+
+    def keys(self) -> list[str]:
+        """Resident keys, least recently used first; does not touch recency."""
+        return list(self._entries)
+
+    def lookup(self, key: str) -> CacheLookup | None:
+        """Find ``key``; a hit becomes the most recently used entry.
+
+        The clock advances on every call, hit or miss (spec §4).
+        """
+        if not isinstance(key, str):
+            msg = f"key must be a string, got {key!r}"
+            raise ConfigError(msg)
+        self._clock += 1
+        self._lookups += 1
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self._hits += 1
+        entry.last_used = self._clock
+        self._entries[key] = entry
+        return CacheLookup(
+            token_count=entry.token_count,
+            byte_size=entry.byte_size,
+            entries=len(self._entries),
+            frame=entry.frame,
+        )
+
+    def record(
+        self, key: str, token_count: int, byte_size: int, frame: ActivationFrame
+    ) -> CacheRecordOutcome:
+        """Store ``frame`` under ``key`` as the most recently used entry (spec §4).
+
+        Refused (nothing stored, clock unchanged) when ``token_count < min_tokens`` or
+        ``byte_size == 0``. Re-recording a resident key replaces it without counting an eviction.
+        Then least recently used entries are evicted while the entry bound or the byte bound
+        would be exceeded; an entry larger than ``max_bytes`` is stored anyway once the cache is
+        empty.
+
+        The frame is stored as given (frames are immutable views; nothing is copied).
+
+        Raises:
+            ConfigError: a bad key, count or size (the cache is left unchanged).
+            FrameError: ``frame`` is not an ActivationFrame (the cache is left unchanged).
+        """
+        if not isinstance(key, str):
+            msg = f"key must be a string, got {key!r}"
+            raise ConfigError(msg)
+        _bound("token_count", token_count, 0)
+        _bound("byte_size", byte_size, 0)
+        if not isinstance(frame, ActivationFrame):
+            msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
+            raise FrameError(msg)
+        if token_count < self.min_tokens or byte_size == 0:
+            return CacheRecordOutcome()
+        self._clock += 1
+        previous = self._entries.pop(key, None)
+        if previous is not None:
+            self._resident_bytes -= previous.byte_size
+        evicted: list[EvictedEntry] = []
+        while self._entries:
+            if len(self._entries) + 1 > self.max_entries:
+                reason: EvictionReason = "max_entries"
+            elif self.max_bytes > 0 and self._resident_bytes + byte_size > self.max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            victim_key = next(iter(self._entries))
+            victim = self._entries.pop(victim_key)
+            self._resident_bytes -= victim.byte_size
+            evicted.append(
+                EvictedEntry(
+                    key=victim_key,
+                    token_count=victim.token_count,
+                    payload_bytes=victim.byte_size,
+                    reason=reason,
+                )
+            )
+        self._entries[key] = _Entry(
+            token_count=token_count, byte_size=byte_size, last_used=self._clock, frame=frame
+        )
+        self._resident_bytes += byte_size
+        self._records += 1
+        evicted_bytes = sum(e.payload_bytes for e in evicted)
+        self._evictions += len(evicted)
+        self._evicted_bytes += evicted_bytes
+        return CacheRecordOutcome(
+            evicted_entries=len(evicted),
+            evicted_bytes=evicted_bytes,
+            evicted=tuple(evicted),
+            stored=True,
+        )
+
+    def clear(self) -> tuple[EvictedEntry, ...]:
+        """Drop every entry; returns them (reason ``"cleared"``), least recently used first.
+
+        Counters other than ``entries`` and ``resident_bytes`` are kept.
+        """
+        cleared = tuple(
+            EvictedEntry(
+                key=key, token_count=e.token_count, payload_bytes=e.byte_size, reason="cleared"
+            )
+            for key, e in self._entries.items()
+        )
+        self._entries.clear()
+        self._resident_bytes = 0
+        return cleared
+
+    def stats(self) -> ResidentCacheStats:
+        """Current counters."""
+        return ResidentCacheStats(
+            entries=len(self._entries),
+            resident_bytes=self._resident_bytes,
+            lookups=self._lookups,
+            hits=self._hits,
+            misses=self._lookups - self._hits,
+            records=self._records,
+            evictions=self._evictions,
+            evicted_bytes=self._evicted_bytes,
+        )
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """Everything observable, for tests that assert a rejected call changed nothing."""
+        return (
+            self._clock,
+            [
+                (k, e.token_count, e.byte_size, e.last_used, id(e.frame))
+                for k, e in self._entries.items()
+            ],
+            self.stats(),
+        )

@@ -1,0 +1,561 @@
+"""KvStageIntegration: modes, restore/record rules (spec §5), §9.2/§9.3 vectors, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from stage_runtime import (
+    ActivationFrame,
+    ActivationLayout,
+    CacheMode,
+    CachePayload,
+    ConfigError,
+    FrameError,
+    KvCacheConfig,
+    KvStageIntegration,
+    MessageBase,
+    ResidentActivationRecord,
+    StageConfig,
+    activation_page_id,
+    effective_cache_payload,
+    prefix_namespace_hash,
+    summarize_records,
+)
+from stage_runtime import integration as integration_module
+
+from ._seed import activation_frame, seed_base, seed_config, seed_integration
+
+
+def with_cache(**changes: Any) -> StageConfig:
+    """The seed config with some kv_cache fields changed."""
+    config = seed_config()
+    assert config.kv_cache is not None
+    return attrs.evolve(config, kv_cache=attrs.evolve(config.kv_cache, **changes))
+
+
+# --- from_config and modes (spec §6) ----------------------------------------------------------
+
+
+def test_from_config_none_without_settings_or_when_disabled() -> None:
+    """No kv_cache and no environment, mode disabled, or mode auto: no integration."""
+    config = seed_config()
+    assert KvStageIntegration.from_config(attrs.evolve(config, kv_cache=None), environ={}) is None
+    for mode in (CacheMode.DISABLED, CacheMode.AUTO):
+        cfg = attrs.evolve(config, kv_cache=KvCacheConfig(mode=mode))
+        assert KvStageIntegration.from_config(cfg, environ={}) is None
+
+
+def test_from_config_reads_environment_when_no_block() -> None:
+    """Without a kv_cache block the environment configures the cache."""
+    config = attrs.evolve(seed_config(), kv_cache=None)
+    kv = KvStageIntegration.from_config(
+        config,
+        environ={"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES": "3"},
+    )
+    assert kv is not None
+    assert kv.should_lookup()
+    assert kv.cache.max_entries == 3
+    assert kv.policy.effective_stride == 64  # env defaults: min 64, stride 128
+
+
+@pytest.mark.parametrize(
+    ("kv_var", "prefix_var", "enabled"),
+    [
+        (None, None, True),
+        ("on", None, True),
+        ("off", None, False),
+        (None, "off", False),
+        ("on", "off", False),
+        ("off", "on", False),
+    ],
+)
+def test_kill_switch_overrides_a_kv_cache_block(
+    kv_var: str | None, prefix_var: str | None, enabled: bool
+) -> None:
+    """Spec §6.1 vectors: either variable set to off disables a configured cache."""
+    env = {}
+    if kv_var is not None:
+        env["STAGE_RUNTIME_KV_CACHE"] = kv_var
+    if prefix_var is not None:
+        env["STAGE_RUNTIME_PREFIX_CACHE"] = prefix_var
+    assert (KvStageIntegration.from_config(seed_config(), environ=env) is not None) is enabled
+
+
+def test_record_mode_records_but_never_looks_up() -> None:
+    """There is no lookup-only mode; record mode stores but restore returns None."""
+    config = attrs.evolve(seed_config(), kv_cache=KvCacheConfig(mode="record", min_tokens=256))
+    kv = seed_integration(config)
+    assert (kv.should_lookup(), kv.should_record()) == (False, True)
+    tokens = list(range(300))
+    assert (
+        len(
+            kv.record_resident_activation(
+                config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200)
+            )
+        )
+        == 2
+    )
+    assert kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096) is None
+    assert kv.stats().lookups == 0
+
+
+def test_unhealthy_cache_neither_looks_up_nor_records() -> None:
+    """The V-E health gate turns both off."""
+    kv = seed_integration()
+    kv.cache_healthy = False
+    assert (kv.should_lookup(), kv.should_record()) == (False, False)
+    config = seed_config()
+    assert (
+        kv.record_resident_activation(
+            config, seed_base(), 0, list(range(300)), 4096, activation_frame(300, 1200)
+        )
+        == []
+    )
+
+
+def test_policy_and_cache_come_from_the_config() -> None:
+    """Bounds go to the cache; the ladder budget is derived from ctx_size (§6.2)."""
+    kv = seed_integration()
+    assert (kv.cache.max_entries, kv.cache.max_bytes, kv.cache.min_tokens) == (8, 0, 256)
+    assert kv.policy.max_resident_tokens_hint == 4096
+    assert kv.policy.page_size_tokens == 256
+    assert kv.payload is CachePayload.RESIDENT_KV
+
+
+@pytest.mark.parametrize(
+    ("model_id", "payload"),
+    [
+        ("Qwen/Qwen3-8B-GGUF:Q4_K_M", CachePayload.RESIDENT_KV),
+        ("Qwen/Qwen3-5B-GGUF:Q4_K_M", CachePayload.RESIDENT_KV),
+        ("qwen38b", CachePayload.RESIDENT_KV),
+        ("qwen35moe", CachePayload.KV_RECURRENT),
+        ("qwen35", CachePayload.KV_RECURRENT),
+        ("unsloth/Qwen3.8-A3B-GGUF", CachePayload.KV_RECURRENT),
+        ("tiiuae/Falcon-H1-7B", CachePayload.KV_RECURRENT),
+        ("example/model", CachePayload.RESIDENT_KV),
+    ],
+)
+def test_auto_payload_resolution(model_id: str, payload: CachePayload) -> None:
+    """Spec §9.5 payload inference; unknown models resolve to resident-kv (documented)."""
+    assert effective_cache_payload(CachePayload.AUTO, model_id) is payload
+    assert effective_cache_payload(CachePayload.FULL_STATE, model_id) is CachePayload.FULL_STATE
+
+
+# --- identities (spec §3, §9.2) ---------------------------------------------------------------
+
+
+def small_config() -> StageConfig:
+    """§9.2: ctx 512, min 64, stride 32, limit 2, max_entries 8."""
+    return attrs.evolve(
+        seed_config(),
+        ctx_size=512,
+        kv_cache=KvCacheConfig(
+            mode="lookup-record",
+            payload="resident-kv",
+            max_entries=8,
+            min_tokens=64,
+            shared_prefix_stride_tokens=32,
+            shared_prefix_record_limit=2,
+        ),
+    )
+
+
+def test_identity_counts_for_160_tokens() -> None:
+    """§9.2: lookup identities [160,128,96,64], record identities [160,128]."""
+    config = small_config()
+    kv = seed_integration(config)
+    tokens = list(range(160))
+    lookup = kv.activation_lookup_identities(config, seed_base(), 0, tokens)
+    record = kv.activation_record_identities(config, seed_base(), 0, tokens)
+    assert [i.identity.token_count for i in lookup] == [160, 128, 96, 64]
+    assert [i.identity.token_count for i in record] == [160, 128]
+    assert [i.page_id for i in record] == [i.page_id for i in lookup[:2]]
+
+
+def test_2176_page_id_is_shared_between_2214_record_and_2231_lookup() -> None:
+    """§9.2: the 2176 page ids agree; the 2214 and 2231 ids differ."""
+    config = seed_config()
+    kv = seed_integration(config)
+    recorded = list(range(2214))
+    extended = recorded + list(range(100_000, 100_017))
+    record = {
+        i.identity.token_count: i.page_id
+        for i in kv.activation_record_identities(config, seed_base(), 0, recorded)
+    }
+    lookup = {
+        i.identity.token_count: i.page_id
+        for i in kv.activation_lookup_identities(config, seed_base(), 0, extended)
+    }
+    assert sorted(record) == [2176, 2214]
+    assert record[2176] == lookup[2176]
+    assert record[2214] != lookup[2231]
+    assert 2214 not in lookup
+
+
+def test_prefill_identity_metadata() -> None:
+    """PageIdentity carries metadata; token_ids is a read-only view of the prefix."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = np.arange(300, dtype=np.int32)
+    ident = kv.prefill_identity(config, seed_base(), 5, tokens)
+    meta = ident.identity
+    assert (meta.token_start, meta.token_count, meta.session_id) == (5, 300, "session")
+    assert meta.tokenizer_id == config.model_id
+    assert (meta.chat_template_id, meta.position_config_hash) == ("template", "ctx:8192")
+    assert (meta.generation, meta.model_revision) == (1, "unknown")
+    assert meta.prefix_hash.startswith("blake3:")
+    assert ident.page_id == f"stage-0:5:300:0:{meta.prefix_hash[7:23]}"
+    assert ident.namespace == prefix_namespace_hash(config, 5, "template")
+    assert not ident.token_ids.flags.writeable
+    np.testing.assert_array_equal(ident.token_ids, tokens)
+
+
+def test_prefix_is_shared_across_sessions() -> None:
+    """A prefix recorded by one session restores for another (session is not hashed)."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    kv.record_resident_activation(config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200))
+    other = attrs.evolve(seed_base(), session_id="someone-else", request_id="r2")
+    assert kv.restore_resident_activation(config, other, 0, tokens, 4096) is not None
+    no_namespace = attrs.evolve(seed_base(), chat_template_id=None)
+    assert kv.restore_resident_activation(config, no_namespace, 0, tokens, 4096) is None
+
+
+# --- §9.3 -------------------------------------------------------------------------------------
+
+
+def test_extended_prompt_restores_2176_with_8704_bytes() -> None:
+    """§9.3.3: 2214 recorded, 2231 restored -> 2176 tokens, payload 8704 bytes."""
+    config = seed_config()
+    kv = seed_integration(config)
+    recorded = list(range(2214))
+    records = kv.record_resident_activation(
+        config, seed_base(), 0, recorded, 4096, activation_frame(2214, 8856)
+    )
+    assert [(r.token_count, r.payload_bytes) for r in records] == [(2214, 8856), (2176, 8704)]
+    assert [(r.entries, r.resident_bytes) for r in records] == [(1, 8856), (2, 17560)]
+    restored = kv.restore_resident_activation(
+        config, seed_base(), 0, recorded + list(range(100_000, 100_017)), 4096
+    )
+    assert restored is not None
+    assert (restored.token_count, restored.payload_bytes, restored.entries) == (2176, 8704, 2)
+    assert restored.frame.payload.size == 8704
+    assert restored.page_id.startswith("act:stage-0:0:2176:0:")
+    assert restored.page_id.endswith(":w4096")
+
+
+def test_binary_stats_summary() -> None:
+    """§9.3 binary stats: two records evicting 1 entry / 4 bytes each sum as upstream."""
+    records = [
+        ResidentActivationRecord(
+            page_id="a",
+            token_count=2214,
+            payload_bytes=8856,
+            evicted_entries=1,
+            evicted_bytes=4,
+            entries=1,
+            resident_bytes=0,
+        ),
+        ResidentActivationRecord(
+            page_id="b",
+            token_count=2176,
+            payload_bytes=8704,
+            evicted_entries=1,
+            evicted_bytes=4,
+            entries=1,
+            resident_bytes=0,
+        ),
+    ]
+    summary = summarize_records(records)
+    assert (summary.recorded_frames, summary.recorded_bytes) == (2, 17560)
+    assert (summary.evicted_entries, summary.evicted_bytes) == (2, 8)
+
+
+def test_records_report_their_evictions() -> None:
+    """A full cache reports, per record, which entries it evicted."""
+    config = with_cache(max_entries=2)
+    kv = seed_integration(config)
+    kv.record_resident_activation(
+        config, seed_base(), 0, list(range(300)), 4096, activation_frame(300, 1200)
+    )
+    records = kv.record_resident_activation(
+        config, seed_base(), 0, list(range(1, 301)), 4096, activation_frame(300, 1200)
+    )
+    assert [r.evicted_entries for r in records] == [1, 1]
+    assert [e.token_count for r in records for e in r.evicted] == [300, 256]
+    assert all(e.reason == "max_entries" for r in records for e in r.evicted)
+    assert kv.stats().evictions == 2
+
+
+# --- restore validation (§5.1) ----------------------------------------------------------------
+
+
+def _key(kv: KvStageIntegration, tokens: list[int], width: int = 4096) -> str:
+    return activation_page_id(
+        kv.prefill_identity(seed_config(), seed_base(), 0, tokens).page_id, width
+    )
+
+
+@pytest.mark.parametrize(
+    ("token_count", "byte_size", "frame_tokens", "frame_bytes"),
+    [
+        (256, 1200, 300, 1200),  # (a) recorded token count differs
+        (300, 1200, 256, 1200),  # (b) frame token count differs
+        (300, 1100, 300, 1200),  # (c)/(d) recorded byte size differs from the frame
+    ],
+)
+def test_restore_skips_a_bad_hit_to_the_shorter_candidate(
+    token_count: int, byte_size: int, frame_tokens: int, frame_bytes: int
+) -> None:
+    """A hit failing validation falls back to the next shorter candidate, which restores."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    short = tokens[:256]
+    kv.cache.record(_key(kv, short), 256, 1024, activation_frame(256, 1024))
+    kv.cache.record(
+        _key(kv, tokens), token_count, byte_size, activation_frame(frame_tokens, frame_bytes)
+    )
+    restored = kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096)
+    assert restored is not None
+    assert restored.token_count == 256
+    assert kv.stats().hits == 2  # the rejected hit counts as a cache hit
+
+
+def test_rejected_hit_still_refreshes_recency() -> None:
+    """The failed lookup made the bad entry recent, so the other entry is evicted next."""
+    config = with_cache(max_entries=2)
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    bad = _key(kv, tokens)
+    kv.cache.record(bad, 256, 64, activation_frame(256, 64))
+    kv.cache.record("other", 300, 64, activation_frame(300, 600))
+    assert kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096) is None
+    outcome = kv.cache.record("new", 300, 64, activation_frame(300, 600))
+    assert [e.key for e in outcome.evicted] == ["other"]
+
+
+# --- record rules (§5.2) ----------------------------------------------------------------------
+
+
+def test_record_is_all_or_nothing_on_frame_mismatch() -> None:
+    """A frame whose token count is not len(tokens) records nothing and changes nothing."""
+    config = seed_config()
+    kv = seed_integration(config)
+    before = kv.cache._snapshot()
+    assert (
+        kv.record_resident_activation(
+            config, seed_base(), 0, list(range(300)), 4096, activation_frame(299, 1196)
+        )
+        == []
+    )
+    assert kv.cache._snapshot() == before
+
+
+def test_record_skips_short_prompts_empty_tokens_and_empty_payloads() -> None:
+    """N < min_tokens, no tokens, or an empty payload: nothing recorded."""
+    config = seed_config()
+    kv = seed_integration(config)
+    base = seed_base()
+    assert (
+        kv.record_resident_activation(
+            config, base, 0, list(range(255)), 4096, activation_frame(255, 1020)
+        )
+        == []
+    )
+    assert kv.record_resident_activation(config, base, 0, [], 4096, activation_frame(0, 0)) == []
+    assert (
+        kv.record_resident_activation(
+            config, base, 0, list(range(300)), 4096, activation_frame(300, 0)
+        )
+        == []
+    )
+    assert kv.restore_resident_activation(config, base, 0, [], 4096) is None
+    assert kv.stats().entries == 0
+
+
+def test_uncuttable_frames_record_only_their_exact_length() -> None:
+    """Opaque layouts and ragged payloads skip the shorter candidates only."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    frame = activation_frame(300, 1200)
+    opaque = ActivationFrame(
+        desc=attrs.evolve(frame.desc, layout=ActivationLayout.OPAQUE), payload=frame.payload
+    )
+    assert [
+        r.token_count
+        for r in kv.record_resident_activation(config, seed_base(), 0, tokens, 4096, opaque)
+    ] == [300]
+    ragged = activation_frame(300, 1201)
+    assert [
+        r.token_count
+        for r in kv.record_resident_activation(config, seed_base(), 0, tokens, 8, ragged)
+    ] == [300]
+
+
+def test_recorded_prefixes_are_zero_copy_views() -> None:
+    """Each stored candidate shares the recorded frame's memory (no copy per entry)."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    frame = activation_frame(300, 1200)
+    kv.record_resident_activation(config, seed_base(), 0, tokens, 4096, frame)
+    restored = kv.restore_resident_activation(config, seed_base(), 0, tokens[:256] + [9] * 44, 4096)
+    assert restored is not None
+    assert restored.token_count == 256
+    assert np.shares_memory(restored.frame.payload, frame.payload)
+
+
+def test_virtual_frames_record_and_restore_without_memory() -> None:
+    """A 131072-token virtual frame of 8192 B/token records and restores as virtual views."""
+    config = attrs.evolve(seed_config(), ctx_size=262_144)
+    kv = seed_integration(config)
+    tokens = np.arange(131_072, dtype=np.int32)
+    frame = ActivationFrame.virtual(token_count=131_072, bytes_per_token=8192, layer_end=4)
+    records = kv.record_resident_activation(config, seed_base(), 0, tokens, 4096, frame)
+    assert [r.token_count for r in records] == [131_072, 130_944]
+    assert kv.stats().resident_bytes == (131_072 + 130_944) * 8192
+    longer = np.concatenate([tokens, np.arange(5, dtype=np.int32)])
+    restored = kv.restore_resident_activation(config, seed_base(), 0, longer, 4096)
+    assert restored is not None
+    assert restored.token_count == 131_072
+    assert restored.frame.payload_bytes == 131_072 * 8192
+    assert restored.frame.is_virtual
+
+
+# --- the hash memo ----------------------------------------------------------------------------
+
+
+def test_restore_then_record_hashes_the_tokens_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """record reuses the hashes restore computed for the same tokens."""
+    calls: list[int] = []
+    real = integration_module.prefix_hashes  # type: ignore[attr-defined]
+
+    def counting(*args: Any, **kwargs: Any) -> dict[int, str]:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integration_module, "prefix_hashes", counting)
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = np.arange(2214, dtype=np.int32)
+    assert kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096) is None
+    kv.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(2214, 8856)
+    )
+    assert len(calls) == 1
+    assert kv.restore_resident_activation(config, seed_base(), 0, tokens.copy(), 4096) is not None
+    assert len(calls) == 1
+
+
+def test_memo_keys_on_content_not_identity() -> None:
+    """Mutating the caller's array in place between calls gives the new tokens' keys."""
+    config = seed_config()
+    kv = seed_integration(config)
+    fresh = seed_integration(config)
+    tokens = np.arange(300, dtype=np.int32)
+    kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096)
+    tokens[10] = 999_999
+    got = kv.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200)
+    )
+    want = fresh.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200)
+    )
+    assert [r.page_id for r in got] == [r.page_id for r in want]
+    other_start = kv.record_resident_activation(
+        config, seed_base(), 1, tokens, 4096, activation_frame(300, 1200)
+    )
+    assert {r.page_id for r in other_start}.isdisjoint({r.page_id for r in got})
+
+
+def test_clear_returns_everything_and_restores_miss() -> None:
+    """clear() drops all entries (reason cleared); later restores miss."""
+    config = seed_config()
+    kv = seed_integration(config)
+    tokens = list(range(300))
+    kv.record_resident_activation(config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200))
+    cleared = kv.clear()
+    assert sorted(e.token_count for e in cleared) == [256, 300]
+    assert {e.reason for e in cleared} == {"cleared"}
+    assert kv.restore_resident_activation(config, seed_base(), 0, tokens, 4096) is None
+
+
+# --- bad input leaves the cache unchanged -----------------------------------------------------
+
+GOOD_TOKENS = list(range(300))
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"tokens": [*GOOD_TOKENS[:-1], 2**31]}, ConfigError, "got 2147483648 at index 299"),
+        ({"tokens": [0.5] * 300}, ConfigError, "tokens must be integers, got 0.5 at index 0"),
+        ({"tokens": np.zeros(300)}, ConfigError, "tokens must be integers, got 0.0 at index 0"),
+        ({"width": -1}, ConfigError, r"activation_width must be in \[0, 2147483647\], got -1"),
+        ({"width": 4096.0}, ConfigError, "activation_width must be an integer, got 4096.0"),
+        ({"token_start": -1}, ConfigError, "token_start must be in"),
+        ({"base": "session"}, ConfigError, "base must be a MessageBase, got str"),
+        ({"config": {"stage_id": "x"}}, ConfigError, "config must be a StageConfig, got dict"),
+    ],
+)
+@pytest.mark.parametrize("call", ["restore", "record"])
+def test_bad_input_raises_and_leaves_cache_unchanged(
+    changes: dict[str, Any], error: type[Exception], message: str, call: str
+) -> None:
+    """Each bad argument raises a typed error naming it; entries, recency, counters unchanged."""
+    config = seed_config()
+    kv = seed_integration(config)
+    kv.record_resident_activation(
+        config, seed_base(), 0, GOOD_TOKENS, 4096, activation_frame(300, 1200)
+    )
+    kv.restore_resident_activation(config, seed_base(), 0, GOOD_TOKENS, 4096)
+    before = kv.cache._snapshot()
+    args: dict[str, Any] = {
+        "config": config,
+        "base": seed_base(),
+        "token_start": 0,
+        "tokens": GOOD_TOKENS,
+        "width": 4096,
+    }
+    args.update(changes)
+    if call == "restore":
+        with pytest.raises(error, match=message):
+            kv.restore_resident_activation(
+                args["config"], args["base"], args["token_start"], args["tokens"], args["width"]
+            )
+    else:
+        frame = activation_frame(300, 1200)
+        with pytest.raises(error, match=message):
+            kv.record_resident_activation(
+                args["config"],
+                args["base"],
+                args["token_start"],
+                args["tokens"],
+                args["width"],
+                frame,
+            )
+    assert kv.cache._snapshot() == before
+
+
+def test_record_of_a_non_frame_raises_frame_error_and_changes_nothing() -> None:
+    """A payload that is not an ActivationFrame is a FrameError; the cache is untouched."""
+    config = seed_config()
+    kv = seed_integration(config)
+    before = kv.cache._snapshot()
+    not_a_frame: Any = np.zeros(1200, dtype=np.uint8)
+    with pytest.raises(FrameError, match="frame must be an ActivationFrame, got ndarray"):
+        kv.record_resident_activation(config, seed_base(), 0, GOOD_TOKENS, 4096, not_a_frame)
+    assert kv.cache._snapshot() == before
+
+
+def test_message_base_is_validated_by_its_own_type() -> None:
+    """A malformed envelope never reaches the cache."""
+    with pytest.raises(ConfigError, match="chat_template_id must be a string, got 3"):
+        MessageBase(chat_template_id=3)  # type: ignore[arg-type]
