@@ -238,7 +238,7 @@ def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     return False
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)
 class KvCacheConfig:
     """Bounds and candidate policy of one stage's activation cache (upstream defaults)."""
 
@@ -351,7 +351,7 @@ class KvCacheConfig:
 # StageConfig and MessageBase
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)
 class StageConfig:
     """One pipeline stage: what it runs, and the fields that make up its cache identity.
 

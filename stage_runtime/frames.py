@@ -155,6 +155,19 @@ def _virtual_payload(size: int, fill: int = 0) -> npt.NDArray[np.uint8]:
     return np.broadcast_to(base, (size,))
 
 
+def _broadcast_payload(rows: npt.NDArray[Any]) -> npt.NDArray[np.uint8] | None:
+    """A virtual payload for rows that repeat one element whose bytes are all equal, else None.
+
+    ``np.broadcast_to(np.float32(0), (n, width))`` then stays free instead of being copied.
+    """
+    if rows.size == 0 or any(stride != 0 for stride in rows.strides):
+        return None
+    element = np.ascontiguousarray(rows.reshape(-1)[:1]).view(np.uint8)
+    if not bool(np.all(element == element[0])):
+        return None
+    return _virtual_payload(rows.size * rows.dtype.itemsize, int(element[0]))
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ActivationFrame:
     """An activation descriptor plus its read-only ``uint8`` payload.
@@ -191,7 +204,9 @@ class ActivationFrame:
         """Wrap a 2-D ``(tokens, width)`` array as a token-major frame.
 
         Zero-copy when ``rows`` is C-contiguous (the frame then shares its memory, so do not
-        write to ``rows`` afterwards); otherwise the rows are copied once.
+        write to ``rows`` afterwards); otherwise the rows are copied once. A zero-stride
+        broadcast of one element whose bytes are all equal (such as ``0.0``) becomes a virtual
+        frame instead of being materialised.
 
         Args:
             rows: float32 or float16 rows, or uint16 rows holding raw bf16 values.
@@ -225,8 +240,9 @@ class ActivationFrame:
         if expected is None or rows.dtype != expected:
             msg = f"rows dtype {rows.dtype} does not match activation dtype {dtype.name}"
             raise FrameError(msg)
-        contiguous = np.ascontiguousarray(rows)
-        payload = contiguous.reshape(-1).view(np.uint8)
+        payload = _broadcast_payload(rows)
+        if payload is None:
+            payload = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         desc = ActivationDesc(
             dtype=dtype,
             layout=ActivationLayout.TOKEN_MAJOR,

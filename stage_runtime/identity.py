@@ -384,15 +384,15 @@ def prefix_hashes(
 
 def _hash_counts(h: blake3.blake3, data: memoryview, counts: list[int]) -> dict[int, str]:
     """Feed ``data`` (int32 bytes) to ``h`` up to each ascending count and read it out there."""
-    out: dict[int, str] = {}
+    update, digest = h.update, h.digest  # the hot loop: one update and one digest per count
+    digests: list[bytes] = []
     done = 0
     for count in counts:
         end = count * 4
-        if end > done:
-            h.update(data[done:end])
-            done = end
-        out[count] = _HASH_PREFIX + h.hexdigest()
-    return out
+        update(data[done:end])
+        done = end
+        digests.append(digest())
+    return {count: _HASH_PREFIX + raw.hex() for count, raw in zip(counts, digests, strict=True)}
 
 
 # --------------------------------------------------------------------------------------------

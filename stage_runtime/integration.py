@@ -235,6 +235,8 @@ class _HashMemo:
     tokens: TokenArray
     """A private copy: the caller may reuse or mutate its own array."""
     hashes: dict[int, str]
+    complete: bool
+    """Whether ``hashes`` holds every lookup candidate (and so every count callers ask for)."""
 
     def matches(
         self, config: StageConfig, token_start: int, namespace: str | None, tokens: TokenArray
@@ -594,17 +596,27 @@ class KvStageIntegration:
         array: TokenArray,
         counts: list[int],
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches."""
+        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches.
+
+        Callers ask for subsets of the lookup candidates of ``len(array)`` plus ``len(array)``
+        itself (record candidates are a subset of the lookup candidates). When the cache looks
+        things up, a new pass hashes all lookup candidates so that the record of the same prompt
+        finds them; a memo hit then needs no per-count check (which would cost more than the
+        lookup it saves). A record-only cache hashes just the few record lengths.
+        """
         namespace = base.chat_template_id
         memo = self._memo
-        if memo is not None and memo.matches(config, token_start, namespace, array):
-            missing = [c for c in counts if c not in memo.hashes]
-            if missing:
-                memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
+        if (
+            array.size > 0
+            and memo is not None
+            and memo.matches(config, token_start, namespace, array)
+            and (memo.complete or all(count in memo.hashes for count in counts))
+        ):
             return memo.hashes
-        # Hash every lookup candidate now: a record of the same prompt reuses them.
         wanted = set(counts)
-        wanted.update(self.policy.candidate_token_counts(int(array.size)))
+        complete = self.should_lookup()
+        if complete:
+            wanted.update(self.policy.candidate_token_counts(int(array.size)))
         hashes = prefix_hashes(config, token_start, array, wanted, namespace)
         self._memo = _HashMemo(
             config=config,
@@ -612,6 +624,7 @@ class KvStageIntegration:
             namespace=namespace,
             tokens=array.copy(),
             hashes=hashes,
+            complete=complete,
         )
         return hashes
 

@@ -308,3 +308,15 @@ def test_prefix_then_concat_restores_the_frame(
     head = frame.prefix(k)
     tail = ActivationFrame.from_array(rows[k:])
     assert ActivationFrame.concat(head, tail).same_content(frame)
+
+
+def test_from_array_keeps_broadcast_zeros_virtual() -> None:
+    """Broadcast zero rows become a virtual frame; a broadcast non-uniform element is copied."""
+    zeros = np.broadcast_to(np.float32(0), (1_000_000, 2048))
+    frame = ActivationFrame.from_array(zeros)
+    assert frame.is_virtual
+    assert frame.payload_bytes == 1_000_000 * 2048 * 4
+    ones = np.broadcast_to(np.float32(1), (3, 2))
+    copied = ActivationFrame.from_array(ones)
+    assert not copied.is_virtual
+    np.testing.assert_array_equal(copied.rows(), ones)

@@ -559,3 +559,61 @@ def test_message_base_is_validated_by_its_own_type() -> None:
     """A malformed envelope never reaches the cache."""
     with pytest.raises(ConfigError, match="chat_template_id must be a string, got 3"):
         MessageBase(chat_template_id=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 2214])
+def test_memo_answers_equal_fresh_answers(n: int) -> None:
+    """After a restore warms the memo, every identity query equals a fresh integration's."""
+    config = seed_config()
+    warm = seed_integration(config)
+    tokens = list(range(7, 7 + n))
+    warm.restore_resident_activation(config, seed_base(), 0, tokens, 4096)
+    warm.activation_lookup_identities(config, seed_base(), 0, tokens)
+    for query in (
+        "prefill_identity",
+        "activation_lookup_identities",
+        "activation_record_identities",
+    ):
+        fresh = seed_integration(config)
+        got = getattr(warm, query)(config, seed_base(), 0, tokens)
+        want = getattr(fresh, query)(config, seed_base(), 0, tokens)
+        if query == "prefill_identity":
+            got, want = [got], [want]
+        assert [i.page_id for i in got] == [i.page_id for i in want]
+        assert [i.identity.prefix_hash for i in got] == [i.identity.prefix_hash for i in want]
+
+
+def test_record_only_cache_hashes_only_record_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In record mode only the record candidates are hashed; later queries still agree."""
+    asked: list[set[int]] = []
+    real = integration_module.prefix_hashes  # type: ignore[attr-defined]
+
+    def spy(config: Any, start: Any, tokens: Any, counts: Any, *args: Any) -> dict[int, str]:
+        asked.append(set(counts))
+        return real(config, start, tokens, counts, *args)
+
+    monkeypatch.setattr(integration_module, "prefix_hashes", spy)
+    config = with_cache(mode=CacheMode.RECORD)
+    kv = seed_integration(config)
+    tokens = list(range(2214))
+    kv.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(2214, 8856)
+    )
+    assert asked == [{2214, 2176}]
+    lookup = kv.activation_lookup_identities(config, seed_base(), 0, tokens)
+    assert len(asked) == 2
+    assert len(lookup) == len(kv.policy.candidate_token_counts(2214))
+    fresh = seed_integration(config).activation_lookup_identities(config, seed_base(), 0, tokens)
+    assert [i.page_id for i in lookup] == [i.page_id for i in fresh]
+
+
+def test_a_frame_disagreeing_with_its_payload_never_reaches_the_cache() -> None:
+    """payload_bytes != payload size fails at construction with FrameError; cache untouched."""
+    kv = seed_integration()
+    before = kv.cache._snapshot()
+    good = activation_frame(300, 1200)
+    with pytest.raises(
+        FrameError, match="payload_bytes must equal the payload size 1200, got 1199"
+    ):
+        ActivationFrame(desc=attrs.evolve(good.desc, payload_bytes=1199), payload=good.payload)
+    assert kv.cache._snapshot() == before

@@ -1,0 +1,227 @@
+"""Benchmark: prefix identities in one pass, and restore cost against prefix length.
+
+Run: ``python benchmarks/bench_identity.py [--repeat 7] [--json PATH]``.
+
+Part 1 hashes every lookup candidate of an N-token prompt (stride 128, min 256, record limit 0)
+in one pass (:func:`stage_runtime.prefix_hashes`) and compares it with hashing the N tokens once
+(:func:`stage_runtime.prefix_hash`), and with the naive one-pass-per-candidate approach. Part 2
+restores a cached 2,048-token and a cached 131,072-token prefix of an 8,192-byte-per-token frame:
+restores return views, so the cost must not grow with the payload.
+
+Numbers are medians over ``--repeat`` samples; each sample loops enough calls to last ~20 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stage_runtime import (
+    ActivationFrame,
+    CandidatePolicy,
+    KvCacheConfig,
+    KvStageIntegration,
+    MessageBase,
+    StageConfig,
+    prefix_hash,
+    prefix_hashes,
+)
+
+SIZES = (2048, 32768, 131072)
+BYTES_PER_TOKEN = 8192
+RESTORE_SIZES = (2048, 131072)
+NAIVE_MAX = 32768  # one pass per candidate is quadratic; skip it above this size
+
+
+def _config(limit: int) -> StageConfig:
+    return StageConfig(
+        stage_id="stage-0",
+        model_id="example/model",
+        layer_start=0,
+        layer_end=8,
+        ctx_size=262_144,
+        kv_cache=KvCacheConfig(
+            mode="lookup-record",
+            max_entries=64,
+            min_tokens=256,
+            shared_prefix_stride_tokens=128,
+            shared_prefix_record_limit=limit,
+        ),
+    )
+
+
+def _median_seconds(fn: Callable[[], object], repeat: int, budget_s: float = 0.02) -> float:
+    """Median seconds per call over ``repeat`` samples of enough calls to fill ``budget_s``."""
+    fn()  # warm up caches (namespace prelude, lru caches)
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    loops = max(1, int(budget_s / once))
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        samples.append((time.perf_counter() - start) / loops)
+    return statistics.median(samples)
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    out["machine"] = platform.machine()
+    out["processor"] = platform.processor() or "unknown"
+    for dist in ("numpy", "trio", "blake3", "attrs", "stage-runtime"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _identity_row(
+    config: StageConfig, policy: CandidatePolicy, tokens: np.ndarray, repeat: int
+) -> dict[str, Any]:
+    n = int(tokens.size)
+    counts = policy.candidate_token_counts(n)
+    once = _median_seconds(lambda: prefix_hash(config, 0, tokens, "ns"), repeat)
+    one_pass = _median_seconds(lambda: prefix_hashes(config, 0, tokens, counts, "ns"), repeat)
+    row: dict[str, Any] = {
+        "tokens": n,
+        "candidates": len(counts),
+        "hash_once_s": once,
+        "all_candidates_s": one_pass,
+        "hash_once_tokens_per_s": n / once,
+        "all_candidates_tokens_per_s": n / one_pass,
+        "ratio": one_pass / once,
+    }
+    if n <= NAIVE_MAX:
+        naive = _median_seconds(
+            lambda: [prefix_hash(config, 0, tokens[:c], "ns") for c in counts],
+            max(3, repeat // 2),
+        )
+        row["naive_per_candidate_s"] = naive
+        row["naive_over_one_pass"] = naive / one_pass
+    return row
+
+
+def bench_identities(repeat: int) -> list[dict[str, Any]]:
+    """All lookup candidates in one pass vs the N tokens hashed once (and vs naive)."""
+    config = _config(limit=0)
+    assert config.kv_cache is not None
+    policy = CandidatePolicy.from_cache_config(config.kv_cache)
+    rng = np.random.default_rng(0)
+    return [
+        _identity_row(config, policy, rng.integers(0, 150_000, size=n, dtype=np.int32), repeat)
+        for n in SIZES
+    ]
+
+
+def _restore_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
+    base = MessageBase(session_id="bench", chat_template_id="ns")
+    kv = KvStageIntegration.from_config(config, environ={})
+    assert kv is not None
+    tokens = np.arange(n, dtype=np.int32)
+    # np.zeros maps untouched pages: a real (non-virtual) 1 GiB payload that costs nothing
+    # unless someone copies it, which is exactly what this measures.
+    payload = np.zeros(n * BYTES_PER_TOKEN, dtype=np.uint8)
+    frame = ActivationFrame.from_array(
+        payload.view(np.float32).reshape(n, BYTES_PER_TOKEN // 4), layer_end=8
+    )
+    kv.record_resident_activation(config, base, 0, tokens, 4096, frame)
+
+    def restore() -> None:
+        hit = kv.restore_resident_activation(config, base, 0, tokens, 4096)
+        assert hit is not None
+        assert hit.token_count == n
+
+    def restore_cold() -> None:
+        kv._memo = None  # force the identity pass, as for a prompt seen for the first time
+        restore()
+
+    warm = _median_seconds(restore, repeat)
+    cold = _median_seconds(restore_cold, repeat)
+    hit = kv.restore_resident_activation(config, base, 0, tokens, 4096)
+    assert hit is not None
+    return {
+        "tokens": n,
+        "payload_bytes": n * BYTES_PER_TOKEN,
+        "restore_s": warm,
+        "restore_with_identity_pass_s": cold,
+        "shares_memory": bool(np.shares_memory(hit.frame.payload, payload)),
+    }
+
+
+def bench_restore(repeat: int) -> list[dict[str, Any]]:
+    """Restore cost of a cached prefix of 2,048 vs 131,072 tokens at 8,192 bytes per token."""
+    config = _config(limit=2)
+    return [_restore_row(config, n, repeat) for n in RESTORE_SIZES]
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Run both parts, print a table, write JSON; returns the JSON document."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeat", type=int, default=7, help="samples per measurement (median)")
+    parser.add_argument(
+        "--json", type=Path, default=Path("benchmarks/out/identity.json"), help="output file"
+    )
+    args = parser.parse_args(argv)
+
+    identities = bench_identities(args.repeat)
+    restores = bench_restore(args.repeat)
+    small, large = restores[0], restores[-1]
+    result: dict[str, object] = {
+        "benchmark": "identity",
+        "repeat": args.repeat,
+        "environment": _versions(),
+        "identities": identities,
+        "restore": restores,
+        "restore_large_over_small": large["restore_s"] / small["restore_s"],
+        # Issue 2 asks for all-candidates / hash-once under 1.5; recorded, not asserted.
+        "ratio_target": 1.5,
+        "ratio_target_met": all(r["ratio"] < 1.5 for r in identities),
+    }
+
+    print("prefix identities: all lookup candidates (stride 128, min 256, limit 0), medians")
+    print(
+        f"{'tokens':>8} {'cands':>6} {'hash once':>11} {'all cands':>11} "
+        f"{'ratio':>6} {'Mtok/s once':>12} {'Mtok/s all':>11} {'naive/one':>10}"
+    )
+    for r in identities:
+        naive = f"{r['naive_over_one_pass']:.0f}x" if "naive_over_one_pass" in r else "-"
+        print(
+            f"{r['tokens']:>8} {r['candidates']:>6} {r['hash_once_s'] * 1e6:>9.1f}us "
+            f"{r['all_candidates_s'] * 1e6:>9.1f}us {r['ratio']:>6.2f} "
+            f"{r['hash_once_tokens_per_s'] / 1e6:>12.1f} "
+            f"{r['all_candidates_tokens_per_s'] / 1e6:>11.1f} {naive:>10}"
+        )
+    print()
+    print(f"restore of a cached prefix at {BYTES_PER_TOKEN} B/token, medians")
+    print(f"{'tokens':>8} {'payload':>10} {'restore':>11} {'+identity pass':>15} {'view':>5}")
+    for r in restores:
+        print(
+            f"{r['tokens']:>8} {r['payload_bytes'] / 2**20:>7.0f}MiB "
+            f"{r['restore_s'] * 1e6:>9.1f}us "
+            f"{r['restore_with_identity_pass_s'] * 1e6:>13.1f}us {r['shares_memory']!s:>5}"
+        )
+    print(
+        f"restore {large['tokens']} / {small['tokens']}: {result['restore_large_over_small']:.2f}x"
+    )
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
