@@ -11,6 +11,13 @@ from stage_runtime.cache import (
     ResidentActivationCache,
     ResidentCacheStats,
 )
+from stage_runtime.cache_actor import (
+    CacheActor,
+    CacheStatsRequest,
+    ClearCache,
+    RecordActivation,
+    RestoreActivation,
+)
 from stage_runtime.config import (
     SCHEMA_VERSION,
     CacheIndex,
@@ -57,6 +64,14 @@ from stage_runtime.integration import (
     effective_cache_payload,
     summarize_records,
 )
+from stage_runtime.models import (
+    CausalMixModel,
+    ModelFactory,
+    StageModel,
+    VirtualStageModel,
+    reference_model_factory,
+    virtual_model_factory,
+)
 from stage_runtime.paged import (
     EvictedPage,
     PageChain,
@@ -68,14 +83,42 @@ from stage_runtime.paged import (
     page_chain,
 )
 from stage_runtime.paged_stage import PagedActivationRestore, PagedStageIntegration
+from stage_runtime.pipeline import (
+    Pipeline,
+    PipelineStats,
+    PrefillResult,
+    load_topology,
+    open_pipeline,
+    validate_topology,
+)
 from stage_runtime.policy import (
     CandidatePolicy,
     derive_max_resident_tokens,
     round_half_away_from_zero,
 )
+from stage_runtime.stage import StagePrefillReport, StageStats
 from stage_runtime.tenancy import paged_namespace, salted_prefix_hash
 
 __all__ = [
+    "CacheActor",
+    "CacheStatsRequest",
+    "CausalMixModel",
+    "ClearCache",
+    "ModelFactory",
+    "Pipeline",
+    "PipelineStats",
+    "PrefillResult",
+    "RecordActivation",
+    "RestoreActivation",
+    "StageModel",
+    "StagePrefillReport",
+    "StageStats",
+    "VirtualStageModel",
+    "load_topology",
+    "open_pipeline",
+    "reference_model_factory",
+    "validate_topology",
+    "virtual_model_factory",
     "RUNTIME_ABI_VERSION",
     "SCHEMA_VERSION",
     "ActivationDType",

@@ -1,0 +1,579 @@
+"""Actors: one trio task owns the state, every access is a message.
+
+An actor is a plain object with a ``handle`` method. ``open_actor`` / ``spawn`` run it in its own
+task behind a bounded mailbox (a trio memory channel) and hand back an ``ActorRef``, the only way to
+reach it. Because exactly one task ever calls ``handle``, and calls it for one message at a time,
+the state needs no lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Generic, TypeVar, cast
+
+import attrs
+import structlog
+import trio
+
+from actors._reply import Reply
+from actors.errors import ActorStoppedError, RestartLimitError
+from actors.supervision import RestartPolicy, _CrashWindow
+
+__all__ = [
+    "Actor",
+    "ActorRef",
+    "ActorStatistics",
+    "open_actor",
+    "spawn",
+]
+
+log = structlog.get_logger(__name__)
+
+MessageT = TypeVar("MessageT")
+ReplyT = TypeVar("ReplyT")
+MessageT_contra = TypeVar("MessageT_contra", contravariant=True)
+ReplyT_co = TypeVar("ReplyT_co", covariant=True)
+
+MAILBOX_FULL_LOG_INTERVAL_S = 1.0
+"""At most one ``actor_mailbox_full`` warning per actor in this many seconds."""
+
+
+class _Barrier:
+    """Internal message: replied to by the actor loop itself once everything before it ran."""
+
+    __slots__ = ()
+
+
+_BARRIER = _Barrier()
+
+_Envelope = tuple[Any, Reply | None]
+
+
+class Actor(abc.ABC, Generic[MessageT, ReplyT]):
+    """Base class of actors: subclass it and implement ``handle``.
+
+    The actor's attributes are its state. Only the actor's own task touches them, one message at a
+    time, so they need no lock. ``handle`` may be ``async def`` (it may await, and no other message
+    runs meanwhile) or a plain ``def``. Under a ``RestartPolicy`` a crashed actor is replaced by a
+    new object from the factory, so its state starts fresh (for a cache: empty).
+
+    Example::
+
+        @attrs.define(eq=False)
+        class Counter(Actor[int, int]):
+            total: int = 0
+
+            async def handle(self, message: int) -> int:
+                self.total += message
+                return self.total
+    """
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def handle(self, message: MessageT) -> ReplyT | Awaitable[ReplyT]:
+        """Process one message and return the reply (``None`` is fine for tells).
+
+        Args:
+            message: What a caller sent with ``ask`` or ``tell``.
+
+        Returns:
+            The reply that ``ask`` returns; ignored for ``tell``.
+
+        Raises:
+            Exception: During an ``ask`` the exception is raised in the caller and the actor keeps
+                running; during a ``tell`` it crashes the actor (see ``RestartPolicy``).
+        """
+
+    async def on_start(self) -> None:
+        """Run in the actor's task before the first message (and after every restart)."""
+
+    async def on_stop(self) -> None:
+        """Run in the actor's task after an orderly stop (not after a crash or cancellation)."""
+
+
+@attrs.frozen(kw_only=True)
+class ActorStatistics:
+    """A snapshot of one actor's mailbox and counters, from ``ActorRef.statistics()``."""
+
+    mailbox_size: int
+    """Capacity of the mailbox; ``0`` is a rendezvous (each ``tell`` waits for the actor)."""
+
+    queued: int
+    """Messages waiting in the mailbox now."""
+
+    max_queued: int
+    """Most messages seen waiting in the mailbox at once."""
+
+    processed: int
+    """Messages handled so far, failed ones included."""
+
+    failed: int
+    """Messages whose handler raised."""
+
+    restarts: int
+    """Times the actor was rebuilt under its ``RestartPolicy``."""
+
+    asks_waiting: int
+    """``ask`` calls in progress: waiting for mailbox room or for their reply."""
+
+
+@attrs.define(eq=False)
+class _Cell:
+    """Everything the actor task and its refs share: mailbox, counters and lifecycle flags."""
+
+    name: str
+    mailbox_size: int
+    factory: Callable[[], Actor[Any, Any]]
+    policy: RestartPolicy | None
+    send: trio.MemorySendChannel[_Envelope]
+    receive: trio.MemoryReceiveChannel[_Envelope]
+    sent: int = 0
+    received: int = 0
+    max_queued: int = 0
+    processed: int = 0
+    failed: int = 0
+    restarts: int = 0
+    asks_waiting: int = 0
+    drain: bool = True
+    current: Reply | None = None
+    task: trio.lowlevel.Task | None = None
+    stopped: trio.Event = attrs.field(factory=trio.Event)
+    full_logged_at: float = -math.inf
+    full_suppressed: int = 0
+
+    def note_sent(self) -> None:
+        self.sent += 1
+        queued = self.sent - self.received
+        if queued > self.max_queued:
+            self.max_queued = min(queued, self.mailbox_size)
+
+    def note_full(self) -> None:
+        """Log that a sender has to wait for room, at most once per interval."""
+        now = trio.current_time()
+        if now - self.full_logged_at < MAILBOX_FULL_LOG_INTERVAL_S:
+            self.full_suppressed += 1
+            return
+        log.warning(
+            "actor_mailbox_full",
+            actor=self.name,
+            mailbox_size=self.mailbox_size,
+            suppressed=self.full_suppressed,
+        )
+        self.full_logged_at = now
+        self.full_suppressed = 0
+
+    def stopped_error(self) -> ActorStoppedError:
+        msg = f"actor {self.name!r} has stopped"
+        return ActorStoppedError(msg)
+
+    def request_stop(self, *, drain: bool) -> None:
+        if not drain:
+            self.drain = False
+        self.send.close()
+
+    async def run(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> None:
+        self.task = trio.lowlevel.current_task()
+        drained = False
+        with structlog.contextvars.bound_contextvars(actor=self.name):
+            try:
+                drained = await self._supervise(ref, task_status)
+            finally:
+                self._shut_down(drained=drained)
+
+    async def _supervise(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> bool:
+        window = None if self.policy is None else _CrashWindow(self.policy)
+        started = False
+        while True:
+            try:
+                actor = self.factory()
+                await actor.on_start()
+                if not started:
+                    started = True
+                    log.info("actor_started", mailbox_size=self.mailbox_size)
+                    task_status.started(ref)
+                drained = await self._serve(actor)
+            except Exception as exc:
+                if window is None:
+                    raise
+                if not window.record(trio.current_time()):
+                    policy = window.policy
+                    msg = (
+                        f"actor {self.name!r} crashed {window.attempt} times within "
+                        f"{policy.within_s}s, max_restarts={policy.max_restarts}"
+                    )
+                    raise RestartLimitError(msg) from exc
+                self.restarts += 1
+                log.warning(
+                    "actor_restarted",
+                    attempt=window.attempt,
+                    restarts=self.restarts,
+                    cause=repr(exc),
+                    backoff_s=window.policy.backoff_s,
+                )
+                if window.policy.backoff_s > 0:
+                    await trio.sleep(window.policy.backoff_s)
+                continue
+            await actor.on_stop()
+            return drained
+
+    async def _serve(self, actor: Actor[Any, Any]) -> bool:
+        """Handle messages until the mailbox ends; return whether it was drained."""
+        handle = actor.handle
+        is_async = inspect.iscoroutinefunction(handle)
+        receive = self.receive.receive
+        message: Any = None
+        reply: Reply | None = None
+        result: Any = None
+        while self.drain:
+            # Drop the previous message and reply before idling, so an idle actor keeps nothing
+            # alive that a caller handed it or was handed back.
+            message = reply = result = None
+            try:
+                message, reply = await receive()
+            except trio.EndOfChannel:
+                return True
+            self.received += 1
+            if reply is not None:
+                if message is _BARRIER:
+                    reply.succeed(None)
+                    continue
+                self.current = reply
+            try:
+                result = handle(message)
+                # A plain def may still hand back an awaitable (a decorated or partial async
+                # handler); await it rather than replying with a coroutine object.
+                if is_async or inspect.isawaitable(result):
+                    result = await result
+            except Exception as exc:
+                self.processed += 1
+                self.failed += 1
+                if reply is None:
+                    log.error(
+                        "actor_message_failed",
+                        message_type=type(message).__name__,
+                        crashed=True,
+                        exc_info=exc,
+                    )
+                    raise
+                log.warning(
+                    "actor_message_failed",
+                    message_type=type(message).__name__,
+                    crashed=False,
+                    exc_info=exc,
+                )
+                reply.fail(exc)
+                self.current = None
+            else:
+                self.processed += 1
+                if reply is not None:
+                    reply.succeed(result)
+                    self.current = None
+        return False
+
+    def _shut_down(self, *, drained: bool) -> None:
+        """Close the mailbox and fail every ask that will never get a reply."""
+        self.send.close()
+        if self.current is not None:
+            self.current.fail(self.stopped_error())
+            self.current = None
+        dropped = 0
+        while True:
+            try:
+                message, reply = self.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if message is not _BARRIER:
+                dropped += 1
+            if reply is not None:
+                reply.fail(self.stopped_error())
+        self.receive.close()
+        self.stopped.set()
+        log.info("actor_stopped", processed=self.processed, drained=drained, dropped=dropped)
+
+
+@attrs.define(eq=False, repr=False)
+class ActorRef(Generic[MessageT, ReplyT]):
+    """The handle to a running actor: send it messages, stop it, read its statistics.
+
+    Refs are cheap to share between tasks; all of them reach the same mailbox.
+    """
+
+    _cell: _Cell
+    _send: trio.MemorySendChannel[_Envelope]
+
+    def __repr__(self) -> str:
+        return f"<ActorRef {self._cell.name!r}>"
+
+    @property
+    def name(self) -> str:
+        """The actor's name, as bound to ``actor=`` in its log events."""
+        return self._cell.name
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the actor's task has finished (stopped, crashed or cancelled)."""
+        return self._cell.stopped.is_set()
+
+    def _send_now(self, envelope: _Envelope) -> bool:
+        """Put ``envelope`` in the mailbox if it has room now; return ``False`` if it is full."""
+        try:
+            self._send.send_nowait(envelope)
+        except trio.WouldBlock:
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise self._cell.stopped_error() from None
+        # note_sent(), inlined: this is the hot path of every tell and ask.
+        cell = self._cell
+        cell.sent += 1
+        queued = cell.sent - cell.received
+        if queued > cell.max_queued:
+            cell.max_queued = min(queued, cell.mailbox_size)
+        return True
+
+    async def _send_later(self, envelope: _Envelope) -> None:
+        """Wait for room in a full mailbox, then send (the backpressure path)."""
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot wait for room in its own full mailbox (deadlock)"
+            raise RuntimeError(msg)
+        cell.note_full()
+        try:
+            await self._send.send(envelope)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise cell.stopped_error() from None
+        cell.note_sent()
+
+    async def ask(
+        self,
+        message: MessageT,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the API issue 3 fixes
+    ) -> ReplyT:
+        """Send ``message`` and wait for the actor's reply.
+
+        Cancelling the caller at any point is safe: before the message is queued nothing is sent;
+        after, the actor still handles it (the message was delivered) and the late reply is
+        dropped. The actor keeps running either way.
+
+        Args:
+            message: Passed to the actor's ``handle``.
+            timeout: Seconds to wait, for mailbox room and the reply together; ``None`` waits as
+                long as it takes.
+
+        Returns:
+            What ``handle`` returned.
+
+        Raises:
+            trio.TooSlowError: ``timeout`` passed first.
+            ActorStoppedError: The actor has stopped, or stopped before replying.
+            RuntimeError: Called from the actor's own task (it would deadlock).
+            Exception: Whatever ``handle`` raised for this message.
+        """
+        if timeout is None:
+            return await self._ask(message)
+        with trio.fail_after(timeout):
+            return await self._ask(message)
+
+    async def _ask(self, message: Any) -> ReplyT:
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
+        reply = Reply()
+        envelope = (message, reply)
+        cell.asks_waiting += 1
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if not self._send_now(envelope):
+                await self._send_later(envelope)
+            # No extra yield after a direct send: the actor cannot have replied yet, so
+            # reply.wait() parks, and that park is this call's schedule point.
+            return cast(ReplyT, await reply.wait())
+        finally:
+            cell.asks_waiting -= 1
+
+    async def tell(self, message: MessageT) -> None:
+        """Send ``message`` without waiting for it to be handled.
+
+        Waits while the mailbox is full (backpressure) and logs ``actor_mailbox_full`` when it has
+        to. If ``handle`` raises for a told message the actor crashes (see ``RestartPolicy``).
+        An actor may tell itself, but not while its own mailbox is full.
+
+        Raises:
+            ActorStoppedError: The actor has stopped.
+            RuntimeError: The actor told itself with its mailbox full (it would deadlock).
+        """
+        envelope = (message, None)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._send_now(envelope):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._send_later(envelope)
+
+    def tell_nowait(self, message: MessageT) -> None:
+        """Send ``message`` if the mailbox has room right now.
+
+        Raises:
+            trio.WouldBlock: The mailbox is full.
+            ActorStoppedError: The actor has stopped.
+        """
+        if not self._send_now((message, None)):
+            msg = f"mailbox of actor {self._cell.name!r} is full"
+            raise trio.WouldBlock(msg)
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop the actor and wait for its task to finish.
+
+        New messages are refused at once (``ActorStoppedError``), including senders already waiting
+        for mailbox room. The message being handled always finishes. Then, with ``drain=True``
+        every queued message is handled; with ``drain=False`` queued messages are dropped and their
+        asks raise ``ActorStoppedError``. Finally ``on_stop`` runs. Calling ``stop`` from inside the
+        actor's own ``handle`` only requests the stop (waiting would deadlock).
+
+        Args:
+            drain: Handle the messages already queued before stopping.
+        """
+        cell = self._cell
+        cell.request_stop(drain=drain)
+        if trio.lowlevel.current_task() is cell.task:
+            await trio.lowlevel.checkpoint()
+            return
+        await cell.stopped.wait()
+
+    def statistics(self) -> ActorStatistics:
+        """Return a snapshot of the mailbox and counters."""
+        cell = self._cell
+        return ActorStatistics(
+            mailbox_size=cell.mailbox_size,
+            queued=cell.receive.statistics().current_buffer_used,
+            max_queued=cell.max_queued,
+            processed=cell.processed,
+            failed=cell.failed,
+            restarts=cell.restarts,
+            asks_waiting=cell.asks_waiting,
+        )
+
+    async def _barrier(self) -> None:
+        """Wait until every message queued before this call has been handled."""
+        reply = Reply()
+        envelope = (_BARRIER, reply)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._send_now(envelope):
+            await self._send_later(envelope)
+        await reply.wait()
+
+
+def _factory_of(
+    actor_or_factory: Actor[Any, Any] | Callable[[], Actor[Any, Any]],
+    restart: RestartPolicy | None,
+) -> Callable[[], Actor[Any, Any]]:
+    if isinstance(actor_or_factory, Actor):
+        if restart is not None:
+            msg = (
+                "restart needs a factory that builds a fresh actor, got an instance of "
+                f"{type(actor_or_factory).__name__}"
+            )
+            raise ValueError(msg)
+        instance = actor_or_factory
+
+        def reuse() -> Actor[Any, Any]:
+            return instance
+
+        return reuse
+    if not callable(actor_or_factory):
+        msg = f"actor_or_factory must be an Actor or a callable, got {actor_or_factory!r}"
+        raise TypeError(msg)
+    return actor_or_factory
+
+
+def _new_cell(
+    actor_or_factory: Actor[Any, Any] | Callable[[], Actor[Any, Any]],
+    name: str,
+    mailbox_size: int,
+    restart: RestartPolicy | None,
+) -> _Cell:
+    if mailbox_size < 0:
+        msg = f"mailbox_size must be >= 0, got {mailbox_size!r}"
+        raise ValueError(msg)
+    factory = _factory_of(actor_or_factory, restart)
+    send, receive = trio.open_memory_channel[_Envelope](mailbox_size)
+    return _Cell(
+        name=name,
+        mailbox_size=mailbox_size,
+        factory=factory,
+        policy=restart,
+        send=send,
+        receive=receive,
+    )
+
+
+async def spawn(
+    nursery: trio.Nursery,
+    actor_or_factory: Actor[MessageT, ReplyT] | Callable[[], Actor[MessageT, ReplyT]],
+    *,
+    name: str,
+    mailbox_size: int = 64,
+    restart: RestartPolicy | None = None,
+) -> ActorRef[MessageT, ReplyT]:
+    """Start an actor in ``nursery`` and return its ref once ``on_start`` has run.
+
+    The actor runs until stopped (``ActorRef.stop``) or until the nursery is cancelled. A crash
+    without a ``restart`` policy propagates into ``nursery`` like any task's exception.
+
+    Args:
+        nursery: Owns the actor's task.
+        actor_or_factory: An ``Actor`` instance, or a callable returning a fresh one (an ``Actor``
+            subclass itself works). ``restart`` needs a factory.
+        name: Bound as ``actor=`` in the actor's log events and shown in errors.
+        mailbox_size: Messages that may wait in the mailbox; ``0`` makes every send a rendezvous.
+        restart: Rebuild the actor when it crashes; ``None`` lets crashes propagate.
+
+    Returns:
+        The ref through which the actor is reached.
+
+    Raises:
+        ValueError: ``mailbox_size`` is negative, or ``restart`` was given with an instance.
+    """
+    return await _start(nursery, _new_cell(actor_or_factory, name, mailbox_size, restart))
+
+
+async def _start(nursery: trio.Nursery, cell: _Cell) -> ActorRef[Any, Any]:
+    ref: ActorRef[Any, Any] = ActorRef(cell, cell.send)
+    await nursery.start(cell.run, ref)
+    return ref
+
+
+@asynccontextmanager
+async def open_actor(
+    actor_or_factory: Actor[MessageT, ReplyT] | Callable[[], Actor[MessageT, ReplyT]],
+    *,
+    name: str,
+    mailbox_size: int = 64,
+    restart: RestartPolicy | None = None,
+) -> AsyncIterator[ActorRef[MessageT, ReplyT]]:
+    """Run an actor for the duration of an ``async with`` block.
+
+    On a normal exit the mailbox is closed, every queued message is handled (drain), ``on_stop``
+    runs and the actor's task is awaited. If the block raises, the actor is cancelled instead.
+    Arguments are those of ``spawn``; failures of the actor's task (a crash, ``RestartLimitError``,
+    a first ``on_start`` that raises) leave the block as an exception group, as trio nurseries do.
+
+    Example::
+
+        async with open_actor(Counter, name="counter") as counter:
+            await counter.tell(2)
+            assert await counter.ask(3) == 5
+    """
+    # Validate before the nursery exists, so bad arguments raise plainly, not in a group.
+    cell = _new_cell(actor_or_factory, name, mailbox_size, restart)
+    async with trio.open_nursery() as nursery:
+        ref: ActorRef[MessageT, ReplyT] = await _start(nursery, cell)
+        try:
+            yield ref
+        finally:
+            ref._cell.request_stop(drain=True)

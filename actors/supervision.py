@@ -1,0 +1,70 @@
+"""Restart policies: how often a crashed actor is rebuilt before supervision gives up."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import attrs
+
+__all__ = ["RestartPolicy"]
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        msg = f"{attribute.name} must be >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        msg = f"{attribute.name} must be > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen
+class RestartPolicy:
+    """Rebuild a crashed actor from its factory, up to a limit.
+
+    An actor crashes when a handler raises while processing a ``tell`` (there is no caller to report
+    to), when ``on_start`` raises, or when its factory raises. Under a policy the actor is rebuilt
+    from its factory, so its state starts **fresh** (a cache actor comes back empty). Messages that
+    were queued survive the restart; the message whose handler crashed is not retried. Crashes are
+    counted in a sliding window of ``within_s`` seconds of ``trio.current_time()`` (virtual time in
+    tests); the crash that would be restart number ``max_restarts + 1`` inside the window raises
+    ``RestartLimitError`` into the owning nursery instead.
+
+    Example::
+
+        RestartPolicy(max_restarts=3, within_s=60, backoff_s=0.5)
+    """
+
+    max_restarts: int = attrs.field(validator=_non_negative)
+    """Restarts allowed inside any window of ``within_s`` seconds; ``0`` gives up at once."""
+
+    within_s: float = attrs.field(validator=_positive)
+    """Length of the sliding window in which restarts are counted, in seconds."""
+
+    backoff_s: float = attrs.field(default=0.0, validator=_non_negative)
+    """Pause before each restart, in seconds (``trio.sleep``, so virtual in tests)."""
+
+
+@attrs.define(eq=False)
+class _CrashWindow:
+    """Crash times inside the policy's sliding window."""
+
+    policy: RestartPolicy
+    times: deque[float] = attrs.field(factory=deque)
+
+    def record(self, now: float) -> bool:
+        """Record a crash at ``now``; return whether a restart is still allowed."""
+        self.times.append(now)
+        horizon = now - self.policy.within_s
+        while self.times and self.times[0] <= horizon:
+            self.times.popleft()
+        return len(self.times) <= self.policy.max_restarts
+
+    @property
+    def attempt(self) -> int:
+        """Crashes inside the current window (the number of the restart about to happen)."""
+        return len(self.times)

@@ -1,0 +1,279 @@
+"""The cache actor: the one task that owns a stage's activation cache.
+
+A :class:`CacheActor` holds one :class:`~stage_runtime.integration.KvStageIntegration` (and the
+:class:`~stage_runtime.config.StageConfig` it was built from); nothing else references them.
+Every access is a message handled one at a time, so no lock is needed:
+
+=========================  ====================================================================
+message                    reply
+=========================  ====================================================================
+:class:`RestoreActivation`  ``ResidentActivationRestore | None`` (longest validated prefix)
+:class:`RecordActivation`   ``list[ResidentActivationRecord]`` (one per ladder rung recorded)
+:class:`CacheStatsRequest`  ``ResidentCacheStats | None`` (None when caching is disabled)
+:class:`ClearCache`         ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``)
+=========================  ====================================================================
+
+Each record, restore, miss and eviction is a structlog event; run the actor inside a task that
+bound ``stage=`` with :func:`structlog.contextvars.bound_contextvars` (a stage does) and every
+event carries it.
+
+A malformed message (wrong field types, a token array that is not integers, a frame that is not
+an :class:`~stage_runtime.frames.ActivationFrame`) raises a typed error in the caller's ``ask``
+(:class:`~stage_runtime.errors.ConfigError` or :class:`~stage_runtime.errors.FrameError`), is
+logged by the actor toolkit, and leaves the cache unchanged; the actor keeps running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from actors import Actor
+from stage_runtime.cache import EvictedEntry, ResidentCacheStats
+from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.identity import as_token_array
+from stage_runtime.integration import (
+    KvStageIntegration,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+)
+
+__all__ = [
+    "CacheActor",
+    "CacheMessage",
+    "CacheStatsRequest",
+    "ClearCache",
+    "RecordActivation",
+    "RestoreActivation",
+]
+
+log = structlog.get_logger(__name__)
+
+# Decision values, as the upstream names them (spec §7).
+DECISION_HIT = "activation_resident_hit"
+DECISION_PREFIX_SHORT = "activation_hit_prefix_short"
+DECISION_MISS = "activation_resident_miss"
+DECISION_RECORD = "activation_record"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RestoreActivation:
+    """Restore the longest cached prefix of ``tokens`` (longest lookup candidate first)."""
+
+    base: MessageBase
+    """Request metadata; its ``chat_template_id`` is the cache namespace."""
+
+    tokens: npt.NDArray[np.int32]
+    """The prompt's token ids (1-D int32; other integer sequences are converted)."""
+
+    activation_width: int
+    """Width in the cache key; a different width never hits."""
+
+    token_start: int = 0
+    """Position of ``tokens[0]`` in the sequence (0 for a prefill)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RecordActivation:
+    """Record ``frame`` (the stage's full output for ``tokens``) at every ladder rung."""
+
+    base: MessageBase
+    """Request metadata; its ``chat_template_id`` is the cache namespace."""
+
+    tokens: npt.NDArray[np.int32]
+    """The prompt's token ids (1-D int32; other integer sequences are converted)."""
+
+    activation_width: int
+    """Width in the cache key."""
+
+    frame: ActivationFrame
+    """The output frame covering all of ``tokens``; stored as zero-copy prefix views."""
+
+    token_start: int = 0
+    """Position of ``tokens[0]`` in the sequence (0 for a prefill)."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheStatsRequest:
+    """Ask for the cache's counters; replies ``ResidentCacheStats`` or None when disabled."""
+
+
+@attrs.frozen(kw_only=True)
+class ClearCache:
+    """Evict every entry (each logged with reason ``"cleared"``); replies the evicted entries."""
+
+
+def _check_common(message: RestoreActivation | RecordActivation) -> npt.NDArray[np.int32]:
+    """Validate the fields both messages share; return the tokens as an int32 array."""
+    if not isinstance(message.base, MessageBase):
+        msg = f"base must be a MessageBase, got {type(message.base).__name__}"
+        raise ConfigError(msg)
+    width = message.activation_width
+    if not isinstance(width, int) or isinstance(width, bool) or width < 0:
+        msg = f"activation_width must be an integer >= 0, got {width!r}"
+        raise ConfigError(msg)
+    start = message.token_start
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        msg = f"token_start must be an integer >= 0, got {start!r}"
+        raise ConfigError(msg)
+    tokens = message.tokens
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
+        return tokens  # the pipeline validated it once at entry: no second pass
+    return as_token_array(tokens)
+
+
+CacheMessage = RestoreActivation | RecordActivation | CacheStatsRequest | ClearCache
+"""Every message a :class:`CacheActor` understands."""
+
+
+class CacheActor(Actor[CacheMessage, Any]):
+    """Owns one stage's activation cache; see the module docstring for the messages.
+
+    Args:
+        config: The stage's configuration; the cache is built from it
+            (:meth:`KvStageIntegration.from_config`), and it is part of every cache key.
+        environ: Environment consulted when ``config.kv_cache`` is None (spec §6.1); the process
+            environment when None.
+    """
+
+    def __init__(self, config: StageConfig, *, environ: Mapping[str, str] | None = None) -> None:
+        self._config = config
+        self._integration = KvStageIntegration.from_config(config, environ=environ)
+
+    @property
+    def should_lookup(self) -> bool:
+        """Whether restores can ever hit (the mode looks up); fixed for the actor's life."""
+        return self._integration is not None and self._integration.should_lookup()
+
+    @property
+    def should_record(self) -> bool:
+        """Whether records can ever store anything; fixed for the actor's life."""
+        return self._integration is not None and self._integration.should_record()
+
+    def handle(self, message: CacheMessage) -> Any:
+        """Apply one message to the cache and return its reply."""
+        if isinstance(message, RestoreActivation):
+            return self._restore(message)
+        if isinstance(message, RecordActivation):
+            return self._record(message)
+        if isinstance(message, CacheStatsRequest):
+            return self._stats()
+        if isinstance(message, ClearCache):
+            return self._clear()
+        msg = (
+            "message must be RestoreActivation, RecordActivation, CacheStatsRequest or "
+            f"ClearCache, got {type(message).__name__}"
+        )
+        raise ConfigError(msg)
+
+    def _restore(self, message: RestoreActivation) -> ResidentActivationRestore | None:
+        tokens = _check_common(message)
+        integration = self._integration
+        if integration is None or not integration.should_lookup() or tokens.size == 0:
+            return None
+        restore = integration.restore_resident_activation(
+            self._config, message.base, message.token_start, tokens, message.activation_width
+        )
+        requested = int(tokens.size)
+        if restore is None:
+            log.debug(
+                "activation_missed",
+                requested_tokens=requested,
+                candidates_tried=len(integration.policy.candidate_token_counts(requested)),
+                decision=DECISION_MISS,
+            )
+            return None
+        log.debug(
+            "activation_restored",
+            page_id=restore.page_id,
+            token_count=restore.token_count,
+            requested_tokens=requested,
+            payload_bytes=restore.payload_bytes,
+            decision=DECISION_HIT if restore.token_count >= requested else DECISION_PREFIX_SHORT,
+        )
+        return restore
+
+    def _record(self, message: RecordActivation) -> list[ResidentActivationRecord]:
+        tokens = _check_common(message)
+        if not isinstance(message.frame, ActivationFrame):
+            msg = f"frame must be an ActivationFrame, got {type(message.frame).__name__}"
+            raise FrameError(msg)
+        integration = self._integration
+        if integration is None or not integration.should_record():
+            return []
+        before = integration.stats()
+        records = integration.record_resident_activation(
+            self._config,
+            message.base,
+            message.token_start,
+            tokens,
+            message.activation_width,
+            message.frame,
+        )
+        entries, resident_bytes = before.entries, before.resident_bytes
+        for record in records:
+            _log_record_evictions(record, entries, resident_bytes)
+            log.debug(
+                "activation_recorded",
+                page_id=record.page_id,
+                token_count=record.token_count,
+                payload_bytes=record.payload_bytes,
+                entries=record.entries,
+                resident_bytes=record.resident_bytes,
+                decision=DECISION_RECORD,
+            )
+            entries, resident_bytes = record.entries, record.resident_bytes
+        return records
+
+    def _stats(self) -> ResidentCacheStats | None:
+        return None if self._integration is None else self._integration.stats()
+
+    def _clear(self) -> tuple[EvictedEntry, ...]:
+        if self._integration is None:
+            return ()
+        before = self._integration.stats()
+        evicted = self._integration.clear()
+        _log_evictions(evicted, before.entries, before.resident_bytes)
+        return evicted
+
+
+def _log_record_evictions(
+    record: ResidentActivationRecord, entries_before: int, bytes_before: int
+) -> None:
+    """Log the evictions one record call made, each with the cache size right after it.
+
+    The cache reports only its size after the whole call, so the size after each eviction is
+    reconstructed: a re-record of an existing key first drops the old entry (not an eviction),
+    then victims leave one by one, then the new entry is inserted.
+    """
+    if not record.evicted:
+        return
+    evicted_bytes = sum(entry.payload_bytes for entry in record.evicted)
+    # after = before - replaced - evictions + 1 (the inserted entry); solve for the replaced one.
+    replaced_entries = entries_before - len(record.evicted) + 1 - record.entries
+    replaced_bytes = bytes_before - evicted_bytes + record.payload_bytes - record.resident_bytes
+    if replaced_entries not in (0, 1):  # a cache that refused the insert: nothing to undo
+        replaced_entries, replaced_bytes = 0, 0
+    _log_evictions(record.evicted, entries_before - replaced_entries, bytes_before - replaced_bytes)
+
+
+def _log_evictions(evicted: Sequence[EvictedEntry], entries: int, resident_bytes: int) -> None:
+    for entry in evicted:
+        entries -= 1
+        resident_bytes -= entry.payload_bytes
+        log.info(
+            "activation_evicted",
+            page_id=entry.key,
+            token_count=entry.token_count,
+            payload_bytes=entry.payload_bytes,
+            reason=entry.reason,
+            entries=entries,
+            resident_bytes=resident_bytes,
+        )

@@ -1,0 +1,314 @@
+"""Stage models: what a pipeline stage computes, and reference models to run pipelines with.
+
+A :class:`StageModel` turns a stage's input rows into its output rows. A stage restores the
+longest cached prefix of its own output (``k`` rows), then asks its model only for rows
+``k..N-1``; the model must therefore be able to continue from the restored prefix alone.
+
+Two reference models ship with the library:
+
+- :class:`CausalMixModel`: real numbers (numpy, seeded, any width). Each output row is the running
+  mean of a fixed mixing of the input rows seen so far, so row ``i`` depends only on inputs
+  ``0..i`` and the whole state needed to continue is the last output row.
+- :class:`VirtualStageModel`: no numbers at all. It returns *virtual* frames (zero-stride payloads
+  of the right size, no memory) and spends virtual time per computed token, for simulations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationDType, ActivationFrame
+
+__all__ = [
+    "CausalMixModel",
+    "ModelFactory",
+    "StageModel",
+    "VirtualStageModel",
+    "reference_model_factory",
+    "virtual_model_factory",
+]
+
+
+@runtime_checkable
+class StageModel(Protocol):
+    """What one pipeline stage computes.
+
+    The contract that makes caching correct: :meth:`forward` is *causal* (output row ``i``
+    depends only on input rows ``0..i``) and can continue from its own restored output prefix, so
+    ``concat(out[:k], forward(inputs, k, out[:k]))`` equals ``forward(inputs, 0, None)``.
+    """
+
+    @property
+    def activation_width(self) -> int:
+        """The width that goes into the cache key (``act:{page_id}:w{width}``)."""
+        ...
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Turn token ids into the first stage's input frame (stage 0 only).
+
+        Args:
+            tokens: The prompt's token ids, a 1-D ``int32`` array.
+
+        Returns:
+            A frame with one row per token.
+        """
+        ...
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Compute the output rows for tokens ``start..N-1``.
+
+        Args:
+            inputs: The stage's full input frame, tokens ``0..N-1``.
+            start: The first token to compute; ``0 <= start < N``.
+            restored: This stage's own output for tokens ``0..start-1`` (from the cache), or
+                ``None`` when ``start == 0``.
+
+        Returns:
+            A frame of ``N - start`` tokens: the output rows for tokens ``start..N-1``.
+        """
+        ...
+
+
+ModelFactory = Callable[[StageConfig], StageModel]
+"""Builds the model of one stage from its configuration (called once per stage, at start)."""
+
+
+def _check_forward_arguments(
+    inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+) -> None:
+    n = inputs.token_count
+    if not 0 <= start < n:
+        msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
+        raise ConfigError(msg)
+    if start == 0:
+        if restored is not None:
+            msg = f"restored must be None when start is 0, got {restored.token_count} tokens"
+            raise FrameError(msg)
+    elif restored is None or restored.token_count != start:
+        got = "None" if restored is None else f"{restored.token_count} tokens"
+        msg = f"restored must hold the {start} tokens before start, got {got}"
+        raise FrameError(msg)
+
+
+@attrs.define(eq=False)
+class CausalMixModel:
+    """A seeded numpy reference model whose output can continue from any restored prefix.
+
+    Each stage squashes its input rows with ``tanh`` (the nonlinearity between stages), mixes them
+    with a fixed random ``width x width`` matrix, and outputs the running mean of the mixed rows:
+    ``out[i] = mean(tanh(x[0..i]) @ W)``. Row ``i`` therefore depends only on inputs ``0..i``,
+    and the state needed to continue at token ``k`` is ``out[k-1]`` (times ``k``), which is
+    exactly the last row of the restored prefix. Sums run in float64; outputs are float32, and a
+    continuation equals the from-scratch output within ``1e-6``.
+
+    Stage 0 embeds token ids with seeded sinusoids, so any ``int32`` token id has an embedding.
+
+    Args:
+        width: Activation width (columns per token row); at least 1.
+        seed: Seed of the mixing matrix and embedding frequencies.
+        stage_index: Written into produced frames as ``producer_stage_index``.
+        layer_start: Written into produced frames.
+        layer_end: Written into produced frames.
+    """
+
+    width: int = attrs.field(default=64)
+    seed: int = attrs.field(default=0)
+    stage_index: int = attrs.field(default=0)
+    layer_start: int = attrs.field(default=0)
+    layer_end: int = attrs.field(default=0)
+    _mix: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
+    _frequencies: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
+    _phases: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.width < 1:
+            msg = f"width must be >= 1, got {self.width}"
+            raise ConfigError(msg)
+        rng = np.random.default_rng(self.seed)
+        # Scaled so mixed rows stay O(1) whatever the width.
+        self._mix = rng.standard_normal((self.width, self.width)) / np.sqrt(self.width)
+        self._frequencies = rng.uniform(0.01, 1.0, self.width)
+        self._phases = rng.uniform(0.0, 2.0 * np.pi, self.width)
+
+    @classmethod
+    def for_stage(cls, config: StageConfig, *, width: int = 64, seed: int = 0) -> CausalMixModel:
+        """Build the model of one stage, seeded by ``seed + config.stage_index``."""
+        return cls(
+            width=width,
+            seed=seed + config.stage_index,
+            stage_index=config.stage_index,
+            layer_start=config.layer_start,
+            layer_end=config.layer_end,
+        )
+
+    @property
+    def activation_width(self) -> int:
+        """The width of the produced rows (part of the cache key)."""
+        return self.width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed token ids as seeded sinusoids, one float32 row per token."""
+        # The modulus keeps angles small enough that float64 keeps their fractional part.
+        ids = (np.asarray(tokens, dtype=np.int64) % 65_521).astype(np.float64)
+        rows = np.sin(ids[:, None] * self._frequencies[None, :] + self._phases[None, :])
+        return self._frame(rows.astype(np.float32))
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Output rows ``start..N-1``: running mean of ``tanh(inputs) @ W``, continued."""
+        _check_forward_arguments(inputs, start, restored)
+        x = inputs.rows()[start:]
+        if x.shape[1] != self.width:
+            msg = f"inputs width must be {self.width}, got {x.shape[1]}"
+            raise FrameError(msg)
+        sums = np.cumsum(np.tanh(x.astype(np.float64)) @ self._mix, axis=0)
+        if restored is not None:
+            # The running sum up to token start-1 is the last restored mean times its count.
+            sums += restored.rows()[-1].astype(np.float64) * start
+        counts = np.arange(start + 1, inputs.token_count + 1, dtype=np.float64)
+        return self._frame((sums / counts[:, None]).astype(np.float32))
+
+    def _frame(self, rows: npt.NDArray[np.float32]) -> ActivationFrame:
+        return ActivationFrame.from_array(
+            rows,
+            producer_stage_index=self.stage_index,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+        )
+
+
+_VIRTUAL_FRAME_MEMO = 65_536
+"""Distinct frame lengths a :class:`VirtualStageModel` keeps before starting over."""
+
+
+@attrs.define(eq=False)
+class VirtualStageModel:
+    """A model for simulations: virtual frames, and virtual time per computed token.
+
+    Frames it returns are virtual (zero-stride payloads of the right byte size; no memory), so a
+    pipeline of these moves and caches "activations" of realistic sizes at no memory cost. Each
+    :meth:`forward` sleeps ``seconds_per_token * computed_tokens`` (run it under trio's
+    ``MockClock`` to simulate without waiting).
+
+    Args:
+        width: Activation width used in cache keys; at least 1.
+        bytes_per_token: Payload bytes per token row; defaults to ``4 * width`` (float32 rows).
+        seconds_per_token: Virtual compute time per computed token; 0 means no sleep.
+        stage_index: Written into produced frames as ``producer_stage_index``.
+        layer_start: Written into produced frames.
+        layer_end: Written into produced frames.
+    """
+
+    width: int = attrs.field(default=64)
+    bytes_per_token: int = attrs.field(default=0)
+    seconds_per_token: float = attrs.field(default=0.0)
+    stage_index: int = attrs.field(default=0)
+    layer_start: int = attrs.field(default=0)
+    layer_end: int = attrs.field(default=0)
+    _frames: dict[int, ActivationFrame] = attrs.field(factory=dict, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.width < 1:
+            msg = f"width must be >= 1, got {self.width}"
+            raise ConfigError(msg)
+        if self.bytes_per_token == 0:
+            self.bytes_per_token = 4 * self.width
+        if self.bytes_per_token < 1:
+            msg = f"bytes_per_token must be >= 1, got {self.bytes_per_token}"
+            raise ConfigError(msg)
+        if self.seconds_per_token < 0:
+            msg = f"seconds_per_token must be >= 0, got {self.seconds_per_token}"
+            raise ConfigError(msg)
+
+    @property
+    def activation_width(self) -> int:
+        """The width used in cache keys."""
+        return self.width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """A virtual frame with one row per token."""
+        return self._frame(len(tokens))
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Sleep for the computed tokens, then return a virtual frame of ``N - start`` rows."""
+        _check_forward_arguments(inputs, start, restored)
+        computed = inputs.token_count - start
+        if self.seconds_per_token:
+            await trio.sleep(self.seconds_per_token * computed)
+        return self._frame(computed)
+
+    def _frame(self, token_count: int) -> ActivationFrame:
+        # Virtual frames are immutable and hold no memory: reuse one per length (bounded).
+        frame = self._frames.get(token_count)
+        if frame is None:
+            if len(self._frames) >= _VIRTUAL_FRAME_MEMO:
+                self._frames.clear()
+            frame = self._frames[token_count] = ActivationFrame.virtual(
+                token_count=token_count,
+                bytes_per_token=self.bytes_per_token,
+                dtype=ActivationDType.F32,
+                producer_stage_index=self.stage_index,
+                layer_start=self.layer_start,
+                layer_end=self.layer_end,
+            )
+        return frame
+
+
+def reference_model_factory(*, width: int = 64, seed: int = 0) -> ModelFactory:
+    """A factory building one :class:`CausalMixModel` per stage, seeded ``seed + stage_index``.
+
+    Args:
+        width: Activation width of every stage.
+        seed: Base seed.
+
+    Returns:
+        A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
+    """
+    if width < 1:
+        msg = f"width must be >= 1, got {width}"
+        raise ConfigError(msg)
+
+    def build(config: StageConfig) -> StageModel:
+        return CausalMixModel.for_stage(config, width=width, seed=seed)
+
+    return build
+
+
+def virtual_model_factory(
+    *, width: int = 64, bytes_per_token: int = 0, seconds_per_token: float = 0.0
+) -> ModelFactory:
+    """A factory building one :class:`VirtualStageModel` per stage.
+
+    Args:
+        width: Activation width used in cache keys.
+        bytes_per_token: Payload bytes per token; 0 means ``4 * width``.
+        seconds_per_token: Virtual compute time per computed token.
+
+    Returns:
+        A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
+    """
+
+    def build(config: StageConfig) -> StageModel:
+        return VirtualStageModel(
+            width=width,
+            bytes_per_token=bytes_per_token,
+            seconds_per_token=seconds_per_token,
+            stage_index=config.stage_index,
+            layer_start=config.layer_start,
+            layer_end=config.layer_end,
+        )
+
+    return build

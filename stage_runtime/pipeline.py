@@ -1,0 +1,369 @@
+"""Pipelines: stages wired by bounded trio memory channels.
+
+:func:`open_pipeline` starts one task per stage (each owning its cache actor) and yields a
+:class:`Pipeline`. :meth:`Pipeline.prefill` validates the tokens once, sends the request into
+stage 0 and waits for its own one-shot reply; the request flows stage to stage through bounded
+channels, so concurrent prefills overlap across stages (stage 0 works on request ``i + 1`` while
+stage 1 works on request ``i``) and a slow stage pushes back on the callers.
+
+Lifecycle:
+
+- **Failures of one request** (bad tokens: :class:`~stage_runtime.errors.ConfigError` at once; a
+  model error on that input) fail only that caller's ``prefill``; the pipeline keeps serving.
+- **Cancelling a caller** abandons its request: no stage starts work on it any more, the stage
+  computing it is interrupted, and no stage records it after the cancellation (see
+  :mod:`stage_runtime.stage`). No task is left waiting.
+- **Leaving the context** sets :attr:`Pipeline.draining`, refuses new prefills
+  (``trio.ClosedResourceError``), waits for every prefill already called to finish, then closes
+  stage 0's inbox; each stage finishes its queue, closes the next stage's inbox, drains and stops
+  its cache actor, and exits.
+- **A stage crash** (a bug, not a bad request) raises
+  :class:`~stage_runtime.errors.StageFailedError` (chained to the cause) inside an exception group
+  from the ``async with``; other stages are cancelled and every waiting caller is failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tomllib
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from stage_runtime.cache import EvictedEntry
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, StageRuntimeError
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.identity import as_token_array
+from stage_runtime.models import ModelFactory
+from stage_runtime.stage import PrefillRequest, Stage, StagePrefillReport, StageStats
+
+__all__ = [
+    "Pipeline",
+    "PipelineStats",
+    "PrefillResult",
+    "load_topology",
+    "open_pipeline",
+    "validate_topology",
+]
+
+
+@attrs.frozen(kw_only=True)
+class PrefillResult:
+    """The outcome of one prefill."""
+
+    request_id: str
+    """The request's id (the caller's, or a generated ``prefill-<n>``)."""
+
+    frame: ActivationFrame
+    """The last stage's output for every token of the prompt."""
+
+    tokens: int
+    """Prompt length ``N``."""
+
+    stages: tuple[StagePrefillReport, ...]
+    """What each stage restored, computed, recorded and evicted, in pipeline order."""
+
+
+@attrs.frozen(kw_only=True)
+class PipelineStats:
+    """Statistics of every stage, in pipeline order."""
+
+    stages: tuple[StageStats, ...]
+    """Per-stage cache and mailbox statistics."""
+
+
+@attrs.define(eq=False)
+class Pipeline:
+    """A running pipeline; get one from :func:`open_pipeline`."""
+
+    stage_configs: tuple[StageConfig, ...]
+    """The stages' configurations, in pipeline order."""
+
+    _stages: tuple[Stage, ...] = attrs.field(alias="stages")
+    _entry: trio.MemorySendChannel[PrefillRequest] = attrs.field(alias="entry")
+    _pending: set[PrefillRequest] = attrs.field(factory=set, init=False)
+    _draining: bool = attrs.field(default=False, init=False)
+    _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the pipeline is shutting down (or has stopped): new prefills are refused."""
+        return self._draining
+
+    async def prefill(
+        self,
+        tokens: Sequence[int] | npt.NDArray[Any],
+        *,
+        session_id: str,
+        request_id: str | None = None,
+    ) -> PrefillResult:
+        """Run one prompt through every stage and return the last stage's output.
+
+        Args:
+            tokens: The prompt's token ids: integers within int32, at least one.
+            session_id: The caller's session (metadata; caches are shared across sessions).
+            request_id: The caller's id for this request; ``prefill-<n>`` when None.
+
+        Returns:
+            The final frame and, per stage, the restored/computed tokens, records and evictions.
+
+        Raises:
+            ConfigError: ``tokens`` is empty, not integers, or outside int32; or ``session_id``
+                or ``request_id`` is not a string.
+            trio.ClosedResourceError: the pipeline is draining or stopped.
+            StageRuntimeError: the pipeline stopped (a stage crashed) before the request finished.
+            Exception: whatever the model raised for this input (only this caller sees it).
+        """
+        if self._draining:
+            msg = "pipeline is draining; prefill refused"
+            raise trio.ClosedResourceError(msg)
+        token_array = _entry_tokens(tokens)
+        if not isinstance(session_id, str):
+            msg = f"session_id must be a string, got {session_id!r}"
+            raise ConfigError(msg)
+        if request_id is None:
+            request_id = f"prefill-{next(self._ids)}"
+        elif not isinstance(request_id, str):
+            msg = f"request_id must be a string or None, got {request_id!r}"
+            raise ConfigError(msg)
+        request = PrefillRequest(request_id=request_id, session_id=session_id, tokens=token_array)
+        self._pending.add(request)
+        try:
+            try:
+                await self._entry.send(request)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                msg = f"pipeline stopped before request {request_id!r} finished"
+                raise StageRuntimeError(msg) from None
+            await request.done.wait()
+        finally:
+            self._pending.discard(request)
+            if not request.done.is_set():
+                request.abandon()
+            if self._draining and not self._pending:
+                self._idle.set()
+        if request.error is not None:
+            raise request.error
+        assert request.frame is not None
+        return PrefillResult(
+            request_id=request_id,
+            frame=request.frame,
+            tokens=int(token_array.size),
+            stages=tuple(request.reports),
+        )
+
+    async def stats(self) -> PipelineStats:
+        """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor)."""
+        return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+
+    async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
+        """Empty every stage's cache (each entry logged as ``cleared``).
+
+        Returns:
+            Per stage, in pipeline order, the entries that were evicted.
+        """
+        return tuple([await stage.clear_cache() for stage in self._stages])
+
+    async def _drain(self) -> None:
+        """Refuse new prefills, wait for the pending ones, then close stage 0's inbox."""
+        self._draining = True
+        if self._pending:
+            await self._idle.wait()
+        await self._entry.aclose()
+
+    def _fail_pending(self) -> None:
+        """Fail every caller still waiting (the stages are gone)."""
+        self._draining = True
+        for request in list(self._pending):
+            msg = f"pipeline stopped before request {request.request_id!r} finished"
+            request.fail(StageRuntimeError(msg))
+
+
+def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+    """Validate tokens once, as a read-only int32 array no caller can mutate under us."""
+    array = as_token_array(tokens)
+    if isinstance(tokens, np.ndarray) and np.may_share_memory(array, tokens):
+        array = array.copy()
+    if array.ndim != 1 or array.size == 0:
+        msg = f"tokens must be a non-empty 1-D sequence, got shape {array.shape}"
+        raise ConfigError(msg)
+    array.flags.writeable = False
+    return array
+
+
+@asynccontextmanager
+async def open_pipeline(
+    stages: Sequence[StageConfig] | str | os.PathLike[str],
+    model_factory: ModelFactory,
+    *,
+    channel_size: int = 4,
+    mailbox_size: int = 64,
+    environ: Mapping[str, str] | None = None,
+) -> AsyncIterator[Pipeline]:
+    """Start a pipeline: one task per stage, each owning its cache actor.
+
+    Args:
+        stages: The stages' configurations in pipeline order, or the path of a topology file
+            (see :func:`load_topology`).
+        model_factory: Builds each stage's model from its configuration.
+        channel_size: Capacity of each channel between stages (and into stage 0); 0 makes
+            every hand-off a rendezvous.
+        mailbox_size: Mailbox size of each cache actor.
+        environ: Environment for stages whose ``kv_cache`` is None (spec §6.1); the process
+            environment when None.
+
+    Yields:
+        The running :class:`Pipeline`. Leaving the block drains it (see the module docstring).
+
+    Raises:
+        ConfigError: the topology is invalid (names the stage and field).
+        ExceptionGroup: holding :class:`~stage_runtime.errors.StageFailedError` when a stage
+            crashed.
+    """
+    if isinstance(stages, str | os.PathLike):
+        configs = load_topology(stages)
+    else:
+        configs = list(stages)
+        validate_topology(configs)
+    for name, value in (("channel_size", channel_size), ("mailbox_size", mailbox_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            msg = f"{name} must be an integer >= 0, got {value!r}"
+            raise ConfigError(msg)
+    channels = [trio.open_memory_channel[PrefillRequest](channel_size) for _ in configs]
+    runners = tuple(
+        Stage(
+            config=config,
+            model_factory=model_factory,
+            inbox=channels[i][1],
+            outbox=channels[i + 1][0] if i + 1 < len(configs) else None,
+            environ=environ,
+            mailbox_size=mailbox_size,
+        )
+        for i, config in enumerate(configs)
+    )
+    pipeline = Pipeline(stage_configs=tuple(configs), stages=runners, entry=channels[0][0])
+    try:
+        async with trio.open_nursery() as nursery:
+            # Last stage first, so that every stage's downstream is running when it starts.
+            for runner in reversed(runners):
+                await nursery.start(runner.run)
+            yield pipeline
+            await pipeline._drain()
+    finally:
+        pipeline._fail_pending()
+
+
+def validate_topology(stages: Sequence[StageConfig], *, source: str | None = None) -> None:
+    """Check that stages form one pipeline: unique ids, indices by position, contiguous layers.
+
+    Args:
+        stages: The stages in pipeline order.
+        source: The file they came from, named in error messages.
+
+    Raises:
+        ConfigError: naming the file (if any), the stage and the field.
+    """
+    where = f"{source}: " if source else ""
+    if not stages:
+        msg = f"{where}stages must hold at least one stage, got 0"
+        raise ConfigError(msg)
+    seen: set[str] = set()
+    for position, config in enumerate(stages):
+        if not isinstance(config, StageConfig):
+            msg = f"{where}stages[{position}] must be a StageConfig, got {type(config).__name__}"
+            raise ConfigError(msg)
+        stage = f"stage {config.stage_id!r}"
+        if config.stage_id in seen:
+            msg = f"{where}{stage}: stage_id must be unique, got {config.stage_id!r} twice"
+            raise ConfigError(msg)
+        seen.add(config.stage_id)
+        if config.stage_index != position:
+            msg = (
+                f"{where}{stage}: stage_index must equal its position {position}, "
+                f"got {config.stage_index}"
+            )
+            raise ConfigError(msg)
+        if position and config.layer_start != stages[position - 1].layer_end:
+            msg = (
+                f"{where}{stage}: layer_start must equal the previous stage's layer_end "
+                f"{stages[position - 1].layer_end}, got {config.layer_start}"
+            )
+            raise ConfigError(msg)
+
+
+def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
+    """Load a pipeline's stages from a TOML topology file.
+
+    The file holds an optional ``[defaults]`` table merged under every stage (stage keys win;
+    ``kv_cache`` tables are merged key by key) and one ``[[stage]]`` table per stage, in pipeline
+    order. ``stage_index`` defaults to the stage's position, ``upstream``/``downstream`` to its
+    neighbours' ids::
+
+        [defaults]
+        model_id = "example/model"
+        [defaults.kv_cache]
+        mode = "lookup-record"
+        [[stage]]
+        stage_id = "stage-0"
+        layer_start = 0
+        layer_end = 8
+        [[stage]]
+        stage_id = "stage-1"
+        layer_start = 8
+        layer_end = 16
+
+    Args:
+        path: The topology file.
+
+    Returns:
+        The validated stages, in pipeline order.
+
+    Raises:
+        ConfigError: unreadable or invalid TOML, unknown top-level keys, a bad stage field,
+            duplicate stage ids or non-contiguous layer ranges; names the file, stage and field.
+    """
+    source = os.fspath(path)
+    try:
+        with Path(source).open("rb") as file:
+            document = tomllib.load(file)
+    except OSError as exc:
+        msg = f"{source}: cannot read topology file: {exc.strerror or exc}"
+        raise ConfigError(msg) from exc
+    except tomllib.TOMLDecodeError as exc:
+        msg = f"{source}: invalid TOML: {exc}"
+        raise ConfigError(msg) from exc
+    unknown = sorted(set(document) - {"defaults", "stage"})
+    if unknown:
+        msg = f"{source}: top-level keys must be 'defaults' and 'stage', got {unknown}"
+        raise ConfigError(msg)
+    defaults = document.get("defaults", {})
+    if not isinstance(defaults, dict):
+        msg = f"{source}: defaults must be a table, got {type(defaults).__name__}"
+        raise ConfigError(msg)
+    tables = document.get("stage", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables) or not tables:
+        msg = f"{source}: stage must be a non-empty array of tables ([[stage]]), got {tables!r}"
+        raise ConfigError(msg)
+    ids = [table.get("stage_id", defaults.get("stage_id")) for table in tables]
+    configs: list[StageConfig] = []
+    for position, table in enumerate(tables):
+        merged: dict[str, Any] = {**defaults, **table}
+        if isinstance(defaults.get("kv_cache"), dict) and isinstance(table.get("kv_cache"), dict):
+            merged["kv_cache"] = {**defaults["kv_cache"], **table["kv_cache"]}
+        merged.setdefault("stage_index", position)
+        if position > 0:
+            merged.setdefault("upstream", ids[position - 1])
+        if position + 1 < len(tables):
+            merged.setdefault("downstream", ids[position + 1])
+        label = repr(ids[position]) if ids[position] is not None else f"#{position}"
+        configs.append(StageConfig.from_mapping(merged, source=f"{source} (stage {label})"))
+    validate_topology(configs, source=source)
+    return configs

@@ -1,0 +1,361 @@
+"""One pipeline stage: a trio task that owns its cache actor.
+
+For each prefill request read from its inbox, a :class:`Stage`
+
+1. asks its cache actor to restore the longest cached prefix of its output (``k`` tokens);
+2. computes only tokens ``k..N-1`` with its :class:`~stage_runtime.models.StageModel`, continuing
+   from the restored prefix (stage 0 first embeds the token ids);
+3. asks its cache actor to record the full output frame (the ladder picks the lengths);
+4. forwards the full frame (restored prefix + computed suffix) to the next stage, or, on the last
+   stage, hands the result back to the caller.
+
+The cache actor is spawned in the stage's own nursery: it lives and dies with the stage.
+
+Failure and cancellation, per request:
+
+- An exception from the model (``embed``/``forward``) or a malformed model output fails only that
+  request: its caller's ``prefill`` raises it, and the stage moves on.
+- A request whose caller gave up (cancelled its ``prefill``) is *abandoned*: stages skip it when
+  it reaches them, and a stage computing it is interrupted (its compute runs in a cancel scope the
+  caller cancels). A stage records only a frame it computed completely for a live request, and each
+  record is one actor message applied atomically (every ladder rung or none). So a cancelled
+  request leaves, at most, complete and correct records at the stages that finished it before the
+  cancellation; nothing partial is ever visible.
+- Anything else (a cache actor error, a bug) crashes the stage: it raises
+  :class:`~stage_runtime.errors.StageFailedError` chained to the cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import structlog
+import trio
+
+from actors import ActorRef, ActorStatistics, spawn
+from stage_runtime.cache import EvictedEntry, ResidentCacheStats
+from stage_runtime.cache_actor import (
+    CacheActor,
+    CacheMessage,
+    CacheStatsRequest,
+    ClearCache,
+    RecordActivation,
+    RestoreActivation,
+)
+from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.errors import FrameError, StageFailedError
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.integration import ResidentActivationRecord
+from stage_runtime.models import ModelFactory, StageModel
+
+__all__ = [
+    "PrefillRequest",
+    "Stage",
+    "StagePrefillReport",
+    "StageStats",
+]
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class StagePrefillReport:
+    """What one stage did for one prefill."""
+
+    stage_id: str
+    """The stage's id."""
+
+    stage_index: int
+    """The stage's position in the pipeline."""
+
+    restored_tokens: int
+    """Tokens restored from the stage's cache (``k``; 0 on a miss)."""
+
+    computed_tokens: int
+    """Tokens the model computed: always ``N - restored_tokens``."""
+
+    records: tuple[ResidentActivationRecord, ...]
+    """The cache records made for this prefill's output (one per ladder rung)."""
+
+    evicted: tuple[EvictedEntry, ...]
+    """Entries those records evicted, in eviction order."""
+
+    started_s: float = 0.0
+    """``trio.current_time()`` when the stage took the request (virtual under a mock clock)."""
+
+    finished_s: float = 0.0
+    """``trio.current_time()`` when the stage had computed and recorded it."""
+
+
+@attrs.frozen(kw_only=True)
+class StageStats:
+    """A stage's cache and mailbox statistics."""
+
+    stage_id: str
+    """The stage's id."""
+
+    cache: ResidentCacheStats | None
+    """Cache counters; None when the stage's cache is disabled."""
+
+    mailbox: ActorStatistics
+    """Statistics of the cache actor's mailbox."""
+
+
+@attrs.define(eq=False)
+class PrefillRequest:
+    """One prefill travelling down the pipeline, with its own one-shot reply.
+
+    Created by :meth:`Pipeline.prefill <stage_runtime.pipeline.Pipeline.prefill>`; stages fill
+    in ``frame`` and ``reports`` and settle it with :meth:`succeed` or :meth:`fail`; the caller
+    waits on ``done`` and calls :meth:`abandon` if it gives up first.
+    """
+
+    request_id: str
+    """Caller's request id (generated when the caller gave none)."""
+
+    session_id: str
+    """Caller's session id; metadata only (never part of a cache key)."""
+
+    tokens: npt.NDArray[np.int32]
+    """The prompt's token ids, validated once at pipeline entry (read-only int32)."""
+
+    frame: ActivationFrame | None = None
+    """Output of the last stage that handled the request; None before stage 0."""
+
+    reports: list[StagePrefillReport] = attrs.field(factory=list)
+    """One report per stage that handled the request, in pipeline order."""
+
+    error: Exception | None = None
+    """Set when the request failed; the caller's ``prefill`` raises it."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    """Set once the request succeeded or failed."""
+
+    abandoned: bool = False
+    """Whether the caller gave up; stages skip abandoned requests."""
+
+    _scope: trio.CancelScope | None = None
+
+    def succeed(self) -> None:
+        """Settle the request successfully (its ``frame`` and ``reports`` are final)."""
+        self.done.set()
+
+    def fail(self, error: Exception) -> None:
+        """Settle the request with ``error``, unless it is already settled."""
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+    def abandon(self) -> None:
+        """Mark the request abandoned and interrupt the stage computing it, if any."""
+        self.abandoned = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    @property
+    def live(self) -> bool:
+        """Whether a stage should still work on this request."""
+        return not self.abandoned and not self.done.is_set()
+
+
+@attrs.define(eq=False)
+class Stage:
+    """One pipeline stage: runs as a task (:meth:`run`) that owns its cache actor.
+
+    Args:
+        config: The stage's configuration.
+        model_factory: Builds the stage's model when the task starts.
+        inbox: Requests from the previous stage (or from callers, for stage 0).
+        outbox: Requests to the next stage; None for the last stage, which settles them.
+        environ: Environment for the cache configuration when ``config.kv_cache`` is None.
+        mailbox_size: The cache actor's mailbox size.
+    """
+
+    config: StageConfig
+    model_factory: ModelFactory
+    inbox: trio.MemoryReceiveChannel[PrefillRequest]
+    outbox: trio.MemorySendChannel[PrefillRequest] | None
+    environ: Mapping[str, str] | None = None
+    mailbox_size: int = 64
+    _model: StageModel | None = attrs.field(default=None, init=False)
+    _cache: ActorRef[CacheMessage, Any] | None = attrs.field(default=None, init=False)
+    _lookup: bool = attrs.field(default=False, init=False)
+    _record: bool = attrs.field(default=False, init=False)
+    _final_stats: StageStats | None = attrs.field(default=None, init=False)
+    _counts: dict[str, int] = attrs.field(
+        factory=lambda: {"completed": 0, "failed": 0, "skipped": 0}, init=False
+    )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve requests until the inbox closes, then stop the cache actor.
+
+        Raises:
+            StageFailedError: the model could not be built, the cache actor failed, or anything
+                else went wrong that is not a single request's fault. The cause is chained.
+        """
+        stage_id = self.config.stage_id
+        with structlog.contextvars.bound_contextvars(stage=stage_id):
+            try:
+                await self._run(task_status)
+            except Exception as exc:
+                cause = _unwrap(exc)
+                msg = f"stage {stage_id!r} failed: {cause!r}"
+                raise StageFailedError(msg, stage_id=stage_id) from cause
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        config = self.config
+        self._model = self.model_factory(config)
+        actor = CacheActor(config, environ=self.environ)
+        self._lookup, self._record = actor.should_lookup, actor.should_record
+        async with trio.open_nursery() as nursery:
+            self._cache = await spawn(
+                nursery, actor, name=f"cache-{config.stage_id}", mailbox_size=self.mailbox_size
+            )
+            log.info(
+                "stage_started",
+                stage_index=config.stage_index,
+                layer_start=config.layer_start,
+                layer_end=config.layer_end,
+                lookup=self._lookup,
+                record=self._record,
+            )
+            task_status.started()
+            counts = self._counts
+            async with self.inbox:
+                async for request in self.inbox:
+                    if request.live:
+                        await self._process(request)
+                    else:
+                        counts["skipped"] += 1
+            if self.outbox is not None:
+                await self.outbox.aclose()
+            self._final_stats = await self.stats()
+            await self._cache.stop(drain=True)
+        log.info("stage_stopped", **self._counts)
+
+    async def clear_cache(self) -> tuple[EvictedEntry, ...]:
+        """Evict every entry of the stage's cache; returns them (each logged as ``cleared``)."""
+        if self._cache is None:
+            msg = f"stage {self.config.stage_id!r} has not started"
+            raise RuntimeError(msg)
+        evicted: tuple[EvictedEntry, ...] = await self._cache.ask(ClearCache())
+        return evicted
+
+    async def stats(self) -> StageStats:
+        """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
+        if self._final_stats is not None:
+            return self._final_stats
+        if self._cache is None:
+            msg = f"stage {self.config.stage_id!r} has not started"
+            raise RuntimeError(msg)
+        cache = await self._cache.ask(CacheStatsRequest())
+        return StageStats(
+            stage_id=self.config.stage_id, cache=cache, mailbox=self._cache.statistics()
+        )
+
+    async def _process(self, request: PrefillRequest) -> None:
+        assert self._model is not None
+        assert self._cache is not None
+        model, cache, config = self._model, self._cache, self.config
+        started = trio.current_time()
+        tokens = request.tokens
+        n = int(tokens.size)
+        width = model.activation_width
+        # Only the cache needs request metadata; an uncached stage skips building it.
+        base = self._message_base(request) if self._lookup or self._record else None
+        restored: ActivationFrame | None = None
+        output: ActivationFrame | None = None
+        with trio.CancelScope() as scope:
+            request._scope = scope
+            if base is not None and self._lookup:
+                hit = await cache.ask(
+                    RestoreActivation(base=base, tokens=tokens, activation_width=width)
+                )
+                if hit is not None:
+                    restored = hit.frame
+            k = 0 if restored is None else restored.token_count
+            if k >= n:
+                output = restored
+            else:
+                try:
+                    output = await self._compute(request, restored, k, n)
+                except Exception as exc:  # the model failed on this input: that caller's error
+                    request.fail(exc)
+                    self._counts["failed"] += 1
+                    log.warning(
+                        "prefill_failed",
+                        request_id=request.request_id,
+                        error_type=type(exc).__name__,
+                        error=str(exc),
+                    )
+        request._scope = None
+        if output is None or not request.live:
+            if output is not None or scope.cancelled_caught:
+                self._counts["skipped"] += 1  # abandoned while this stage worked on it
+            return  # no record, nothing forwarded
+        records: tuple[ResidentActivationRecord, ...] = ()
+        if base is not None and self._record:
+            records = tuple(
+                await cache.ask(
+                    RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)
+                )
+            )
+        request.reports.append(
+            StagePrefillReport(
+                stage_id=config.stage_id,
+                stage_index=config.stage_index,
+                restored_tokens=k,
+                computed_tokens=n - k,
+                records=records,
+                evicted=tuple(e for r in records for e in r.evicted) if records else (),
+                started_s=started,
+                finished_s=trio.current_time(),
+            )
+        )
+        request.frame = output
+        self._counts["completed"] += 1
+        if self.outbox is None:
+            request.succeed()
+        else:
+            await self.outbox.send(request)
+
+    async def _compute(
+        self, request: PrefillRequest, restored: ActivationFrame | None, k: int, n: int
+    ) -> ActivationFrame:
+        """Run the model for tokens ``k..N-1`` and join the result to the restored prefix."""
+        assert self._model is not None
+        model = self._model
+        inputs = request.frame if request.frame is not None else model.embed(request.tokens)
+        if not isinstance(inputs, ActivationFrame) or inputs.token_count != n:
+            got = inputs.token_count if isinstance(inputs, ActivationFrame) else inputs
+            msg = f"stage input must be a frame of {n} tokens, got {got!r}"
+            raise FrameError(msg)
+        suffix = await model.forward(inputs, k, restored)
+        if not isinstance(suffix, ActivationFrame) or suffix.token_count != n - k:
+            got = suffix.token_count if isinstance(suffix, ActivationFrame) else suffix
+            msg = f"model output must be a frame of {n - k} tokens, got {got!r}"
+            raise FrameError(msg)
+        return suffix if restored is None else ActivationFrame.concat(restored, suffix)
+
+    def _message_base(self, request: PrefillRequest) -> MessageBase:
+        config = self.config
+        return MessageBase(
+            run_id=config.run_id,
+            request_id=request.request_id,
+            session_id=request.session_id,
+            stage_id=config.stage_id,
+            stage_index=config.stage_index,
+            topology_id=config.topology_id,
+            model_id=config.model_id,
+        )
+
+
+def _unwrap(exc: Exception) -> Exception:
+    """The single exception inside (nested) one-member groups, else ``exc`` itself."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,650 @@
+"""Core semantics of actors: replies, ordering, backpressure, stopping and cancel safety."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from actors import (
+    Actor,
+    ActorError,
+    ActorRef,
+    ActorStatistics,
+    ActorStoppedError,
+    RestartLimitError,
+    open_actor,
+    spawn,
+)
+from actors._reply import Reply
+from actors.testing import RecordingActor, wait_idle
+
+
+@attrs.frozen
+class Add:
+    amount: int
+
+
+@attrs.frozen
+class Get:
+    pass
+
+
+@attrs.frozen
+class Boom:
+    pass
+
+
+@attrs.define(eq=False)
+class Counter(Actor[Add | Get | Boom, int]):
+    total: int = 0
+
+    async def handle(self, message: Add | Get | Boom) -> int:
+        if isinstance(message, Add):
+            self.total += message.amount
+        elif isinstance(message, Boom):
+            raise KeyError("boom")
+        return self.total
+
+
+@attrs.define(eq=False)
+class Slow(Actor[int, int]):
+    """Sleeps ``delay_s`` then echoes; records what it finished."""
+
+    delay_s: float = 10
+    finished: list[int] = attrs.field(factory=list)
+
+    async def handle(self, message: int) -> int:
+        await trio.sleep(self.delay_s)
+        self.finished.append(message)
+        return message
+
+
+@attrs.define(eq=False)
+class Gate(Actor[object, object]):
+    """Blocks in ``handle`` until ``release`` is set; records messages."""
+
+    release: trio.Event = attrs.field(factory=trio.Event)
+    received: list[object] = attrs.field(factory=list)
+
+    async def handle(self, message: object) -> object:
+        await self.release.wait()
+        self.received.append(message)
+        return message
+
+
+async def test_ask_returns_the_handlers_reply() -> None:
+    """ask returns what handle returned, with state kept between messages."""
+    async with open_actor(Counter, name="counter") as ref:
+        assert await ref.ask(Add(2)) == 2
+        assert await ref.ask(Add(3)) == 5
+        assert await ref.ask(Get()) == 5
+
+
+async def test_sync_handle_is_supported() -> None:
+    """A plain def handle works like an async one."""
+    async with open_actor(RecordingActor(reply=str.upper), name="rec") as ref:
+        assert await ref.ask("hi") == "HI"
+
+
+async def test_actor_class_with_no_handle_cannot_be_built() -> None:
+    """handle is abstract: forgetting it fails at construction."""
+
+    class Empty(Actor[int, int]):
+        pass
+
+    with pytest.raises(TypeError):
+        Empty()  # type: ignore[abstract]
+
+
+async def test_handler_error_in_ask_is_raised_in_caller_and_actor_survives() -> None:
+    """The caller gets the very exception; the actor keeps its state and runs on."""
+    async with open_actor(Counter, name="counter") as ref:
+        await ref.ask(Add(1))
+        with pytest.raises(KeyError, match="boom"):
+            await ref.ask(Boom())
+        assert await ref.ask(Get()) == 1
+        stats = ref.statistics()
+        assert (stats.processed, stats.failed) == (3, 1)
+
+
+async def test_tell_is_handled_in_order_per_sender() -> None:
+    """Messages from one sender are handled in the order they were sent."""
+    actor = RecordingActor()
+    async with open_actor(actor, name="rec", mailbox_size=4) as ref:
+        for i in range(20):
+            await ref.tell(i)
+        await wait_idle(ref)
+        assert actor.received == list(range(20))
+
+
+async def test_one_message_at_a_time_even_when_handler_awaits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An awaiting handler never overlaps with another message's handler."""
+
+    @attrs.define(eq=False)
+    class Exclusive(Actor[int, None]):
+        busy: bool = False
+        overlaps: int = 0
+        seen: list[int] = attrs.field(factory=list)
+
+        async def handle(self, message: int) -> None:
+            if self.busy:
+                self.overlaps += 1
+            self.busy = True
+            await trio.sleep(0.01 * (message % 3))
+            self.seen.append(message)
+            self.busy = False
+
+    actor = Exclusive()
+    async with open_actor(actor, name="ex", mailbox_size=2) as ref:
+
+        async def send_many(sender: int) -> None:
+            for i in range(10):
+                await ref.tell(sender * 100 + i)
+                await trio.sleep(0.003)
+
+        async with trio.open_nursery() as nursery:
+            for sender in range(4):
+                nursery.start_soon(send_many, sender)
+    assert actor.overlaps == 0
+    assert len(actor.seen) == 40
+    for sender in range(4):
+        mine = [m for m in actor.seen if m // 100 == sender]
+        assert mine == sorted(mine)
+
+
+async def test_open_actor_exit_drains_queued_messages_and_runs_on_stop() -> None:
+    """Leaving the block handles every queued tell, then runs on_stop once."""
+
+    @attrs.define(eq=False)
+    class Hooks(Actor[int, None]):
+        events: list[str] = attrs.field(factory=list)
+
+        async def on_start(self) -> None:
+            self.events.append("start")
+
+        async def handle(self, message: int) -> None:
+            await trio.lowlevel.checkpoint()
+            self.events.append(f"msg{message}")
+
+        async def on_stop(self) -> None:
+            self.events.append("stop")
+
+    actor = Hooks()
+    async with open_actor(actor, name="hooks", mailbox_size=8) as ref:
+        for i in range(3):
+            ref.tell_nowait(i)
+        assert actor.events == ["start"]
+    assert actor.events == ["start", "msg0", "msg1", "msg2", "stop"]
+    assert ref.stopped
+
+
+async def test_spawn_returns_once_on_start_has_run() -> None:
+    """spawn's ref is usable at once and on_start has already run."""
+
+    @attrs.define(eq=False)
+    class Ready(Actor[None, bool]):
+        ready: bool = False
+
+        async def on_start(self) -> None:
+            await trio.lowlevel.checkpoint()
+            self.ready = True
+
+        def handle(self, message: None) -> bool:
+            return self.ready
+
+    actor = Ready()
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, actor, name="ready")
+        assert actor.ready
+        assert await ref.ask(None) is True
+        await ref.stop()
+    assert ref.stopped
+
+
+async def test_full_mailbox_blocks_tell_and_tell_nowait_raises() -> None:
+    """With the mailbox full, tell waits for room and tell_nowait raises WouldBlock."""
+    actor = Gate()
+    async with open_actor(actor, name="gate", mailbox_size=2) as ref:
+        await ref.tell("a")  # taken by the actor, which now blocks in handle
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait("b")
+        ref.tell_nowait("c")
+        with pytest.raises(trio.WouldBlock):
+            ref.tell_nowait("d")
+        sent = trio.Event()
+
+        async def blocked_tell() -> None:
+            await ref.tell("d")
+            sent.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(blocked_tell)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not sent.is_set()
+            assert ref.statistics().queued == 2
+            actor.release.set()
+        assert sent.is_set()
+    assert actor.received == ["a", "b", "c", "d"]
+    assert ref.statistics().max_queued == 2
+
+
+async def test_rendezvous_mailbox_hands_each_message_to_the_actor() -> None:
+    """mailbox_size=0 accepts a tell only when the actor is ready to receive."""
+    actor = Gate()
+    async with open_actor(actor, name="rv", mailbox_size=0) as ref:
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait("a")  # the actor waits in receive: handed over directly
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.WouldBlock):
+            ref.tell_nowait("b")  # the actor is busy in handle
+        actor.release.set()
+        assert await ref.ask("c") == "c"
+        assert ref.statistics().max_queued == 0
+    assert actor.received == ["a", "c"]
+
+
+async def test_stop_with_drain_handles_queued_messages() -> None:
+    """stop(drain=True) handles the queue before stopping; later asks raise at once."""
+    actor = Gate()
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, actor, name="gate")
+        for i in range(4):
+            ref.tell_nowait(i)
+        await trio.testing.wait_all_tasks_blocked()
+        actor.release.set()
+        await ref.stop()
+        assert actor.received == [0, 1, 2, 3]
+        with pytest.raises(ActorStoppedError):
+            await ref.ask(5)
+        with pytest.raises(ActorStoppedError):
+            await ref.tell(5)
+        with pytest.raises(ActorStoppedError):
+            ref.tell_nowait(5)
+
+
+async def test_stop_without_drain_drops_queue_and_fails_its_asks() -> None:
+    """stop(drain=False) lets the current message finish, drops the rest, fails their asks."""
+    actor = Gate()
+    outcomes: list[object] = []
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, actor, name="gate", mailbox_size=8)
+        ref.tell_nowait("current")
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait("queued-tell")
+
+        async def queued_ask() -> None:
+            try:
+                outcomes.append(await ref.ask("queued-ask"))
+            except ActorStoppedError as exc:
+                outcomes.append(exc)
+
+        nursery.start_soon(queued_ask)
+        await trio.testing.wait_all_tasks_blocked()
+
+        async def release_later() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            actor.release.set()
+
+        nursery.start_soon(release_later)
+        await ref.stop(drain=False)
+    assert actor.received == ["current"]
+    assert len(outcomes) == 1
+    assert isinstance(outcomes[0], ActorStoppedError)
+
+
+async def test_ask_after_stop_raises_promptly(autojump_clock: trio.testing.MockClock) -> None:
+    """An ask to a stopped actor raises ActorStoppedError without waiting at all."""
+    async with open_actor(Counter, name="counter") as ref:
+        pass
+    start = trio.current_time()
+    with pytest.raises(ActorStoppedError, match="counter"):
+        await ref.ask(Get())
+    assert trio.current_time() == start
+
+
+async def test_senders_waiting_for_room_are_refused_when_actor_stops() -> None:
+    """A tell blocked on a full mailbox raises ActorStoppedError once stop is requested."""
+    actor = Gate()
+    errors: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, actor, name="gate", mailbox_size=1)
+        ref.tell_nowait(1)
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait(2)
+
+        async def blocked() -> None:
+            with pytest.raises(ActorStoppedError) as info:
+                await ref.tell(3)
+            errors.append(info.value)
+
+        nursery.start_soon(blocked)
+        await trio.testing.wait_all_tasks_blocked()
+        actor.release.set()
+        await ref.stop()
+    assert len(errors) == 1
+    assert actor.received == [1, 2]
+
+
+async def test_stop_from_inside_handle_does_not_deadlock() -> None:
+    """A handler may stop its own actor; the stop takes effect after the message."""
+
+    @attrs.define(eq=False)
+    class SelfStopping(Actor[str, str]):
+        ref: ActorRef[str, str] | None = None
+
+        async def handle(self, message: str) -> str:
+            if message == "quit" and self.ref is not None:
+                await self.ref.stop()
+            return message
+
+    actor = SelfStopping()
+    async with open_actor(actor, name="self") as ref:
+        actor.ref = ref
+        assert await ref.ask("quit") == "quit"
+        with pytest.raises(ActorStoppedError):
+            await ref.ask("again")
+
+
+async def test_pending_ask_fails_when_actor_is_cancelled() -> None:
+    """An ask whose actor is cancelled mid-handler raises ActorStoppedError, not hangs."""
+    async with trio.open_nursery() as outer:
+        actor_scope = trio.CancelScope()
+
+        async def host(task_status: trio.TaskStatus[ActorRef[int, int]]) -> None:
+            with actor_scope:
+                async with trio.open_nursery() as nursery:
+                    task_status.started(await spawn(nursery, Slow(), name="slow"))
+
+        ref = await outer.start(host)
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await ref.ask(1)
+            except ActorStoppedError as exc:
+                errors.append(exc)
+
+        outer.start_soon(caller)
+        await trio.testing.wait_all_tasks_blocked()
+        actor_scope.cancel()
+    assert len(errors) == 1
+    assert ref.stopped
+
+
+async def test_ask_timeout_leaves_actor_running(autojump_clock: trio.testing.MockClock) -> None:
+    """An ask that times out does not kill the actor or leak the late reply."""
+    actor = Slow(delay_s=10)
+    async with open_actor(actor, name="slow") as ref:
+        with pytest.raises(trio.TooSlowError):
+            await ref.ask(1, timeout=1)
+        assert await ref.ask(2, timeout=30) == 2
+        assert actor.finished == [1, 2]
+        assert ref.statistics().asks_waiting == 0
+
+
+async def test_cancel_before_enqueue_sends_nothing() -> None:
+    """An ask cancelled while waiting for mailbox room never reaches the actor."""
+    actor = Gate()
+    async with open_actor(actor, name="gate", mailbox_size=1) as ref:
+        ref.tell_nowait("first")
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait("second")
+        with trio.move_on_after(0) as scope:
+            await ref.ask("never")
+        assert scope.cancelled_caught
+        assert ref.statistics().asks_waiting == 0
+        actor.release.set()
+        assert await ref.ask("after") == "after"
+    assert actor.received == ["first", "second", "after"]
+
+
+async def test_cancel_while_queued_drops_reply_and_keeps_actor() -> None:
+    """An ask cancelled while queued is still handled; its reply goes nowhere."""
+    actor = Gate()
+    async with open_actor(actor, name="gate", mailbox_size=4) as ref:
+        ref.tell_nowait("busy")
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+
+            async def cancel_when_queued() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                assert ref.statistics().queued == 1
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_when_queued)
+                await ref.ask("abandoned")
+        assert scope.cancelled_caught
+        actor.release.set()
+        assert await ref.ask("mine") == "mine"
+        assert ref.statistics().asks_waiting == 0
+    assert actor.received == ["busy", "abandoned", "mine"]
+
+
+async def test_cancel_while_handler_runs_drops_late_reply() -> None:
+    """An ask cancelled mid-handler leaves the actor running and its reply undelivered."""
+    seq = trio.testing.Sequencer()
+
+    @attrs.define(eq=False)
+    class Stepped(Actor[str, str]):
+        async def handle(self, message: str) -> str:
+            if message == "slow":
+                async with seq(1):
+                    pass  # the handler is running now
+                async with seq(3):
+                    pass  # the caller has been cancelled
+            return message.upper()
+
+    async with open_actor(Stepped, name="stepped") as ref:
+        async with trio.open_nursery() as nursery:
+            cancelled = trio.CancelScope()
+
+            async def caller() -> None:
+                with cancelled:
+                    await ref.ask("slow")
+                assert cancelled.cancelled_caught
+
+            nursery.start_soon(caller)
+            async with seq(0):
+                pass
+            async with seq(2):
+                cancelled.cancel()
+        assert await ref.ask("next") == "NEXT"
+        assert ref.statistics().asks_waiting == 0
+
+
+async def test_concurrent_asks_with_cancellations_never_cross_replies(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each surviving ask gets the reply to its own message, whoever else was cancelled."""
+    actor = Slow(delay_s=0.1)
+    results: dict[int, int] = {}
+    async with open_actor(actor, name="echo", mailbox_size=3) as ref:
+        async with trio.open_nursery() as nursery:
+            for i in range(30):
+
+                async def one(i: int = i) -> None:
+                    with trio.move_on_after(0.35 * (i % 5)):
+                        results[i] = await ref.ask(i)
+
+                nursery.start_soon(one)
+        assert ref.statistics().asks_waiting == 0
+    assert results
+    assert all(key == value for key, value in results.items())
+    assert len(results) < 30  # some were cancelled
+
+
+async def test_crash_without_policy_propagates_and_fails_pending_asks() -> None:
+    """A tell whose handler raises ends the actor; the owning nursery gets the exception."""
+    asked: list[BaseException] = []
+    with pytest.RaisesGroup(KeyError):
+        async with open_actor(Counter, name="counter", mailbox_size=4) as ref:
+            ref.tell_nowait(Boom())
+            try:
+                await ref.ask(Get())
+            except ActorStoppedError as exc:
+                asked.append(exc)
+            await trio.sleep_forever()
+    assert len(asked) == 1
+    assert ref.stopped
+
+
+async def test_statistics_snapshot() -> None:
+    """statistics() reports mailbox size, queue, counters and waiting asks."""
+    actor = Gate()
+    async with open_actor(actor, name="gate", mailbox_size=5) as ref:
+        ref.tell_nowait(0)
+        await trio.testing.wait_all_tasks_blocked()
+        ref.tell_nowait(1)
+        ref.tell_nowait(2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ref.ask, 3)
+            await trio.testing.wait_all_tasks_blocked()
+            stats = ref.statistics()
+            assert stats == ActorStatistics(
+                mailbox_size=5,
+                queued=3,
+                max_queued=3,
+                processed=0,
+                failed=0,
+                restarts=0,
+                asks_waiting=1,
+            )
+            actor.release.set()
+        stats = ref.statistics()
+        assert (stats.queued, stats.processed, stats.asks_waiting) == (0, 4, 0)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        stats.queued = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("size", [-1, -64])
+async def test_negative_mailbox_size_is_rejected(size: int) -> None:
+    """mailbox_size must be >= 0, and the message names field and value."""
+    with pytest.raises(ValueError, match=f"mailbox_size must be >= 0, got {size}"):
+        async with open_actor(Counter, name="c", mailbox_size=size):
+            pass
+
+
+async def test_non_actor_is_rejected() -> None:
+    """Something neither an Actor nor callable is a TypeError."""
+    bad: Any = 42
+    with pytest.raises(TypeError, match="actor_or_factory"):
+        async with open_actor(bad, name="c"):
+            pass
+
+
+def test_error_hierarchy() -> None:
+    """Both specific errors are ActorErrors, and not ValueErrors."""
+    assert issubclass(ActorStoppedError, ActorError)
+    assert issubclass(RestartLimitError, ActorError)
+    assert not issubclass(ActorError, ValueError)
+
+
+async def test_handler_returning_an_awaitable_from_plain_def_is_awaited() -> None:
+    """A plain def handle that returns a coroutine (a wrapped async handler) is awaited."""
+
+    class Wrapped(Actor[int, int]):
+        async def _double(self, message: int) -> int:
+            await trio.lowlevel.checkpoint()
+            return message * 2
+
+        def handle(self, message: int) -> Any:
+            return self._double(message)
+
+    async with open_actor(Wrapped, name="wrapped") as ref:
+        assert await ref.ask(21) == 42
+
+
+@attrs.define(eq=False)
+class Selfish(Actor[str, object]):
+    """Talks to itself through ``ref`` to exercise the deadlock guards."""
+
+    ref: ActorRef[str, object] | None = None
+
+    async def handle(self, message: str) -> object:
+        assert self.ref is not None
+        if message == "ask-self":
+            return await self.ref.ask("inner")
+        if message == "fill-self":
+            self.ref.tell_nowait("filler")
+            await self.ref.tell("overflow")
+        if message == "tell-self":
+            await self.ref.tell("inner")
+        return message
+
+
+async def test_actor_asking_itself_raises_instead_of_deadlocking() -> None:
+    """ask from the actor's own task is a RuntimeError, and the actor survives it."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish") as ref:
+        actor.ref = ref
+        with pytest.raises(RuntimeError, match="cannot ask itself"):
+            await ref.ask("ask-self")
+        assert await ref.ask("ok") == "ok"
+
+
+async def test_actor_may_tell_itself_but_not_into_a_full_mailbox() -> None:
+    """A self-tell with room is queued; one that would wait for room raises RuntimeError."""
+    actor = Selfish()
+    async with open_actor(actor, name="selfish", mailbox_size=1) as ref:
+        actor.ref = ref
+        assert await ref.ask("tell-self") == "tell-self"
+        await wait_idle(ref)
+        with pytest.raises(RuntimeError, match="its own full mailbox"):
+            await ref.ask("fill-self")
+
+
+def _live_replies() -> int:
+    gc.collect()
+    return sum(isinstance(obj, Reply) for obj in gc.get_objects())
+
+
+async def test_cancelled_asks_leave_no_reply_slots_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After asks cancelled at every stage are settled, no reply slot is still referenced."""
+    actor = Slow(delay_s=1)
+    async with open_actor(actor, name="slow", mailbox_size=2) as ref:
+        before = _live_replies()
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+
+                async def one(i: int = i) -> None:
+                    with trio.move_on_after(0.5 * (i % 4)):
+                        await ref.ask(i)
+
+                nursery.start_soon(one)
+        await wait_idle(ref)
+        assert ref.statistics().asks_waiting == 0
+        assert _live_replies() == before
+
+
+@attrs.define(eq=False)
+class Payload:
+    size_bytes: int
+
+
+async def test_idle_actor_keeps_no_message_or_reply_alive() -> None:
+    """Once handled, neither the last message nor the last reply is kept by the actor."""
+
+    class Maker(Actor[Payload, Payload]):
+        def handle(self, message: Payload) -> Payload:
+            return Payload(size_bytes=message.size_bytes * 2)
+
+    async with open_actor(Maker, name="maker") as ref:
+        message = Payload(size_bytes=1)
+        reply = await ref.ask(message)
+        message_ref, reply_ref = weakref.ref(message), weakref.ref(reply)
+        del message, reply
+        await wait_idle(ref)
+        gc.collect()
+        assert message_ref() is None
+        assert reply_ref() is None

@@ -1,0 +1,232 @@
+"""Supervision: restarts under a RestartPolicy, the sliding window, backoff and the limit."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from actors import Actor, RestartLimitError, RestartPolicy, open_actor, spawn
+from actors.testing import RecordingActor, wait_idle
+
+
+@attrs.define(eq=False)
+class Ledger(Actor[object, int]):
+    """Adds ints; raises on the string "crash"; replies the running total."""
+
+    total: int = 0
+    log: list[tuple[float, object]] = attrs.field(factory=list)
+
+    async def handle(self, message: object) -> int:
+        self.log.append((trio.current_time(), message))
+        if message == "crash":
+            msg = "crash requested"
+            raise RuntimeError(msg)
+        if isinstance(message, int):
+            self.total += message
+        return self.total
+
+
+@attrs.define(eq=False)
+class Built:
+    """A factory that remembers every actor it built."""
+
+    actors: list[Ledger] = attrs.field(factory=list)
+
+    def __call__(self) -> Ledger:
+        actor = Ledger()
+        self.actors.append(actor)
+        return actor
+
+
+async def test_restart_rebuilds_fresh_state(autojump_clock: trio.testing.MockClock) -> None:
+    """After a crash the actor comes back from its factory with empty state."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=3, within_s=60)
+    async with open_actor(built, name="ledger", restart=policy) as ref:
+        assert await ref.ask(5) == 5
+        await ref.tell("crash")
+        assert await ref.ask(1) == 1  # the 5 was lost with the old instance
+        assert ref.statistics().restarts == 1
+        assert ref.statistics().failed == 1
+    assert len(built.actors) == 2
+
+
+async def test_queued_messages_survive_restart(autojump_clock: trio.testing.MockClock) -> None:
+    """Messages queued behind the crashing one are handled by the new instance."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=1, within_s=60)
+    async with open_actor(built, name="ledger", restart=policy, mailbox_size=8) as ref:
+        for message in ("crash", 1, 2, 3):
+            ref.tell_nowait(message)
+        assert await ref.ask(0) == 6
+    assert [m for _, m in built.actors[0].log] == ["crash"]
+    assert [m for _, m in built.actors[1].log] == [1, 2, 3, 0]
+
+
+async def test_ask_failure_is_not_a_crash() -> None:
+    """A handler error during an ask goes to the caller and never triggers a restart."""
+    policy = RestartPolicy(max_restarts=0, within_s=1)
+    async with open_actor(Ledger, name="ledger", restart=policy) as ref:
+        await ref.ask(2)
+        with pytest.raises(RuntimeError, match="crash requested"):
+            await ref.ask("crash")
+        assert await ref.ask(0) == 2
+        assert ref.statistics().restarts == 0
+
+
+async def test_restart_limit_raises_into_owning_nursery(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The crash beyond max_restarts within the window raises RestartLimitError."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=2, within_s=10)
+    with pytest.RaisesGroup(pytest.RaisesExc(RestartLimitError, match="3 times")) as group:
+        async with open_actor(built, name="ledger", restart=policy, mailbox_size=8) as ref:
+            for _ in range(3):
+                ref.tell_nowait("crash")
+            await trio.sleep_forever()
+    assert len(built.actors) == 3
+    assert ref.statistics().restarts == 2
+    error = group.value.exceptions[0]
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+async def test_zero_restarts_gives_up_on_first_crash() -> None:
+    """max_restarts=0 turns the first crash into RestartLimitError."""
+    with pytest.RaisesGroup(RestartLimitError):
+        async with open_actor(Ledger, name="ledger", restart=RestartPolicy(0, 1)) as ref:
+            await ref.tell("crash")
+            await trio.sleep_forever()
+
+
+async def test_crashes_outside_the_window_do_not_add_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Crashes spaced wider than within_s never reach the limit."""
+    policy = RestartPolicy(max_restarts=1, within_s=5)
+    async with open_actor(Ledger, name="ledger", restart=policy) as ref:
+        for _ in range(4):
+            await ref.tell("crash")
+            await wait_idle(ref)
+            await trio.sleep(6)
+        assert ref.statistics().restarts == 4
+        assert await ref.ask(7) == 7
+
+
+async def test_crashes_inside_the_window_do_add_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two crashes 4 s apart with within_s=5 and max_restarts=1 hit the limit."""
+    policy = RestartPolicy(max_restarts=1, within_s=5)
+    with pytest.RaisesGroup(RestartLimitError):
+        async with open_actor(Ledger, name="ledger", restart=policy) as ref:
+            await ref.tell("crash")
+            await wait_idle(ref)
+            await trio.sleep(4)
+            await ref.tell("crash")
+            await trio.sleep_forever()
+
+
+async def test_backoff_delays_the_restart_in_virtual_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The next message is handled backoff_s after the crash, not before."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=5, within_s=100, backoff_s=2.5)
+    async with open_actor(built, name="ledger", restart=policy, mailbox_size=4) as ref:
+        ref.tell_nowait("crash")
+        ref.tell_nowait(1)
+        await wait_idle(ref)
+    crashed_at = built.actors[0].log[0][0]
+    handled_at = built.actors[1].log[0][0]
+    assert handled_at - crashed_at == pytest.approx(2.5)
+
+
+@attrs.define(eq=False)
+class FlakyStart(Actor[int, int]):
+    """on_start fails for the first ``failures[0]`` builds."""
+
+    failures: list[int]
+    started: list[int]
+
+    async def on_start(self) -> None:
+        self.started.append(1)
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            msg = "not ready"
+            raise ConnectionError(msg)
+
+    def handle(self, message: int) -> int:
+        return message * 2
+
+
+async def test_on_start_failure_is_restarted() -> None:
+    """A hook that raises counts as a crash and is retried under the policy."""
+    failures: list[int] = [2]
+    started: list[int] = []
+    policy = RestartPolicy(max_restarts=2, within_s=10)
+    async with open_actor(
+        lambda: FlakyStart(failures, started), name="flaky", restart=policy
+    ) as ref:
+        assert await ref.ask(4) == 8
+        assert ref.statistics().restarts == 2
+    assert len(started) == 3
+
+
+async def test_first_on_start_failure_without_policy_raises_from_spawn() -> None:
+    """spawn re-raises an on_start failure itself (the actor never ran)."""
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ConnectionError, match="not ready"):
+            await spawn(nursery, FlakyStart([1], []), name="flaky")
+
+
+async def test_on_stop_runs_only_on_orderly_stop(autojump_clock: trio.testing.MockClock) -> None:
+    """on_stop is skipped for a crashed instance and runs for the final one."""
+    stops: list[int] = []
+
+    @attrs.define(eq=False)
+    class Tracked(Ledger):
+        async def on_stop(self) -> None:
+            stops.append(self.total)
+
+    policy = RestartPolicy(max_restarts=1, within_s=10)
+    async with open_actor(Tracked, name="tracked", restart=policy) as ref:
+        await ref.tell(3)
+        await ref.tell("crash")
+        await ref.tell(4)
+    assert stops == [4]
+
+
+def test_restart_requires_a_factory() -> None:
+    """Passing an instance with a restart policy is rejected: it cannot be rebuilt."""
+    with pytest.raises(ValueError, match="restart needs a factory"):
+        trio.run(_open_instance_with_policy)
+
+
+async def _open_instance_with_policy() -> None:
+    async with open_actor(RecordingActor(), name="x", restart=RestartPolicy(1, 1)):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_restarts": -1, "within_s": 1}, "max_restarts must be >= 0, got -1"),
+        ({"max_restarts": 1, "within_s": 0}, "within_s must be > 0, got 0"),
+        ({"max_restarts": 1, "within_s": 1, "backoff_s": -0.5}, "backoff_s must be >= 0, got -0.5"),
+    ],
+)
+def test_restart_policy_validates_fields(kwargs: dict[str, float], message: str) -> None:
+    """Each bad field is named with its value."""
+    with pytest.raises(ValueError, match=message):
+        RestartPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_restart_policy_is_frozen() -> None:
+    """A policy is an immutable value."""
+    policy = RestartPolicy(max_restarts=3, within_s=60)
+    assert policy == RestartPolicy(3, 60, 0)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        policy.max_restarts = 4  # type: ignore[misc]

@@ -1,0 +1,293 @@
+"""Tests of the cache actor: the seed's scenarios through messages, log events, bad messages."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import structlog
+import trio
+
+from actors import ActorRef, open_actor
+from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.cache_actor import (
+    CacheActor,
+    CacheMessage,
+    CacheStatsRequest,
+    ClearCache,
+    RecordActivation,
+    RestoreActivation,
+)
+from stage_runtime.config import (
+    CacheMode,
+    CachePayload,
+    KvCacheConfig,
+    LoadMode,
+    MessageBase,
+    StageConfig,
+)
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationDType, ActivationFrame, ActivationLayout
+
+BASE = MessageBase(session_id="session", chat_template_id="template")
+WIDTH = 4096
+
+
+def seed_config(**cache: Any) -> StageConfig:
+    """The upstream activation tests' stage (spec §9.3), with cache overrides."""
+    kv = KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD,
+        payload=CachePayload.RESIDENT_KV,
+        max_entries=cache.pop("max_entries", 8),
+        max_bytes=cache.pop("max_bytes", 0),
+        min_tokens=cache.pop("min_tokens", 256),
+        shared_prefix_stride_tokens=cache.pop("stride", 128),
+        shared_prefix_record_limit=2,
+    )
+    assert not cache
+    return StageConfig(
+        model_id="org/model:Q4_K_M",
+        stage_id="stage-0",
+        stage_index=0,
+        layer_start=0,
+        layer_end=4,
+        ctx_size=8192,
+        lane_count=2,
+        load_mode=LoadMode.RUNTIME_SLICE,
+        kv_cache=kv,
+    )
+
+
+def seed_frame(tokens: int, payload_bytes: int, *, flags: int = 0) -> ActivationFrame:
+    """The upstream's Frame(T, B): F32, token-major, payload of B bytes of 7."""
+    return ActivationFrame.virtual(
+        token_count=tokens,
+        bytes_per_token=payload_bytes // tokens,
+        dtype=ActivationDType.F32,
+        layout=ActivationLayout.TOKEN_MAJOR,
+        layer_end=4,
+        flags=flags,
+        fill=7,
+    )
+
+
+def tokens(n: int, start: int = 0) -> np.ndarray[Any, np.dtype[np.int32]]:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+@pytest.fixture
+def logs() -> Iterator[list[LogEvent]]:
+    """Capture log events with contextvars merged."""
+    with capture_actor_logs() as captured:
+        yield captured
+
+
+@asynccontextmanager
+async def cache_actor(config: StageConfig) -> AsyncIterator[ActorRef[CacheMessage, Any]]:
+    with structlog.contextvars.bound_contextvars(stage=config.stage_id):
+        async with open_actor(CacheActor(config), name="cache") as ref:
+            yield ref
+
+
+def record(
+    toks: np.ndarray[Any, Any], frame: ActivationFrame, width: int = WIDTH
+) -> RecordActivation:
+    return RecordActivation(base=BASE, tokens=toks, activation_width=width, frame=frame)
+
+
+def restore(toks: np.ndarray[Any, Any], width: int = WIDTH) -> RestoreActivation:
+    return RestoreActivation(base=BASE, tokens=toks, activation_width=width)
+
+
+def fields(event: LogEvent, *names: str) -> tuple[Any, ...]:
+    return tuple(event[name] for name in names)
+
+
+async def test_record_2214_tokens_records_2214_and_2176(logs: list[LogEvent]) -> None:
+    """The seed's 2214-token prompt records its exact length and the grid floor 2176."""
+    async with cache_actor(seed_config()) as ref:
+        records = await ref.ask(record(tokens(2214), seed_frame(2214, 8856)))
+    assert [r.token_count for r in records] == [2214, 2176]
+    assert [r.payload_bytes for r in records] == [8856, 8704]
+    recorded = events_named(logs, "activation_recorded")
+    assert [fields(e, "token_count", "entries", "resident_bytes") for e in recorded] == [
+        (2214, 1, 8856),
+        (2176, 2, 8856 + 8704),
+    ]
+    assert all(e["decision"] == "activation_record" and e["stage"] == "stage-0" for e in recorded)
+    assert recorded[0]["page_id"] == records[0].page_id
+
+
+async def test_extended_2231_prompt_restores_the_2176_grid_page(logs: list[LogEvent]) -> None:
+    """2214 + 17 new tokens restore 2176 tokens (8704 bytes): a prefix-short hit."""
+    async with cache_actor(seed_config()) as ref:
+        await ref.ask(record(tokens(2214), seed_frame(2214, 8856)))
+        extended = np.concatenate([tokens(2214), tokens(17, start=100_000)])
+        hit = await ref.ask(restore(extended))
+    assert hit is not None
+    assert (hit.token_count, hit.identity.identity.token_count) == (2176, 2176)
+    assert (hit.frame.token_count, hit.frame.payload.size) == (2176, 8704)
+    (event,) = events_named(logs, "activation_restored")
+    assert fields(event, "token_count", "requested_tokens", "payload_bytes", "decision") == (
+        2176,
+        2231,
+        8704,
+        "activation_hit_prefix_short",
+    )
+    assert event["stage"] == "stage-0"
+
+
+async def test_exact_restore_is_a_resident_hit(logs: list[LogEvent]) -> None:
+    """Restoring the recorded prompt itself covers every token: activation_resident_hit."""
+    async with cache_actor(seed_config()) as ref:
+        frame = seed_frame(300, 1200)
+        await ref.ask(record(tokens(300), frame))
+        hit = await ref.ask(restore(tokens(300)))
+    assert hit is not None
+    assert hit.frame.same_content(frame)
+    (event,) = events_named(logs, "activation_restored")
+    assert event["decision"] == "activation_resident_hit"
+
+
+async def test_width_mismatch_misses(logs: list[LogEvent]) -> None:
+    """A frame recorded at width 4096 is never restored at width 8192."""
+    async with cache_actor(seed_config()) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        assert await ref.ask(restore(tokens(300), width=8192)) is None
+    (event,) = events_named(logs, "activation_missed")
+    # lookup candidates of 300 at min 256 / stride 128: [300, 256]
+    assert fields(event, "requested_tokens", "candidates_tried", "decision") == (
+        300,
+        2,
+        "activation_resident_miss",
+    )
+
+
+async def test_eviction_log_with_max_entries_1(logs: list[LogEvent]) -> None:
+    """With one entry, each ladder rung evicts the previous one: one event per eviction."""
+    async with cache_actor(seed_config(max_entries=1)) as ref:
+        first = await ref.ask(record(tokens(2214), seed_frame(2214, 8856)))
+        second = await ref.ask(record(tokens(300, start=50_000), seed_frame(300, 1200)))
+    evicted = events_named(logs, "activation_evicted")
+    names = ("page_id", "token_count", "payload_bytes", "reason", "entries", "resident_bytes")
+    assert [fields(e, *names) for e in evicted] == [
+        (first[0].page_id, 2214, 8856, "max_entries", 0, 0),
+        (first[1].page_id, 2176, 8704, "max_entries", 0, 0),
+        (second[0].page_id, 300, 1200, "max_entries", 0, 0),
+    ]
+    assert all(e["log_level"] == "info" and e["stage"] == "stage-0" for e in evicted)
+    assert [e.token_count for r in (*first, *second) for e in r.evicted] == [2214, 2176, 300]
+
+
+async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
+    """A byte bound evicts least recently used entries until the new one fits."""
+    config = seed_config(max_bytes=100, min_tokens=4, stride=4)
+    async with cache_actor(config) as ref:
+        a = await ref.ask(record(tokens(10), seed_frame(10, 40)))  # rungs 10 (40 B), 8 (32 B)
+        assert await ref.ask(restore(tokens(10), width=WIDTH)) is not None  # 10 is now MRU
+        b = await ref.ask(record(tokens(6, start=500), seed_frame(6, 24)))  # 6 (24 B), 4 (16 B)
+    evicted = events_named(logs, "activation_evicted")
+    names = ("page_id", "token_count", "payload_bytes", "reason", "entries", "resident_bytes")
+    # 96 B resident when the 16 B rung arrives: the LRU entry (8 tokens) goes.
+    assert [fields(e, *names) for e in evicted] == [
+        (a[1].page_id, 8, 32, "max_bytes", 2, 64),
+    ]
+    assert (b[1].entries, b[1].resident_bytes) == (3, 80)
+
+
+async def test_clear_logs_every_entry_as_cleared(logs: list[LogEvent]) -> None:
+    """ClearCache evicts everything, one 'cleared' event per entry, sizes counting down."""
+    async with cache_actor(seed_config()) as ref:
+        await ref.ask(record(tokens(2214), seed_frame(2214, 8856)))
+        cleared = await ref.ask(ClearCache())
+        stats = await ref.ask(CacheStatsRequest())
+    assert sorted(e.token_count for e in cleared) == [2176, 2214]
+    evicted = events_named(logs, "activation_evicted")
+    assert [e["reason"] for e in evicted] == ["cleared", "cleared"]
+    assert [e["entries"] for e in evicted] == [1, 0]
+    assert evicted[-1]["resident_bytes"] == 0
+    assert (stats.entries, stats.resident_bytes) == (0, 0)
+
+
+async def test_stats_count_records_lookups_hits_and_misses() -> None:
+    """CacheStatsRequest replies the cache's counters."""
+    async with cache_actor(seed_config()) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        await ref.ask(restore(tokens(300)))
+        await ref.ask(restore(tokens(300, start=9)))
+        stats = await ref.ask(CacheStatsRequest())
+    assert (stats.entries, stats.records) == (2, 2)
+    assert stats.hits == 1
+    assert stats.misses >= 1
+
+
+async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
+    """A stage without a cache replies None/[]/None and never stores anything."""
+    config = attrs.evolve(seed_config(), kv_cache=KvCacheConfig(mode=CacheMode.DISABLED))
+    actor = CacheActor(config, environ={})
+    assert not actor.should_lookup
+    assert not actor.should_record
+    async with open_actor(actor, name="cache") as ref:
+        assert await ref.ask(record(tokens(300), seed_frame(300, 1200))) == []
+        assert await ref.ask(restore(tokens(300))) is None
+        assert await ref.ask(CacheStatsRequest()) is None
+        assert await ref.ask(ClearCache()) == ()
+
+
+@pytest.mark.parametrize(
+    ("message", "error", "match"),
+    [
+        (
+            RestoreActivation(base=BASE, tokens=np.array([1.5]), activation_width=WIDTH),
+            ConfigError,
+            "tokens must be integers",
+        ),
+        (
+            RestoreActivation(base=BASE, tokens=tokens(300), activation_width=-1),
+            ConfigError,
+            "activation_width must be an integer >= 0, got -1",
+        ),
+        (
+            RecordActivation(base=BASE, tokens=tokens(300), activation_width=WIDTH, frame="x"),  # type: ignore[arg-type]
+            FrameError,
+            "frame must be an ActivationFrame, got str",
+        ),
+        (
+            RestoreActivation(base="base", tokens=tokens(300), activation_width=WIDTH),  # type: ignore[arg-type]
+            ConfigError,
+            "base must be a MessageBase, got str",
+        ),
+        ("hello", ConfigError, "message must be RestoreActivation"),
+    ],
+)
+async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
+    logs: list[LogEvent], message: Any, error: type[Exception], match: str
+) -> None:
+    """A bad message raises a typed error in the caller; the actor and the cache carry on."""
+    async with cache_actor(seed_config()) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        before = await ref.ask(CacheStatsRequest())
+        with pytest.raises(error, match=match):
+            await ref.ask(message)
+        after = await ref.ask(CacheStatsRequest())
+        assert await ref.ask(restore(tokens(300))) is not None
+    assert (after.entries, after.resident_bytes, after.records) == (
+        before.entries,
+        before.resident_bytes,
+        before.records,
+    )
+    assert len(events_named(logs, "actor_message_failed")) == 1
+
+
+async def test_cancelled_restore_does_not_kill_the_actor() -> None:
+    """Cancelling an ask midway leaves the actor serving."""
+    async with cache_actor(seed_config()) as ref:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await ref.ask(restore(tokens(300)))
+        assert scope.cancelled_caught
+        assert await ref.ask(restore(tokens(300))) is None

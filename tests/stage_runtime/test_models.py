@@ -1,0 +1,132 @@
+"""Tests of the stage model protocol and the reference models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.models import (
+    CausalMixModel,
+    StageModel,
+    VirtualStageModel,
+    reference_model_factory,
+    virtual_model_factory,
+)
+
+
+def _config(index: int = 0) -> StageConfig:
+    return StageConfig(
+        stage_id=f"stage-{index}",
+        stage_index=index,
+        model_id="test/model",
+        layer_start=4 * index,
+        layer_end=4 * index + 4,
+    )
+
+
+async def _full(model: StageModel, inputs: ActivationFrame) -> ActivationFrame:
+    return await model.forward(inputs, 0, None)
+
+
+async def test_causal_mix_model_output_shape_and_frame_metadata() -> None:
+    """The model maps N input rows to N float32 output rows stamped with its stage and layers."""
+    model = CausalMixModel.for_stage(_config(1), width=8, seed=3)
+    inputs = model.embed(np.arange(10, dtype=np.int32))
+    out = await _full(model, inputs)
+    assert out.rows().shape == (10, 8)
+    assert out.rows().dtype == np.float32
+    assert (out.desc.producer_stage_index, out.desc.layer_start, out.desc.layer_end) == (1, 4, 8)
+    assert model.activation_width == 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=300),
+    width=st.integers(1, 24),
+    seed=st.integers(0, 1000),
+    data=st.data(),
+)
+def test_continuing_from_a_restored_prefix_equals_computing_from_scratch(
+    tokens: list[int], width: int, seed: int, data: st.DataObject
+) -> None:
+    """concat(out[:k], forward(x, k, out[:k])) equals forward(x, 0, None) within 1e-6."""
+    k = data.draw(st.integers(1, len(tokens) - 1))
+    model = CausalMixModel(width=width, seed=seed)
+    inputs = model.embed(np.array(tokens, dtype=np.int32))
+    full = trio.run(_full, model, inputs)
+    restored = full.prefix(k)
+    suffix = trio.run(model.forward, inputs, k, restored)
+    joined = ActivationFrame.concat(restored, suffix)
+    np.testing.assert_allclose(joined.rows(), full.rows(), rtol=1e-6, atol=1e-6)
+
+
+async def test_output_row_depends_only_on_earlier_inputs() -> None:
+    """Changing input row j leaves output rows before j unchanged and changes row j."""
+    model = CausalMixModel(width=6, seed=1)
+    a = model.embed(np.arange(50, dtype=np.int32))
+    changed = np.arange(50, dtype=np.int32)
+    changed[30] = 999
+    b = model.embed(changed)
+    out_a, out_b = await _full(model, a), await _full(model, b)
+    np.testing.assert_array_equal(out_a.rows()[:30], out_b.rows()[:30])
+    assert not np.allclose(out_a.rows()[30], out_b.rows()[30])
+
+
+async def test_models_are_seeded_per_stage_and_deterministic() -> None:
+    """The reference factory seeds each stage differently and repeatably."""
+    factory = reference_model_factory(width=4, seed=7)
+    tokens = np.arange(20, dtype=np.int32)
+    stage0, again, stage1 = factory(_config(0)), factory(_config(0)), factory(_config(1))
+    x = stage0.embed(tokens)
+    np.testing.assert_array_equal((await _full(stage0, x)).rows(), (await _full(again, x)).rows())
+    assert not np.allclose((await _full(stage0, x)).rows(), (await _full(stage1, x)).rows())
+
+
+async def test_forward_rejects_inconsistent_restored_prefix() -> None:
+    """A restored frame must hold exactly the tokens before start."""
+    model = CausalMixModel(width=4)
+    inputs = model.embed(np.arange(8, dtype=np.int32))
+    full = await _full(model, inputs)
+    with pytest.raises(FrameError, match="restored must hold the 3 tokens"):
+        await model.forward(inputs, 3, full.prefix(2))
+    with pytest.raises(FrameError, match="restored must hold"):
+        await model.forward(inputs, 3, None)
+    with pytest.raises(ConfigError, match="start must be in"):
+        await model.forward(inputs, 8, full)
+
+
+def test_width_must_be_positive() -> None:
+    """A zero width is a ConfigError naming the field."""
+    with pytest.raises(ConfigError, match="width must be >= 1, got 0"):
+        CausalMixModel(width=0)
+    with pytest.raises(ConfigError, match="width must be >= 1, got 0"):
+        reference_model_factory(width=0)
+
+
+async def test_virtual_model_returns_virtual_frames_and_spends_virtual_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The virtual model allocates nothing and sleeps per computed token."""
+    model = virtual_model_factory(width=16, seconds_per_token=0.5)(_config(2))
+    assert isinstance(model, VirtualStageModel)
+    inputs = model.embed(np.arange(1000, dtype=np.int32))
+    assert inputs.is_virtual
+    assert inputs.payload_bytes == 1000 * 64
+    start = trio.current_time()
+    out = await model.forward(inputs, 990, inputs.prefix(990))
+    assert trio.current_time() - start == pytest.approx(5.0)
+    assert out.is_virtual
+    assert out.token_count == 10
+    assert out.desc.producer_stage_index == 2
+
+
+def test_reference_models_satisfy_the_protocol() -> None:
+    """Both reference models are StageModels."""
+    assert isinstance(CausalMixModel(width=2), StageModel)
+    assert isinstance(VirtualStageModel(width=2), StageModel)

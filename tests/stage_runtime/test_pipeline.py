@@ -1,0 +1,560 @@
+"""Tests of pipelines: seed scenarios end to end, concurrency, failures, cancellation, drain."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.cache_actor import CacheActor
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, StageFailedError, StageRuntimeError
+from stage_runtime.models import virtual_model_factory
+from stage_runtime.pipeline import PrefillResult, load_topology, open_pipeline
+from tests.stage_runtime.pipeline_helpers import (
+    ModelRegistry,
+    mix_factory,
+    prompt,
+    stage_configs,
+    uncached,
+)
+
+NO_ENV: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def logs() -> Iterator[list[LogEvent]]:
+    """Capture every log event (keeps the output quiet; tests inspect them)."""
+    with capture_actor_logs() as captured:
+        yield captured
+
+
+def restored(result: PrefillResult) -> list[int]:
+    return [report.restored_tokens for report in result.stages]
+
+
+def computed(result: PrefillResult) -> list[int]:
+    return [report.computed_tokens for report in result.stages]
+
+
+async def test_seed_prompt_records_2214_and_2176_at_every_stage() -> None:
+    """A cold 2214-token prefill computes everything and records [2214, 2176] per stage."""
+    async with open_pipeline(stage_configs(3), mix_factory(), environ=NO_ENV) as pipeline:
+        result = await pipeline.prefill(prompt(2214), session_id="s")
+    assert result.tokens == 2214
+    assert result.frame.token_count == 2214
+    assert [r.stage_id for r in result.stages] == ["stage-0", "stage-1", "stage-2"]
+    assert restored(result) == [0, 0, 0]
+    assert computed(result) == [2214, 2214, 2214]
+    for report in result.stages:
+        assert [record.token_count for record in report.records] == [2214, 2176]
+        assert report.evicted == ()
+
+
+async def test_extended_prompt_restores_2176_at_every_stage_and_matches_uncached() -> None:
+    """The 2231-token extension restores 2176 tokens per stage; its output equals a cold run."""
+    extended = np.concatenate([prompt(2214), prompt(17, start=100_000)])
+    async with open_pipeline(stage_configs(3), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(2214), session_id="s")
+        result = await pipeline.prefill(extended, session_id="other-session")
+    async with open_pipeline(uncached(stage_configs(3)), mix_factory(), environ=NO_ENV) as cold:
+        reference = await cold.prefill(extended, session_id="s")
+    assert restored(result) == [2176, 2176, 2176]
+    assert computed(result) == [55, 55, 55]
+    assert restored(reference) == [0, 0, 0]
+    np.testing.assert_allclose(result.frame.rows(), reference.frame.rows(), rtol=1e-6, atol=1e-6)
+
+
+async def test_width_mismatch_misses_at_every_stage() -> None:
+    """A model whose cache-key width changed never restores what the old width recorded."""
+    registry = ModelRegistry(mix_factory())
+    async with open_pipeline(stage_configs(2), registry, environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+        assert restored(await pipeline.prefill(prompt(300), session_id="s")) == [300, 300]
+        for model in registry.models.values():
+            model.key_width = 8192
+        result = await pipeline.prefill(prompt(300), session_id="s")
+    assert restored(result) == [0, 0]
+    assert computed(result) == [300, 300]
+
+
+async def test_full_hit_skips_the_model(logs: list[LogEvent]) -> None:
+    """A prompt cached at its exact length is restored whole; the model is not called."""
+    registry = ModelRegistry(mix_factory())
+    async with open_pipeline(stage_configs(2), registry, environ=NO_ENV) as pipeline:
+        first = await pipeline.prefill(prompt(300), session_id="s")
+        second = await pipeline.prefill(prompt(300), session_id="s")
+    assert computed(second) == [0, 0]
+    assert [len(model.calls) for model in registry.models.values()] == [1, 1]
+    np.testing.assert_array_equal(first.frame.rows(), second.frame.rows())
+    hits = events_named(logs, "activation_restored")
+    assert [(e["stage"], e["decision"]) for e in hits] == [
+        ("stage-0", "activation_resident_hit"),
+        ("stage-1", "activation_resident_hit"),
+    ]
+
+
+async def test_events_carry_the_stage_that_emitted_them(logs: list[LogEvent]) -> None:
+    """Every cache event is tagged with its stage through contextvars."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+    recorded = events_named(logs, "activation_recorded")
+    assert [(e["stage"], e["token_count"]) for e in recorded] == [
+        ("stage-0", 300),
+        ("stage-0", 256),
+        ("stage-1", 300),
+        ("stage-1", 256),
+    ]
+    assert {e["stage"] for e in events_named(logs, "stage_started")} == {"stage-0", "stage-1"}
+
+
+async def test_eviction_reports_with_max_entries_1(logs: list[LogEvent]) -> None:
+    """With one entry per stage, each prefill's second rung evicts its first, per stage."""
+    configs = stage_configs(2, max_entries=1)
+    async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipeline:
+        result = await pipeline.prefill(prompt(2214), session_id="s")
+    for report in result.stages:
+        assert [(e.token_count, e.reason) for e in report.evicted] == [(2214, "max_entries")]
+    evicted = events_named(logs, "activation_evicted")
+    assert [(e["stage"], e["token_count"], e["entries"]) for e in evicted] == [
+        ("stage-0", 2214, 0),
+        ("stage-1", 2214, 0),
+    ]
+
+
+async def test_concurrent_prefills_overlap_across_stages(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ten 1-second-per-stage requests through 2 stages take 11 s, not 20 s."""
+    factory = virtual_model_factory(width=4, seconds_per_token=0.01)
+    results: list[PrefillResult] = []
+
+    async def one(pipeline: Any, i: int) -> None:
+        results.append(await pipeline.prefill(prompt(100, start=1000 * i), session_id=f"s{i}"))
+
+    async with open_pipeline(stage_configs(2, min_tokens=0), factory, environ=NO_ENV) as pipeline:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(one, pipeline, i)
+        elapsed = trio.current_time() - start
+    assert elapsed == pytest.approx(11.0)
+    assert len(results) == 10
+    # stage 0 finished request i at i + 1 s; stage 1 started it then and took 1 s
+    by_id = {result.request_id: result for result in results}
+    for i in range(10):
+        s0, s1 = by_id[f"prefill-{i}"].stages
+        assert (s0.finished_s - start, s1.started_s - start) == pytest.approx((i + 1, i + 1))
+        assert s1.finished_s - s1.started_s == pytest.approx(1.0)
+    assert all(result.frame.is_virtual for result in results)
+    assert {result.request_id for result in results} == {f"prefill-{i}" for i in range(10)}
+
+
+async def test_results_route_back_to_their_callers() -> None:
+    """Many concurrent prefills each get the output of their own prompt."""
+    prompts = [prompt(40 + 7 * i, start=3 * i) for i in range(12)]
+    configs = stage_configs(2, min_tokens=8, stride=8, max_entries=4)
+    outputs: dict[int, PrefillResult] = {}
+
+    async def one(pipeline: Any, i: int) -> None:
+        outputs[i] = await pipeline.prefill(prompts[i], session_id="s", request_id=f"r{i}")
+
+    async with (
+        open_pipeline(configs, mix_factory(), channel_size=1, environ=NO_ENV) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(len(prompts)):
+            nursery.start_soon(one, pipeline, i)
+    async with open_pipeline(uncached(configs), mix_factory(), environ=NO_ENV) as cold:
+        for i, tokens in enumerate(prompts):
+            reference = await cold.prefill(tokens, session_id="s")
+            assert outputs[i].request_id == f"r{i}"
+            np.testing.assert_allclose(
+                outputs[i].frame.rows(), reference.frame.rows(), rtol=1e-6, atol=1e-6
+            )
+
+
+async def test_bounded_channels_push_back_on_callers() -> None:
+    """With a blocked last stage, stage 0 runs ahead only as far as the channels hold."""
+    registry = ModelRegistry(mix_factory())
+    async with (
+        open_pipeline(stage_configs(2), registry, channel_size=1, environ=NO_ENV) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
+        gate = trio.Event()
+        registry.models["stage-1"].gate = gate
+
+        async def one(i: int) -> None:
+            await pipeline.prefill(prompt(10, 100 * i), session_id="s")
+
+        for i in range(8):
+            nursery.start_soon(one, i)
+        await trio.testing.wait_all_tasks_blocked()
+        # stage 1 computes one, one waits in its inbox, stage 0 holds one it cannot send,
+        # and one waits in stage 0's inbox: the other four callers wait to send.
+        assert len(registry.models["stage-1"].calls) == 1
+        assert len(registry.models["stage-0"].calls) == 3
+        gate.set()
+    assert len(registry.models["stage-1"].calls) == 8
+
+
+async def test_bad_tokens_fail_only_that_caller() -> None:
+    """Bad prompts raise ConfigError at once; the pipeline keeps serving."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        with pytest.raises(ConfigError, match="non-empty"):
+            await pipeline.prefill([], session_id="s")
+        with pytest.raises(ConfigError, match="tokens must be integers"):
+            await pipeline.prefill(["a", "b"], session_id="s")  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="int32 range"):
+            await pipeline.prefill(np.array([1, 2**40]), session_id="s")
+        with pytest.raises(ConfigError, match="session_id must be a string"):
+            await pipeline.prefill([1, 2], session_id=7)  # type: ignore[arg-type]
+        result = await pipeline.prefill([1, 2, 3], session_id="s")
+    assert result.tokens == 3
+
+
+async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None:
+    """A model that fails on one input fails that caller; concurrent callers succeed."""
+    registry = ModelRegistry(mix_factory())
+    outcomes: dict[int, object] = {}
+
+    async def one(pipeline: Any, i: int) -> None:
+        try:
+            outcomes[i] = await pipeline.prefill(prompt(20, start=i), session_id="s")
+        except ValueError as exc:
+            outcomes[i] = exc
+
+    configs = stage_configs(2, min_tokens=8)
+    async with open_pipeline(configs, registry, environ=NO_ENV) as pipeline:
+        registry.models["stage-0"].fail_on_token = 24  # in prompts starting at 5..24
+        async with trio.open_nursery() as nursery:
+            for i in (0, 4, 5, 30):
+                nursery.start_soon(one, pipeline, i)
+        stats = await pipeline.stats()
+    (failed,) = events_named(logs, "prefill_failed")
+    assert (failed["stage"], failed["error_type"]) == ("stage-0", "ValueError")
+    assert isinstance(outcomes[5], ValueError)
+    assert "token 24" in str(outcomes[5])
+    assert all(isinstance(outcomes[i], PrefillResult) for i in (0, 4, 30))
+    # the failed request reached neither cache
+    assert [s.cache.records if s.cache else None for s in stats.stages] == [6, 6]
+
+
+async def test_cancelled_caller_leaves_no_partial_state(
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
+) -> None:
+    """Cancelling a prefill while stage 1 computes: stage 1 stops and records nothing."""
+    factory = virtual_model_factory(width=4, seconds_per_token=0.01)
+    async with open_pipeline(stage_configs(2, min_tokens=8), factory, environ=NO_ENV) as pipeline:
+        with trio.move_on_after(1.5) as scope:  # stage 0 takes 1 s, stage 1 would take 1 s more
+            await pipeline.prefill(prompt(100), session_id="s")
+        assert scope.cancelled_caught
+        await trio.testing.wait_all_tasks_blocked()
+        stats = await pipeline.stats()
+        assert [s.cache.entries if s.cache else None for s in stats.stages] == [2, 0]
+        # the next caller sees stage 0's complete records and recomputes stage 1 from scratch
+        start = trio.current_time()
+        result = await pipeline.prefill(prompt(100), session_id="s")
+        assert trio.current_time() - start == pytest.approx(1.0)
+    assert restored(result) == [100, 0]
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 1)
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
+
+
+async def test_request_cancelled_while_queued_is_skipped(
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
+) -> None:
+    """A request whose caller gave up before stage 0 reached it is never computed."""
+    registry = ModelRegistry(virtual_model_factory(width=4, seconds_per_token=0.01))
+    async with open_pipeline(stage_configs(2), registry, environ=NO_ENV) as pipeline:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: pipeline.prefill(prompt(100), session_id="a"))
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.5):
+                await pipeline.prefill(prompt(100, start=500), session_id="b")
+        assert [len(m.calls) for m in registry.models.values()] == [1, 1]
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (1, 1)
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 0)
+
+
+async def test_leaving_the_context_drains_in_flight_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Exiting waits for callers already in the pipeline, then refuses new ones."""
+    factory = virtual_model_factory(width=4, seconds_per_token=0.01)
+    finished: list[int] = []
+
+    async def one(pipeline: Any, i: int) -> None:
+        await pipeline.prefill(prompt(100, start=1000 * i), session_id="s")
+        finished.append(i)
+
+    async with trio.open_nursery() as callers:
+        configs = stage_configs(2, min_tokens=8)
+        async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+            for i in range(5):
+                callers.start_soon(one, pipeline, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not pipeline.draining
+        assert pipeline.draining
+        assert sorted(finished) == [0, 1, 2, 3, 4]
+        with pytest.raises(trio.ClosedResourceError, match="draining"):
+            await pipeline.prefill(prompt(10), session_id="s")
+    stats = await pipeline.stats()  # the final statistics survive the stop
+    assert [s.cache.records if s.cache else None for s in stats.stages] == [10, 10]
+    assert all(s.mailbox.queued == 0 for s in stats.stages)
+
+
+async def test_stage_crash_fails_the_pipeline_with_stage_failed_error() -> None:
+    """A cache that raises (a bug) crashes its stage: StageFailedError chained to the cause."""
+
+    def broken(self: CacheActor, message: Any) -> Any:
+        raise RuntimeError("cache bug")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CacheActor, "_record", broken)
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(StageFailedError, match="stage 'stage-0' failed")
+        ) as group:
+            async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipe:
+                await pipe.prefill(prompt(10), session_id="s")
+    error = group.value.exceptions[0]
+    assert isinstance(error, StageFailedError)
+    assert error.stage_id == "stage-0"
+    assert isinstance(error.__cause__, RuntimeError)
+    assert str(error.__cause__) == "cache bug"
+
+
+async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
+    """Callers waiting in other tasks get a StageRuntimeError instead of hanging."""
+    outcome: list[BaseException] = []
+
+    def broken(self: CacheActor, message: Any) -> Any:
+        raise RuntimeError("cache bug")
+
+    async def caller(pipeline: Any, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        try:
+            await pipeline.prefill(prompt(10), session_id="s")
+        except StageRuntimeError as exc:
+            outcome.append(exc)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CacheActor, "_record", broken)
+        async with trio.open_nursery() as callers:
+            with pytest.RaisesGroup(StageFailedError):
+                async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipe:
+                    await callers.start(caller, pipe)
+                    await trio.sleep_forever()
+    assert len(outcome) == 1
+    assert "pipeline stopped before request" in str(outcome[0])
+
+
+async def test_model_factory_failure_is_a_stage_failure() -> None:
+    """A stage whose model cannot be built fails the pipeline at start."""
+
+    def factory(config: Any) -> Any:
+        if config.stage_index == 1:
+            raise OSError("weights missing")
+        return mix_factory()(config)
+
+    with pytest.RaisesGroup(pytest.RaisesExc(StageFailedError, match="stage-1")) as group:
+        async with open_pipeline(stage_configs(2), factory, environ=NO_ENV):
+            pytest.fail("the pipeline must not start")
+    assert isinstance(group.value.exceptions[0].__cause__, OSError)
+
+
+async def test_stats_report_cache_and_mailbox_per_stage() -> None:
+    """stats() gives each stage's cache counters and its cache actor's mailbox statistics."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+        await pipeline.prefill(prompt(300), session_id="s")
+        stats = await pipeline.stats()
+    assert [s.stage_id for s in stats.stages] == ["stage-0", "stage-1"]
+    for stage in stats.stages:
+        assert stage.cache is not None
+        assert (stage.cache.entries, stage.cache.hits, stage.cache.records) == (2, 1, 4)
+        assert stage.mailbox.processed >= 4  # 2 restores + 2 records (+ stats asks)
+        assert stage.mailbox.mailbox_size == 64
+
+
+async def test_clear_caches_empties_every_stage(logs: list[LogEvent]) -> None:
+    """clear_caches evicts every entry of every stage; the next prefill computes everything."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(300), session_id="s")
+        cleared = await pipeline.clear_caches()
+        result = await pipeline.prefill(prompt(300), session_id="s")
+    assert [sorted(e.token_count for e in stage) for stage in cleared] == [[256, 300]] * 2
+    assert restored(result) == [0, 0]
+    reasons = [e["reason"] for e in events_named(logs, "activation_evicted")]
+    assert reasons == ["cleared"] * 4
+
+
+async def test_virtual_frames_flow_through_without_memory() -> None:
+    """Virtual frames stay virtual through restore, concat and record."""
+    factory = virtual_model_factory(width=64, bytes_per_token=8192)
+    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(40_000), session_id="s")
+        result = await pipeline.prefill(
+            np.concatenate([prompt(40_000), prompt(100, 90_000)]), session_id="s"
+        )
+    assert restored(result) == [39_936, 39_936]
+    assert result.frame.is_virtual
+    assert result.frame.payload_bytes == 40_100 * 8192
+
+
+async def test_topology_file_builds_a_pipeline(tmp_path: Path) -> None:
+    """A TOML topology with defaults gives contiguous stages with neighbours filled in."""
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        """
+[defaults]
+model_id = "example/model"
+[defaults.kv_cache]
+mode = "lookup-record"
+min_tokens = 8
+[[stage]]
+stage_id = "a"
+layer_start = 0
+layer_end = 3
+[[stage]]
+stage_id = "b"
+layer_start = 3
+layer_end = 6
+[stage.kv_cache]
+max_entries = 1
+"""
+    )
+    configs = load_topology(path)
+    assert [(c.stage_id, c.stage_index, c.upstream, c.downstream) for c in configs] == [
+        ("a", 0, None, "b"),
+        ("b", 1, "a", None),
+    ]
+    assert configs[1].kv_cache is not None
+    assert configs[1].kv_cache.max_entries == 1
+    assert configs[1].kv_cache.min_tokens == 8
+    async with open_pipeline(path, mix_factory(), environ=NO_ENV) as pipeline:
+        result = await pipeline.prefill(prompt(20), session_id="s")
+    assert [r.stage_id for r in result.stages] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 6\n',
+            r"topology.toml: stage 'a': stage_id must be unique",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 4\nlayer_end = 6\n',
+            r"topology.toml: stage 'b': layer_start must equal the previous stage's "
+            r"layer_end 3, got 4",
+        ),
+        ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
+            r"topology.toml \(stage #1\): missing required field stage_id",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
+            r"topology.toml \(stage 'a'\): layer_end must be an integer, got 'x'",
+        ),
+        ("[[stage]\n", r"topology.toml: invalid TOML"),
+        ("[stages]\n", r"topology.toml: top-level keys must be"),
+    ],
+)
+def test_invalid_topology_names_file_stage_and_field(tmp_path: Path, body: str, match: str) -> None:
+    """Topology errors are ConfigErrors naming the file, the stage and the field."""
+    path = tmp_path / "topology.toml"
+    path.write_text('[defaults]\nmodel_id = "m"\n' + body if "defaults" not in body else body)
+    with pytest.raises(ConfigError, match=match):
+        load_topology(path)
+
+
+async def test_stage_list_is_validated_before_starting() -> None:
+    """open_pipeline rejects stage lists whose indices or layers do not line up."""
+    configs = stage_configs(2)
+    with pytest.raises(ConfigError, match="stage_index must equal its position 0, got 1"):
+        async with open_pipeline(configs[1:], mix_factory()):
+            pass
+    with pytest.raises(ConfigError, match="channel_size must be an integer >= 0, got -1"):
+        async with open_pipeline(configs, mix_factory(), channel_size=-1):
+            pass
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[list[StageConfig], list[np.ndarray[Any, Any]], bool]:
+    """Random cache bounds and prompts built from shared blocks (so prefixes repeat)."""
+    blocks = draw(
+        st.lists(st.lists(st.integers(0, 50_000), min_size=1, max_size=12), min_size=2, max_size=4)
+    )
+    chains: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 7))):
+        # Most prompts continue (a prefix of) an earlier one, like a conversation's next turn.
+        base: list[int] = []
+        if chains and draw(st.integers(0, 3)) > 0:
+            earlier = draw(st.sampled_from(chains))
+            base = earlier[: draw(st.integers(0, len(earlier)))]
+        tail = draw(st.lists(st.integers(0, len(blocks) - 1), min_size=1, max_size=3))
+        chains.append(base + tail)
+    prompts = [np.array([t for b in chain for t in blocks[b]], dtype=np.int32) for chain in chains]
+    row_bytes = 4 * 4  # width 4, float32
+    configs = stage_configs(
+        draw(st.integers(1, 3)),
+        max_entries=draw(st.integers(1, 6)),
+        max_bytes=draw(st.sampled_from([0, 0, row_bytes * 8, row_bytes * 40])),
+        min_tokens=draw(st.integers(1, 8)),
+        stride=draw(st.integers(0, 8)),
+        record_limit=draw(st.integers(0, 3)),
+    )
+    return configs, prompts, draw(st.booleans())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_cached_pipeline_equals_uncached_pipeline(
+    workload: tuple[list[StageConfig], list[np.ndarray[Any, Any]], bool],
+) -> None:
+    """For any prompts and cache bounds, outputs equal an uncached pipeline's, and every stage
+    computes exactly the tokens it did not restore."""
+    configs, prompts, concurrent = workload
+    factory = mix_factory(width=4)
+
+    async def run() -> tuple[list[PrefillResult], list[PrefillResult]]:
+        cached: dict[int, PrefillResult] = {}
+        async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+            if concurrent:
+                async with trio.open_nursery() as nursery:
+                    for i, tokens in enumerate(prompts):
+
+                        async def one(i: int = i, tokens: Any = tokens) -> None:
+                            cached[i] = await pipeline.prefill(tokens, session_id="s")
+
+                        nursery.start_soon(one)
+            else:
+                for i, tokens in enumerate(prompts):
+                    cached[i] = await pipeline.prefill(tokens, session_id="s")
+        async with open_pipeline(uncached(configs), factory, environ=NO_ENV) as cold:
+            reference = [await cold.prefill(tokens, session_id="s") for tokens in prompts]
+        return [cached[i] for i in range(len(prompts))], reference
+
+    with capture_actor_logs():
+        cached, reference = trio.run(run)
+    for got, want in zip(cached, reference, strict=True):
+        np.testing.assert_allclose(got.frame.rows(), want.frame.rows(), rtol=1e-6, atol=1e-6)
+        for report in got.stages:
+            assert 0 <= report.restored_tokens <= got.tokens
+            assert report.computed_tokens == got.tokens - report.restored_tokens
+        assert computed(want) == [want.tokens] * len(configs)

@@ -1,0 +1,142 @@
+"""Tests of a single stage task driven through its channels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.errors import FrameError
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.models import CausalMixModel, StageModel
+from stage_runtime.stage import PrefillRequest, Stage
+from tests.stage_runtime.pipeline_helpers import mix_factory, prompt, stage_configs
+
+NO_ENV: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def logs() -> Iterator[list[LogEvent]]:
+    """Capture every log event (keeps the output quiet; tests inspect them)."""
+    with capture_actor_logs() as captured:
+        yield captured
+
+
+def request(n: int, *, frame: ActivationFrame | None = None) -> PrefillRequest:
+    return PrefillRequest(request_id="r", session_id="s", tokens=prompt(n), frame=frame)
+
+
+async def test_last_stage_settles_the_request_and_stops_on_inbox_close(
+    logs: list[LogEvent],
+) -> None:
+    """The last stage settles requests itself; closing its inbox stops it and its cache actor."""
+    config = stage_configs(1, min_tokens=8)[0]
+    send, receive = trio.open_memory_channel[PrefillRequest](1)
+    stage = Stage(config=config, model_factory=mix_factory(), inbox=receive, outbox=None)
+    req = request(20)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        await send.send(req)
+        await req.done.wait()
+        await send.aclose()
+    assert req.error is None
+    assert req.frame is not None
+    assert req.frame.token_count == 20
+    (report,) = req.reports
+    assert (report.restored_tokens, report.computed_tokens) == (0, 20)
+    assert [r.token_count for r in report.records] == [20, 16]
+    stopped = events_named(logs, "actor_stopped")
+    assert [e["actor"] for e in stopped] == ["cache-stage-0"]
+    assert events_named(logs, "stage_stopped")[0]["stage"] == "stage-0"
+    stats = await stage.stats()  # final statistics survive the stop
+    assert stats.cache is not None
+    assert stats.cache.records == 2
+
+
+async def test_middle_stage_uses_the_incoming_frame_and_forwards() -> None:
+    """A non-first stage computes from the previous stage's frame and passes the request on."""
+    configs = stage_configs(2, min_tokens=8)
+    upstream = CausalMixModel.for_stage(configs[0], width=8)
+    incoming = await upstream.forward(upstream.embed(prompt(12)), 0, None)
+    send, receive = trio.open_memory_channel[PrefillRequest](1)
+    out_send, out_receive = trio.open_memory_channel[PrefillRequest](1)
+    stage = Stage(config=configs[1], model_factory=mix_factory(), inbox=receive, outbox=out_send)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        await send.send(request(12, frame=incoming))
+        forwarded = await out_receive.receive()
+        await send.aclose()
+        with pytest.raises(trio.EndOfChannel):  # the stage closes its outbox when it stops
+            await out_receive.receive()
+    expected = await CausalMixModel.for_stage(configs[1], width=8).forward(incoming, 0, None)
+    assert forwarded.frame is not None
+    np.testing.assert_array_equal(forwarded.frame.rows(), expected.rows())
+    assert not forwarded.done.is_set()  # only the last stage settles
+
+
+@attrs.define(eq=False)
+class WrongLengthModel:
+    """Returns one row too many."""
+
+    inner: StageModel
+
+    @property
+    def activation_width(self) -> int:
+        return self.inner.activation_width
+
+    def embed(self, tokens: Any) -> ActivationFrame:
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        out = await self.inner.forward(inputs, start, restored)
+        return ActivationFrame.concat(out, out.prefix(1))
+
+
+async def test_malformed_model_output_fails_the_request_not_the_stage() -> None:
+    """A model returning the wrong number of rows fails that request with FrameError."""
+    config = stage_configs(1, min_tokens=8)[0]
+    send, receive = trio.open_memory_channel[PrefillRequest](1)
+
+    def factory(config: Any) -> StageModel:
+        return WrongLengthModel(CausalMixModel(width=4))
+
+    stage = Stage(config=config, model_factory=factory, inbox=receive, outbox=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        first, second = request(10), request(10)
+        await send.send(first)
+        await send.send(second)
+        await second.done.wait()
+        await send.aclose()
+    for req in (first, second):
+        assert isinstance(req.error, FrameError)
+        assert "model output must be a frame of 10 tokens, got 11" in str(req.error)
+    assert (await stage.stats()).cache.entries == 0  # type: ignore[union-attr]
+
+
+async def test_abandoned_request_is_skipped() -> None:
+    """A request abandoned before the stage reaches it is neither computed nor recorded."""
+    config = stage_configs(1, min_tokens=8)[0]
+    send, receive = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=config, model_factory=mix_factory(), inbox=receive, outbox=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        gone, live = request(10), request(12)
+        gone.abandon()
+        await send.send(gone)
+        await send.send(live)
+        await live.done.wait()
+        await send.aclose()
+    assert not gone.done.is_set()
+    assert gone.reports == []
+    stats = await stage.stats()
+    assert stats.cache is not None
+    assert stats.cache.records == 2
