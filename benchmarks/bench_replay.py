@@ -1,0 +1,156 @@
+"""Replay a whole trace through a 4-stage pipeline and compare with the hashing floor.
+
+The floor is the least work any replay must do: BLAKE3-hash every prompt token once per stage
+(each stage derives its cache keys from a hash of the prompt). The replay does that plus
+everything else (token blocks, cache lookups and records, the trio pipeline and actors, virtual
+time). Goal: the replay's wall time within 3x of the floor, and peak RSS under 2 GB.
+
+Usage::
+
+    python benchmarks/bench_replay.py ../shared/traces/synthetic_trace.jsonl
+    python benchmarks/bench_replay.py --trace TRACE.jsonl --repeat 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import blake3
+import structlog
+
+from stage_runtime.sim import BlockTokenizer, SimConfig, SimRequest, read_trace, run_replay
+
+TAKES_TRACE = True
+"""``benchmarks/run.py`` passes ``--trace PATH`` to benchmarks that set this."""
+
+NAME = "replay"
+
+
+def _machine() -> dict[str, str]:
+    versions = {name: version(name) for name in ("numpy", "trio", "blake3", "attrs", "structlog")}
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+        "python": platform.python_version(),
+        **versions,
+    }
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def floor_seconds(
+    requests: list[SimRequest], *, stages: int, block_size: int
+) -> tuple[float, float]:
+    """Time BLAKE3 over every prompt token once per stage; return (hash_s, token_generation_s)."""
+    tokenizer = BlockTokenizer(block_size)
+    hashing = generating = 0.0
+    for request in requests:
+        started = time.perf_counter()
+        tokens = tokenizer.request_tokens(request)
+        data = tokens.tobytes() if not tokens.flags.c_contiguous else tokens.data.cast("B")
+        generated = time.perf_counter()
+        for _ in range(stages):
+            blake3.blake3(data).digest()
+        hashing += time.perf_counter() - generated
+        generating += generated - started
+    return hashing, generating
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Run the benchmark; print a table, write JSON and return the results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace_path", nargs="?", help="the trace (.jsonl)")
+    parser.add_argument("--trace", dest="trace_option", help="the trace (same as the positional)")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions (median reported)")
+    parser.add_argument("--limit-requests", type=int, default=None)
+    parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
+    args = parser.parse_args(argv)
+    trace_path = args.trace_option or args.trace_path
+    if trace_path is None:
+        parser.error("a trace path is required (positional or --trace)")
+
+    # Warnings only: the library logs every record and eviction at info/debug.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(30), cache_logger_on_first_use=True
+    )
+    trace = read_trace(trace_path, limit=args.limit_requests)
+    requests = list(trace.requests)
+    tokens = sum(request.input_length for request in requests)
+    config = SimConfig(stages=args.stages)
+
+    floors: list[float] = []
+    generation: list[float] = []
+    walls: list[float] = []
+    result = None
+    for _ in range(args.repeat):
+        hash_s, gen_s = floor_seconds(requests, stages=config.stages, block_size=config.block_size)
+        floors.append(hash_s)
+        generation.append(gen_s)
+        result = run_replay(requests, config)
+        walls.append(result.wall_s)
+    assert result is not None
+    wall = statistics.median(walls)
+    floor = statistics.median(floors)
+    peak = _peak_rss_bytes()
+    out: dict[str, object] = {
+        "benchmark": NAME,
+        "trace": str(trace_path),
+        "requests": len(requests),
+        "prompt_tokens": tokens,
+        "stages": config.stages,
+        "repeat": args.repeat,
+        "wall_s": wall,
+        "wall_s_all": walls,
+        "floor_s": floor,
+        "floor_s_all": floors,
+        "floor_description": "BLAKE3 over every prompt token once per stage",
+        "token_generation_s": statistics.median(generation),
+        "ratio_to_floor": wall / floor if floor > 0 else None,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "peak_rss_bytes": peak,
+        "goal": {"ratio_to_floor_max": 3.0, "peak_rss_bytes_max": 2 * 1024**3},
+        "token_hit_ratio": result.token_hit_ratio,
+        "theoretical_max_hit_ratio": result.theoretical.ratio,
+        "config": config.as_dict(),
+        "machine": _machine(),
+    }
+    print(
+        f"replay of {trace_path}: {len(requests):,} requests, {tokens:,} prompt tokens, "
+        f"{config.stages} stages, median of {args.repeat}"
+    )
+    rows = [
+        ("replay wall time", f"{wall:.2f} s"),
+        ("floor (BLAKE3 once per stage)", f"{floor:.2f} s"),
+        ("ratio to floor", f"{wall / floor:.1f}x (goal <= 3x)" if floor > 0 else "n/a"),
+        ("token generation (not in floor)", f"{statistics.median(generation):.2f} s"),
+        ("replay speed", f"{tokens / wall:,.0f} tokens/s"),
+        ("peak RSS", f"{peak / 2**20:,.0f} MiB (goal < 2048 MiB)"),
+        (
+            "token hit ratio / theoretical max",
+            f"{result.token_hit_ratio:.1%} / {result.theoretical.ratio:.1%}",
+        ),
+    ]
+    for label, value in rows:
+        print(f"  {label:<36} {value}")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+if __name__ == "__main__":
+    main()

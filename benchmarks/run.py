@@ -1,0 +1,124 @@
+"""Run every ``benchmarks/bench_*.py`` and collect their results in ``benchmarks/results.json``.
+
+Each benchmark runs in its own process (so peak-RSS figures are its own) with
+``--json benchmarks/out/<name>.json``; benchmarks that take a trace (``TAKES_TRACE = True``, or
+a ``--trace`` option in their source) also get ``--trace PATH``, and are skipped without one.
+
+Usage::
+
+    python benchmarks/run.py --trace ../shared/traces/synthetic_trace.jsonl
+    python benchmarks/run.py --only replay --output benchmarks/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _takes_trace(script: Path) -> bool:
+    source = script.read_text(encoding="utf-8")
+    return "TAKES_TRACE = True" in source or '"--trace"' in source
+
+
+def discover(only: list[str] | None = None) -> list[Path]:
+    """The benchmark scripts, sorted by name (``only``: just those names, without ``bench_``)."""
+    scripts = sorted(HERE.glob("bench_*.py"))
+    if only:
+        scripts = [s for s in scripts if s.stem.removeprefix("bench_") in only]
+    return scripts
+
+
+def _machine() -> dict[str, str]:
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+    for name in ("numpy", "trio", "blake3"):
+        try:
+            info[name] = version(name)
+        except Exception:  # a missing package is just not recorded
+            info[name] = "not installed"
+    return info
+
+
+def _scalars(result: object) -> str:
+    if not isinstance(result, dict):
+        return ""
+    keys = [
+        "wall_s",
+        "floor_s",
+        "ratio_to_floor",
+        "tokens_per_s",
+        "peak_rss_bytes",
+    ]
+    shown: list[str] = []
+    for key, value in result.items():
+        if (key in keys or len(shown) < 4) and isinstance(value, int | float):
+            shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")
+    return ", ".join(shown[:6])
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Run the benchmarks; print a summary and write the combined JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", help="trace for the benchmarks that take one")
+    parser.add_argument("--only", action="append", help="run only this benchmark (repeatable)")
+    parser.add_argument("--output", default=str(HERE / "results.json"))
+    parser.add_argument(
+        "extra", nargs=argparse.REMAINDER, help="arguments after -- go to every benchmark"
+    )
+    args = parser.parse_args(argv)
+    extra = [a for a in args.extra if a != "--"]
+
+    out_dir = HERE / "out"
+    out_dir.mkdir(exist_ok=True)
+    results: dict[str, object] = {}
+    summary: list[tuple[str, str, float, str]] = []
+    for script in discover(args.only):
+        name = script.stem.removeprefix("bench_")
+        json_path = out_dir / f"{name}.json"
+        command = [sys.executable, str(script), "--json", str(json_path), *extra]
+        if _takes_trace(script):
+            if args.trace is None:
+                results[name] = {"status": "skipped", "reason": "needs --trace"}
+                summary.append((name, "skipped", 0.0, "needs --trace PATH"))
+                continue
+            command += ["--trace", args.trace]
+        started = time.perf_counter()
+        completed = subprocess.run(command, capture_output=True, text=True, check=False)
+        elapsed = time.perf_counter() - started
+        sys.stdout.write(completed.stdout)
+        if completed.returncode != 0 or not json_path.exists():
+            tail = completed.stderr.strip().splitlines()[-1:] or ["no output"]
+            results[name] = {
+                "status": "failed",
+                "returncode": completed.returncode,
+                "error": tail[0],
+            }
+            summary.append((name, "FAILED", elapsed, tail[0]))
+            continue
+        result = json.loads(json_path.read_text(encoding="utf-8"))
+        results[name] = {"status": "ok", "elapsed_s": elapsed, "result": result}
+        summary.append((name, "ok", elapsed, _scalars(result)))
+
+    document = {"machine": _machine(), "trace": args.trace, "benchmarks": results}
+    Path(args.output).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    print(f"\n{'benchmark':<20} {'status':<8} {'time':>8}  figures")
+    for name, status, elapsed, figures in summary:
+        print(f"{name:<20} {status:<8} {elapsed:>7.1f}s  {figures}")
+    print(f"results written to {args.output}")
+    return document
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,494 @@
+"""The ``stage-runtime`` command line: demo, replay, simulate, serve.
+
+``stage-runtime demo`` replays the bundled trace excerpt through a 4-stage pipeline and prints
+what the activation cache bought; ``replay TRACE.jsonl`` does the same for any Mooncake-format
+trace; ``simulate`` builds a synthetic workload; ``serve`` runs the HTTP server (``.[server]``).
+
+Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file); 2 bad usage
+(unknown flag, impossible setting), always with a one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn, TextIO
+
+import structlog
+
+from stage_runtime.errors import ConfigError, TraceFormatError
+
+if TYPE_CHECKING:
+    from stage_runtime.sim import SimConfig
+
+__all__ = ["build_parser", "main"]
+
+PROG = "stage-runtime"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _UsageError(Exception):
+    """A setting the parser could not check alone (exit code 2)."""
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            msg = f"must be an integer, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if value < minimum:
+            msg = f"must be >= {minimum}, got {value}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        msg = f"must be a number, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not value >= 0 or value == float("inf"):
+        msg = f"must be a finite number >= 0, got {text}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        msg = f"must be > 0, got {text}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _capacities(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in parts):
+        msg = f"must be a comma-separated list of token counts like 0,65536,262144, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    parse = _int_at_least(0)
+    try:
+        return [parse(part) for part in parts]
+    except argparse.ArgumentTypeError as exc:
+        msg = f"every capacity {exc}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+_POSITIVE = _int_at_least(1)
+_NON_NEGATIVE = _int_at_least(0)
+
+
+def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    pipeline = parser.add_argument_group("pipeline and cache")
+    pipeline.add_argument("--stages", type=_POSITIVE, default=4, help="pipeline stages (4)")
+    pipeline.add_argument(
+        "--block-size", type=_POSITIVE, default=512, help="tokens per trace hash id (512)"
+    )
+    pipeline.add_argument(
+        "--min-tokens",
+        type=_NON_NEGATIVE,
+        default=None,
+        help="shortest cached prefix (default: the block size)",
+    )
+    pipeline.add_argument(
+        "--stride",
+        type=_NON_NEGATIVE,
+        default=None,
+        help="lookup-grid stride in tokens (default: the block size)",
+    )
+    pipeline.add_argument(
+        "--record-limit",
+        type=_NON_NEGATIVE,
+        default=2,
+        help="prefix lengths recorded per request; 0 = every grid length (2)",
+    )
+    pipeline.add_argument(
+        "--max-entries", type=_POSITIVE, default=64, help="entries per stage cache (64)"
+    )
+    pipeline.add_argument(
+        "--capacity-tokens",
+        type=_NON_NEGATIVE,
+        default=None,
+        help="per-stage cache capacity in tokens: max_bytes = capacity x bytes per token; "
+        "0 = unbounded (0)",
+    )
+    pipeline.add_argument(
+        "--bytes-per-token",
+        type=_POSITIVE,
+        default=8192,
+        help="activation bytes per token (8192: 4096-wide bf16)",
+    )
+    pipeline.add_argument(
+        "--sweep-capacity",
+        type=_capacities,
+        default=None,
+        metavar="A,B,C",
+        help="replay once per capacity (tokens; 0 = unbounded) and report them side by side",
+    )
+
+    run = parser.add_argument_group("replay")
+    run.add_argument(
+        "--concurrency",
+        type=_POSITIVE,
+        default=1,
+        help="requests in flight; 1 = file order, one at a time; more = arrivals by timestamp",
+    )
+    run.add_argument(
+        "--limit-requests", type=_POSITIVE, default=None, help="replay only the first N requests"
+    )
+    run.add_argument(
+        "--prefill-us-per-token",
+        type=_non_negative_float,
+        default=25.0,
+        help="simulated compute per token per stage, microseconds (25)",
+    )
+    run.add_argument(
+        "--restore-ns-per-byte",
+        type=_non_negative_float,
+        default=0.05,
+        help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--json", metavar="PATH", default=None, help="write the results as JSON ('-': stdout only)"
+    )
+    output.add_argument(
+        "--plot", metavar="PATH", default=None, help="write a PNG plot (needs '.[plot]')"
+    )
+    output.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log cache events (records, evictions) to stderr",
+    )
+
+
+def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
+    help_text = "run the HTTP server (needs '.[server]')"
+    try:
+        from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        serve = subcommands.add_parser("serve", help=help_text, description=help_text)
+        serve.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        serve.set_defaults(run=_serve_unavailable)
+        return
+    serve = subcommands.add_parser("serve", help=help_text, description=help_text)
+    command.add_serve_arguments(serve)
+    serve.set_defaults(run=_run_serve)
+
+
+def _serve_unavailable(args: argparse.Namespace) -> int:
+    print(
+        f"{PROG} serve: error: the server is not part of this installation "
+        "(stage_runtime.server is missing)",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
+
+    try:
+        return int(command.run_serve(args))
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in {"hypercorn", "starlette"}:
+            raise
+        print(
+            f"{PROG} serve: error: the server needs the 'server' extra "
+            f"({exc.name} is missing): pip install 'stage-runtime[server]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``stage-runtime`` argument parser (subcommands demo, replay, simulate, serve)."""
+    parser = _Parser(
+        prog=PROG,
+        description="Pipeline-parallel LLM inference on trio with per-stage activation caches: "
+        "replay request traces through a simulated pipeline and see what the cache buys.",
+    )
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = subcommands.add_parser(
+        "demo",
+        help="replay the bundled 300-request trace excerpt through 4 stages",
+        description="Replay the bundled excerpt of the Mooncake synthetic trace (300 requests, "
+        "Apache-2.0) through a simulated 4-stage pipeline and report what the cache bought.",
+    )
+    _add_simulation_arguments(demo)
+    demo.set_defaults(run=_run_simulation)
+
+    replay = subcommands.add_parser(
+        "replay",
+        help="replay a Mooncake-format trace (.jsonl)",
+        description="Replay a Mooncake-format request trace through a simulated pipeline.",
+    )
+    replay.add_argument("trace", metavar="TRACE.jsonl", help="the trace file")
+    replay.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip malformed lines (counted in the report) instead of stopping at the first",
+    )
+    _add_simulation_arguments(replay)
+    replay.set_defaults(run=_run_simulation)
+
+    simulate = subcommands.add_parser(
+        "simulate",
+        help="replay a synthetic workload (shared system prompts, conversations)",
+        description="Replay a synthetic workload: groups of prompts sharing a system prompt, "
+        "and multi-turn conversations, arriving as a seeded Poisson process.",
+    )
+    workload = simulate.add_argument_group("workload")
+    workload.add_argument("--groups", type=_NON_NEGATIVE, default=8, help="prompt groups (8)")
+    workload.add_argument(
+        "--prompts-per-group", type=_POSITIVE, default=12, help="prompts per group (12)"
+    )
+    workload.add_argument(
+        "--system-prompt-tokens",
+        type=_NON_NEGATIVE,
+        default=3072,
+        help="system prompt shared by a group (3072)",
+    )
+    workload.add_argument(
+        "--question-tokens", type=_POSITIVE, default=384, help="question after it (384)"
+    )
+    workload.add_argument(
+        "--conversations", type=_NON_NEGATIVE, default=8, help="multi-turn conversations (8)"
+    )
+    workload.add_argument("--turns", type=_POSITIVE, default=6, help="turns per conversation (6)")
+    workload.add_argument(
+        "--tokens-per-turn", type=_POSITIVE, default=512, help="tokens each turn adds (512)"
+    )
+    workload.add_argument(
+        "--rate", type=_positive_float, default=4.0, help="mean arrivals per second (4)"
+    )
+    workload.add_argument("--seed", type=int, default=0, help="seed of order and arrivals (0)")
+    _add_simulation_arguments(simulate)
+    simulate.set_defaults(run=_run_simulation)
+
+    _add_serve(subcommands)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Log to stderr (never stdout: it may carry JSON), warnings only unless ``--verbose``."""
+    renderer: structlog.typing.Processor
+    if sys.stderr.isatty():
+        renderer = structlog.dev.ConsoleRenderer()
+    else:
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _check_usage(args: argparse.Namespace) -> None:
+    """Refuse settings that are valid one by one but impossible together."""
+    if args.sweep_capacity is not None and args.capacity_tokens is not None:
+        msg = "--capacity-tokens and --sweep-capacity are exclusive; use one"
+        raise _UsageError(msg)
+    stride = args.block_size if args.stride is None else args.stride
+    if stride == 0 and args.record_limit > 0:
+        msg = (
+            f"--stride 0 leaves no lookup grid for --record-limit {args.record_limit}; "
+            "use --stride >= 1 or --record-limit 0"
+        )
+        raise _UsageError(msg)
+    if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
+        msg = "--groups and --conversations are both 0: the workload has no requests"
+        raise _UsageError(msg)
+
+
+def _sim_config(args: argparse.Namespace) -> SimConfig:
+    from stage_runtime.sim import CostModel, SimConfig
+
+    return SimConfig(
+        stages=args.stages,
+        block_size=args.block_size,
+        min_tokens=args.min_tokens,
+        stride_tokens=args.stride,
+        record_limit=args.record_limit,
+        max_entries=args.max_entries,
+        capacity_tokens=args.capacity_tokens or 0,
+        bytes_per_token=args.bytes_per_token,
+        concurrency=args.concurrency,
+        cost=CostModel(
+            prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+            restore_s_per_byte=args.restore_ns_per_byte * 1e-9,
+        ),
+    )
+
+
+def _run_simulation(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from stage_runtime import sim
+
+    config = _sim_config(args)
+    source: dict[str, object]
+    skipped = 0
+    first_error: str | None = None
+    if args.command == "simulate":
+        spec = sim.WorkloadSpec(
+            groups=args.groups,
+            prompts_per_group=args.prompts_per_group,
+            system_prompt_tokens=args.system_prompt_tokens,
+            question_tokens=args.question_tokens,
+            conversations=args.conversations,
+            turns=args.turns,
+            tokens_per_turn=args.tokens_per_turn,
+            requests_per_s=args.rate,
+            seed=args.seed,
+        )
+        requests = sim.synthetic_workload(spec, block_size=config.block_size)
+        if args.limit_requests is not None:
+            requests = requests[: args.limit_requests]
+        source = {"kind": "synthetic", "limit_requests": args.limit_requests, **_spec_dict(spec)}
+        title = f"{PROG} simulate: {len(requests):,} synthetic requests"
+    else:
+        if args.command == "demo":
+            trace = sim.read_demo_trace(block_size=config.block_size, limit=args.limit_requests)
+        else:
+            trace = sim.read_trace(
+                args.trace,
+                block_size=config.block_size,
+                skip_bad_lines=args.skip_bad_lines,
+                limit=args.limit_requests,
+            )
+        requests = list(trace.requests)
+        skipped = trace.skipped_lines
+        first_error = trace.first_error
+        source = {
+            "kind": "trace",
+            "path": trace.path,
+            "limit_requests": args.limit_requests,
+            "skip_bad_lines": bool(getattr(args, "skip_bad_lines", False)),
+            "skipped_lines": skipped,
+        }
+        title = f"{PROG} {args.command}: {trace.path}"
+    if not requests:
+        print(f"{PROG} {args.command}: error: no requests to replay", file=sys.stderr)
+        return 1
+
+    json_to_stdout = args.json == "-"
+    console = Console(stderr=json_to_stdout)
+    if not console.is_terminal:
+        # Piped or redirected: rich would assume 80 columns and squeeze the tables.
+        console = Console(stderr=json_to_stdout, width=120)
+    status = Console(stderr=True)
+    capacities: list[int] | None = args.sweep_capacity
+    runs = len(capacities) if capacities else 1
+    show_progress = status.is_terminal and not json_to_stdout
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=status,
+        transient=True,
+        disable=not show_progress,
+    ) as progress:
+        task = progress.add_task("replaying", total=len(requests) * runs)
+
+        def advance(done: int) -> None:
+            progress.update(task, completed=done)
+
+        if capacities:
+            results = sim.run_sweep(requests, config, capacities, progress=advance)
+        else:
+            results = [sim.run_replay(requests, config, progress=advance)]
+
+    documents = [sim.result_to_json(result, source=source) for result in results]
+    payload: object = documents if capacities else documents[0]
+    if not json_to_stdout:
+        if capacities:
+            sim.render_sweep(console, results, title=title)
+        else:
+            sim.render_report(console, results[0], title=title, skipped_lines=skipped)
+        if skipped:
+            console.print(f"skipped {skipped:,} bad line(s); the first: {first_error}")
+    if args.json is not None:
+        _write_json(payload, args.json, sys.stdout)
+    if args.plot is not None:
+        sim.write_plot(results, args.plot)
+        if not json_to_stdout:
+            console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def _spec_dict(spec: object) -> dict[str, object]:
+    import attrs
+
+    return attrs.asdict(spec)  # type: ignore[arg-type]
+
+
+def _write_json(payload: object, target: str, stdout: TextIO) -> None:
+    text = json.dumps(payload, indent=2) + "\n"
+    if target == "-":
+        stdout.write(text)
+        stdout.flush()
+        return
+    with open(target, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: The arguments (without the program name); ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit code: 0 success, 1 bad input data, 2 bad usage.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prefix = f"{PROG} {args.command}: error:"
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        if run is _run_simulation:
+            _check_usage(args)
+            _configure_logging(args.verbose)
+        return run(args)
+    except (_UsageError, ConfigError) as exc:
+        print(f"{prefix} {exc}", file=sys.stderr)
+        return 2
+    except TraceFormatError as exc:
+        print(f"{prefix} {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        name = f" {exc.filename}" if exc.filename else ""
+        print(f"{prefix} cannot read or write{name}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prefix} interrupted", file=sys.stderr)
+        return 130

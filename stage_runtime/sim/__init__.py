@@ -1,0 +1,77 @@
+"""Simulation: workloads, Mooncake-format trace replay, cost model and reports.
+
+Typical use from a program (the CLI does the same)::
+
+    from stage_runtime.sim import SimConfig, read_trace, run_replay
+
+    trace = read_trace("trace.jsonl")
+    result = run_replay(trace.requests, SimConfig(stages=4))
+    print(result.token_hit_ratio, result.theoretical.ratio)
+
+Inside a trio program, ``await replay(...)`` under a virtual clock instead (see
+``examples/multi_stage_simulation.py``).
+"""
+
+from __future__ import annotations
+
+from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
+from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
+from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
+from stage_runtime.sim.replay import (
+    ReplayResult,
+    RequestOutcome,
+    SimConfig,
+    StageSummary,
+    kv_cache_config,
+    replay,
+    run_replay,
+    run_sweep,
+    stage_configs,
+)
+from stage_runtime.sim.report import render_report, render_sweep, result_to_json, write_plot
+from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
+from stage_runtime.sim.trace import (
+    SimRequest,
+    TraceReadResult,
+    parse_trace_line,
+    read_demo_trace,
+    read_trace,
+    read_trace_lines,
+    total_prompt_tokens,
+)
+from stage_runtime.sim.workloads import WorkloadSpec, synthetic_workload
+
+__all__ = [
+    "VOCAB_SIZE",
+    "BlockTokenizer",
+    "CostModel",
+    "Percentiles",
+    "ReplayResult",
+    "RequestOutcome",
+    "SimConfig",
+    "SimRequest",
+    "SimulatedStageModel",
+    "StageSummary",
+    "TheoreticalMax",
+    "TraceReadResult",
+    "WorkloadSpec",
+    "kv_cache_config",
+    "parse_trace_line",
+    "percentiles",
+    "pipeline_finish_times",
+    "read_demo_trace",
+    "read_trace",
+    "read_trace_lines",
+    "render_report",
+    "render_sweep",
+    "replay",
+    "result_to_json",
+    "run_replay",
+    "run_sweep",
+    "simulated_model_factory",
+    "stage_configs",
+    "synthetic_workload",
+    "theoretical_max_hit_ratio",
+    "total_prompt_tokens",
+    "write_plot",
+]

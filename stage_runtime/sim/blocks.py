@@ -1,0 +1,155 @@
+"""Deterministic token blocks from hash ids, generated with numpy.
+
+Each block id becomes ``block_size`` token ids that depend only on the id (and the block size).
+Equal ids give equal blocks, so equal id chains give equal token prefixes; distinct ids give
+distinct blocks (guaranteed for full blocks of at least 4 tokens, see :class:`BlockTokenizer`).
+
+Nothing is cached: a prompt's blocks are computed in one vectorised pass, which costs less than
+the BLAKE3 hashing every stage does over the same tokens anyway, and keeps memory flat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.errors import ConfigError
+from stage_runtime.sim.trace import SimRequest
+
+__all__ = ["VOCAB_SIZE", "BlockTokenizer"]
+
+VOCAB_SIZE = 1 << 17
+"""Token ids are drawn from ``[0, VOCAB_SIZE)``, about the size of current LLM vocabularies."""
+
+_LANES = 4
+_MAX_RUN = 32
+_LANE_BITS = 17
+_LANE_SHIFTS = np.array([0, 16, 32, 48], dtype=np.uint64)
+_LANE_MASK = np.uint64((1 << _LANE_BITS) - 1)
+_BASE_SEED = 0x5EED_B10C
+
+
+def _mix64(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """The splitmix64 finaliser: a bijection on 64-bit integers that scatters every input bit."""
+    z = values + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        msg = f"{name} must be >= 1, got {value}"
+        raise ConfigError(msg)
+    return value
+
+
+@attrs.define(eq=False)
+class BlockTokenizer:
+    """Turns block ids into token ids.
+
+    Token ``p`` of the block of id ``h`` is ``base[p] ^ lane(h, (p // run) mod 4)``: ``base`` is
+    one fixed pseudo-random block, ``lane(h, j)`` is 17 bits of ``splitmix64(h)`` starting at
+    bit ``16 j`` and ``run`` is ``min(32, block_size // 4)`` (at least 1). The four lanes cover
+    all 64 bits of the mixed id and splitmix64 is a bijection, so two distinct ids differ in at
+    least one lane, hence in every token of that lane; every full block of 4 tokens or more holds
+    all four lanes, so distinct ids give distinct blocks (and so do partial blocks of more than
+    ``3 * run`` tokens). Runs of 32 tokens keep numpy's inner loops long: a prompt costs one
+    broadcast XOR per token, with no Python loop over tokens or blocks.
+    """
+
+    block_size: int = attrs.field(default=512)
+    """Tokens per block (512 in the Mooncake traces)."""
+
+    _base: npt.NDArray[np.uint32] = attrs.field(init=False, repr=False)
+    _lane_of: npt.NDArray[np.intp] = attrs.field(init=False, repr=False)
+    _run: int = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        rng = np.random.default_rng(_BASE_SEED)
+        self._base = rng.integers(0, VOCAB_SIZE, size=self.block_size, dtype=np.uint32)
+        self._run = max(1, min(_MAX_RUN, self.block_size // _LANES))
+        positions = np.arange(self.block_size, dtype=np.intp)
+        self._lane_of = (positions // self._run) % _LANES
+
+    def _lanes(self, block_ids: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).view(np.uint64)
+        mixed = _mix64(ids)
+        lanes: npt.NDArray[np.uint32] = ((mixed[:, None] >> _LANE_SHIFTS) & _LANE_MASK).astype(
+            np.uint32
+        )
+        return lanes
+
+    def blocks(self, block_ids: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+        """Return the full blocks of ``block_ids`` as a ``(len(block_ids), block_size)`` array."""
+        lanes = self._lanes(block_ids)
+        count = lanes.shape[0]
+        period = self._run * _LANES
+        if self.block_size % period == 0:
+            base = self._base.reshape(self.block_size // period, _LANES, self._run)
+            full = (base[None] ^ lanes[:, None, :, None]).reshape(count, self.block_size)
+        else:
+            full = np.take(lanes, self._lane_of, axis=1)
+            full ^= self._base
+        return full.view(np.int32)
+
+    def block(self, block_id: int) -> npt.NDArray[np.int32]:
+        """Return the ``block_size`` tokens of one block id."""
+        row: npt.NDArray[np.int32] = self.blocks([block_id])[0]
+        return row
+
+    def prompt(
+        self,
+        block_ids: Sequence[int],
+        input_length: int,
+        block_lengths: Sequence[int] | None = None,
+    ) -> npt.NDArray[np.int32]:
+        """Return the prompt made of ``block_ids``, as a contiguous int32 array.
+
+        Args:
+            block_ids: One id per block.
+            input_length: Prompt length in tokens.
+            block_lengths: Tokens taken from each block; ``None`` takes whole blocks and cuts the
+                last so the prompt has ``input_length`` tokens.
+
+        Returns:
+            ``input_length`` token ids.
+
+        Raises:
+            ConfigError: The blocks hold fewer than ``input_length`` tokens, or the lengths do
+                not match the ids.
+        """
+        if block_lengths is None:
+            used = -(-input_length // self.block_size)
+            if used > len(block_ids):
+                msg = (
+                    f"input_length must be <= block_size * len(block_ids) = "
+                    f"{self.block_size * len(block_ids)}, got {input_length}"
+                )
+                raise ConfigError(msg)
+            flat: npt.NDArray[np.int32] = self.blocks(block_ids[:used]).reshape(-1)
+            return flat[:input_length]
+        if len(block_lengths) != len(block_ids):
+            msg = (
+                f"block_lengths must have one entry per block id ({len(block_ids)}), "
+                f"got {len(block_lengths)}"
+            )
+            raise ConfigError(msg)
+        lengths = np.asarray(block_lengths, dtype=np.int64)
+        if lengths.size and (lengths.min() < 0 or lengths.max() > self.block_size):
+            msg = f"block_lengths must lie in [0, {self.block_size}], got {list(block_lengths)}"
+            raise ConfigError(msg)
+        if int(lengths.sum()) != input_length:
+            msg = f"block_lengths must sum to input_length {input_length}, got {int(lengths.sum())}"
+            raise ConfigError(msg)
+        full = self.blocks(block_ids)
+        keep = np.arange(self.block_size)[None, :] < lengths[:, None]
+        return np.ascontiguousarray(full[keep])
+
+    def request_tokens(self, request: SimRequest) -> npt.NDArray[np.int32]:
+        """Return the prompt of a request."""
+        return self.prompt(request.block_ids, request.input_length, request.block_lengths)

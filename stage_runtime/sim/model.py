@@ -1,0 +1,113 @@
+"""The simulated stage model: virtual activations, virtual-time cost."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.frames import ActivationDType, ActivationFrame
+from stage_runtime.models import ModelFactory, StageModel
+from stage_runtime.sim.cost import CostModel
+
+__all__ = ["SimulatedStageModel", "simulated_model_factory"]
+
+_BYTES_PER_ELEMENT = 2  # bf16
+
+
+@attrs.define(eq=False)
+class SimulatedStageModel:
+    """A stage model that moves realistic byte counts and spends virtual time, and nothing else.
+
+    Frames are virtual (``ActivationFrame.virtual``: ``bytes_per_token`` bytes per token,
+    zero-stride payload, no memory), typed bf16 with width
+    ``bytes_per_token / 2``: the default 8,192 bytes per token is a 4,096-wide bf16 activation.
+    :meth:`forward` sleeps ``cost.stage_cost(...)``: the computed tokens at the prefill cost plus
+    the restored prefix's bytes at the restore cost. Run under a virtual clock
+    (``trio.testing.MockClock(autojump_threshold=0)``) the sleeps take no wall time.
+    """
+
+    bytes_per_token: int = 8192
+    """Payload bytes per token row."""
+
+    cost: CostModel = attrs.field(factory=CostModel)
+    """What computing and restoring cost, in seconds."""
+
+    stage_index: int = 0
+    """Written into produced frames as ``producer_stage_index``."""
+
+    layer_start: int = 0
+    """Written into produced frames."""
+
+    layer_end: int = 0
+    """Written into produced frames."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.bytes_per_token < 1:
+            msg = f"bytes_per_token must be >= 1, got {self.bytes_per_token}"
+            raise ConfigError(msg)
+
+    @property
+    def activation_width(self) -> int:
+        """Elements per token row (bf16), the width in cache keys."""
+        return max(self.bytes_per_token // _BYTES_PER_ELEMENT, 1)
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """A virtual frame with one row per token."""
+        return self._frame(int(np.size(tokens)))
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Sleep for the restore and the computed tokens; return ``N - start`` virtual rows."""
+        n = inputs.token_count
+        if not 0 <= start < n:
+            msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
+            raise FrameError(msg)
+        restored_bytes = 0 if restored is None else restored.payload_bytes
+        delay = self.cost.stage_cost(computed_tokens=n - start, restored_bytes=restored_bytes)
+        if delay > 0:
+            await trio.sleep(delay)
+        return self._frame(n - start)
+
+    def _frame(self, token_count: int) -> ActivationFrame:
+        return ActivationFrame.virtual(
+            token_count=token_count,
+            bytes_per_token=self.bytes_per_token,
+            dtype=ActivationDType.BF16,
+            producer_stage_index=self.stage_index,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+        )
+
+
+def simulated_model_factory(
+    *, bytes_per_token: int = 8192, cost: CostModel | None = None
+) -> ModelFactory:
+    """A model factory for ``open_pipeline``: one :class:`SimulatedStageModel` per stage.
+
+    Args:
+        bytes_per_token: Payload bytes per token row.
+        cost: Virtual-time costs; :class:`CostModel` defaults when None.
+
+    Returns:
+        A callable building a :class:`SimulatedStageModel` from a stage's configuration.
+    """
+    costs = CostModel() if cost is None else cost
+    if bytes_per_token < 1:
+        msg = f"bytes_per_token must be >= 1, got {bytes_per_token}"
+        raise ConfigError(msg)
+
+    def build(config: StageConfig) -> StageModel:
+        return SimulatedStageModel(
+            bytes_per_token=bytes_per_token,
+            cost=costs,
+            stage_index=config.stage_index,
+            layer_start=config.layer_start,
+            layer_end=config.layer_end,
+        )
+
+    return build

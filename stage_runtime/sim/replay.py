@@ -1,0 +1,558 @@
+"""Replay a workload through a real pipeline of simulated stages, in virtual time.
+
+The requests go through :func:`~stage_runtime.pipeline.open_pipeline` exactly as a server's
+would: every stage restores, computes (a :class:`~stage_runtime.sim.model.SimulatedStageModel`
+that sleeps its cost), records with the ladder, and forwards. Payloads are virtual and time is
+virtual, so a 61-million-token trace replays in seconds and fits in memory.
+
+- ``concurrency == 1``: requests in workload (file) order, each finishing at every stage before
+  the next starts.
+- ``concurrency > 1``: requests arrive at their timestamps in virtual time, with at most
+  ``concurrency`` in flight (later arrivals wait for a slot, in arrival order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+import trio.testing
+
+from stage_runtime.config import CacheMode, CachePayload, KvCacheConfig, StageConfig
+from stage_runtime.errors import ConfigError
+from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
+from stage_runtime.sim.blocks import BlockTokenizer
+from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
+from stage_runtime.sim.model import simulated_model_factory
+from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
+from stage_runtime.sim.trace import SimRequest
+
+__all__ = [
+    "ReplayResult",
+    "RequestOutcome",
+    "SimConfig",
+    "StageSummary",
+    "kv_cache_config",
+    "replay",
+    "run_replay",
+    "run_sweep",
+    "stage_configs",
+]
+
+ProgressCallback = Callable[[int], None]
+"""Called with the number of finished requests after each one finishes."""
+
+
+def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            msg = f"{attribute.name} must be an integer >= {minimum}, got {value!r}"
+            raise ConfigError(msg)
+
+    return check
+
+
+def _optional_at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    check = _at_least(minimum)
+
+    def optional(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            check(instance, attribute, value)
+
+    return optional
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """Everything a replay depends on besides the requests (the CLI's flags)."""
+
+    stages: int = attrs.field(default=4, validator=_at_least(1))
+    """Pipeline stages."""
+
+    block_size: int = attrs.field(default=512, validator=_at_least(1))
+    """Tokens per hash id."""
+
+    min_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(0))
+    """Shortest cached prefix and lowest ladder rung; ``None``: the block size."""
+
+    stride_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(0))
+    """Lookup-grid stride; ``None``: the block size (so the grid falls on block boundaries)."""
+
+    record_limit: int = attrs.field(default=2, validator=_at_least(0))
+    """Prefix lengths one record stores (``0``: every grid length)."""
+
+    max_entries: int = attrs.field(default=64, validator=_at_least(1))
+    """Entries per stage cache."""
+
+    capacity_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    """Per-stage cache capacity in tokens (``max_bytes = capacity * bytes_per_token``; 0: none)."""
+
+    bytes_per_token: int = attrs.field(default=8192, validator=_at_least(1))
+    """Activation bytes per token (8,192: a 4,096-wide bf16 activation)."""
+
+    concurrency: int = attrs.field(default=1, validator=_at_least(1))
+    """Requests in flight at once (1: file order, one at a time)."""
+
+    cost: CostModel = attrs.field(factory=CostModel)
+    """Virtual-time costs."""
+
+    layers_per_stage: int = attrs.field(default=8, validator=_at_least(1))
+    """Layers each simulated stage holds (identity only)."""
+
+    ctx_size: int = attrs.field(default=262_144, validator=_at_least(1))
+    """Context size of every stage (identity, and the ladder's token budget when limit > 2)."""
+
+    model_id: str = "sim/model"
+    """Model id in every stage's configuration (identity only)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.stride == 0 and self.record_limit > 0:
+            msg = (
+                f"stride 0 leaves no lookup grid for record_limit {self.record_limit} to pick "
+                "from; use a stride >= 1 or record_limit 0"
+            )
+            raise ConfigError(msg)
+
+    @property
+    def min_prefix_tokens(self) -> int:
+        """``min_tokens``, resolved."""
+        return self.block_size if self.min_tokens is None else self.min_tokens
+
+    @property
+    def stride(self) -> int:
+        """``stride_tokens``, resolved."""
+        return self.block_size if self.stride_tokens is None else self.stride_tokens
+
+    def max_bytes(self, capacity_tokens: int | None = None) -> int:
+        """Per-stage byte bound for a capacity in tokens (this config's when None)."""
+        capacity = self.capacity_tokens if capacity_tokens is None else capacity_tokens
+        return capacity * self.bytes_per_token
+
+    def as_dict(self, capacity_tokens: int | None = None) -> dict[str, object]:
+        """The configuration as JSON-ready values (resolved defaults included)."""
+        capacity = self.capacity_tokens if capacity_tokens is None else capacity_tokens
+        return {
+            "stages": self.stages,
+            "block_size": self.block_size,
+            "min_tokens": self.min_prefix_tokens,
+            "stride_tokens": self.stride,
+            "record_limit": self.record_limit,
+            "max_entries": self.max_entries,
+            "capacity_tokens": capacity,
+            "max_bytes": self.max_bytes(capacity),
+            "bytes_per_token": self.bytes_per_token,
+            "concurrency": self.concurrency,
+            "prefill_s_per_token": self.cost.prefill_s_per_token,
+            "restore_s_per_byte": self.cost.restore_s_per_byte,
+            "layers_per_stage": self.layers_per_stage,
+            "ctx_size": self.ctx_size,
+            "model_id": self.model_id,
+        }
+
+
+def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) -> KvCacheConfig:
+    """The cache configuration every simulated stage gets.
+
+    This is the one place that turns simulation settings into cache settings; an index choice
+    (ladder or paged) plugs in here.
+
+    Args:
+        config: The simulation settings.
+        capacity_tokens: Overrides ``config.capacity_tokens`` (a sweep point).
+
+    Returns:
+        A ``lookup-record`` cache with the config's bounds and ladder.
+    """
+    if capacity_tokens is not None and capacity_tokens < 0:
+        msg = f"capacity_tokens must be >= 0, got {capacity_tokens}"
+        raise ConfigError(msg)
+    return KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD,
+        payload=CachePayload.RESIDENT_KV,
+        max_entries=config.max_entries,
+        max_bytes=config.max_bytes(capacity_tokens),
+        min_tokens=config.min_prefix_tokens,
+        shared_prefix_stride_tokens=config.stride,
+        shared_prefix_record_limit=config.record_limit,
+    )
+
+
+def stage_configs(config: SimConfig, *, capacity_tokens: int | None = None) -> list[StageConfig]:
+    """The simulated pipeline's stages: ``config.stages`` contiguous layer ranges, one cache each.
+
+    Args:
+        config: The simulation settings.
+        capacity_tokens: Overrides ``config.capacity_tokens``.
+
+    Returns:
+        The stage configurations in pipeline order.
+    """
+    cache = kv_cache_config(config, capacity_tokens=capacity_tokens)
+    ids = [f"stage-{index}" for index in range(config.stages)]
+    per = config.layers_per_stage
+    return [
+        StageConfig(
+            stage_id=stage_id,
+            stage_index=index,
+            model_id=config.model_id,
+            run_id="sim",
+            topology_id="sim",
+            layer_start=index * per,
+            layer_end=(index + 1) * per,
+            ctx_size=config.ctx_size,
+            kv_cache=cache,
+            upstream=ids[index - 1] if index else None,
+            downstream=ids[index + 1] if index + 1 < len(ids) else None,
+        )
+        for index, stage_id in enumerate(ids)
+    ]
+
+
+@attrs.frozen(kw_only=True)
+class StageSummary:
+    """What one stage did over the whole replay."""
+
+    stage_id: str
+    restored_tokens: int
+    """Tokens restored from this stage's cache."""
+    computed_tokens: int
+    """Tokens this stage computed."""
+    hits: int
+    """Requests that restored at least one token here."""
+    records: int
+    """Cache entries recorded (one per ladder rung)."""
+    evictions: int
+    """Entries evicted (LRU) to make room."""
+    evicted_bytes: int
+    """Bytes those evictions freed."""
+    resident_bytes_max: int
+    """Most bytes resident in this stage's cache at any time."""
+
+    @property
+    def token_hit_ratio(self) -> float:
+        """Restored share of this stage's prompt tokens."""
+        total = self.restored_tokens + self.computed_tokens
+        return self.restored_tokens / total if total else 0.0
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutcome:
+    """One request's result."""
+
+    index: int
+    """Position in the workload."""
+    input_length: int
+    """Prompt tokens."""
+    restored_tokens: tuple[int, ...]
+    """Tokens restored, per stage."""
+    ttft_cached_s: float
+    """Time to first token with the cache (virtual seconds, from arrival)."""
+    ttft_uncached_s: float
+    """Time to first token without a cache, same arrivals (virtual seconds)."""
+
+
+@attrs.frozen(kw_only=True)
+class ReplayResult:
+    """Everything a report shows about one replay."""
+
+    config: SimConfig
+    capacity_tokens: int
+    """The capacity this run used (a sweep point, or ``config.capacity_tokens``)."""
+    requests: int
+    prompt_tokens: int
+    restored_tokens: int
+    """Tokens restored at stage 0."""
+    theoretical: TheoreticalMax
+    stages: tuple[StageSummary, ...]
+    ttft_cached: Percentiles
+    ttft_uncached: Percentiles
+    wall_s: float
+    """Real seconds the replay took (pipeline start to stop)."""
+    virtual_s: float
+    """Virtual seconds from the first arrival to the last finish."""
+    outcomes: tuple[RequestOutcome, ...] = attrs.field(repr=False)
+
+    @property
+    def token_hit_ratio(self) -> float:
+        """Stage 0's restored share of all prompt tokens."""
+        return self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt tokens replayed per real second."""
+        return self.prompt_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@attrs.define(eq=False)
+class _Collector:
+    """Per-request bookkeeping during one replay (written by one task at a time)."""
+
+    config: SimConfig
+    stage_ids: list[str]
+    outcomes: dict[int, tuple[SimRequest, PrefillResult, float, float]] = attrs.field(factory=dict)
+    done: int = 0
+    progress: ProgressCallback | None = None
+
+    def finish(
+        self, request: SimRequest, result: PrefillResult, started_s: float, finished_s: float
+    ) -> None:
+        self.outcomes[request.index] = (request, result, started_s, finished_s)
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done)
+
+
+async def _prefill(
+    pipeline: Pipeline, tokenizer: BlockTokenizer, request: SimRequest
+) -> PrefillResult:
+    tokens: npt.NDArray[np.int32] = tokenizer.request_tokens(request)
+    return await pipeline.prefill(
+        tokens, session_id=f"session-{request.index}", request_id=f"request-{request.index}"
+    )
+
+
+async def replay(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    *,
+    capacity_tokens: int | None = None,
+    theoretical: TheoreticalMax | None = None,
+    progress: ProgressCallback | None = None,
+) -> ReplayResult:
+    """Replay requests through a pipeline of simulated stages (call inside a trio run).
+
+    Run it under a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``, or the
+    ``autojump_clock`` fixture in tests): the stages sleep their simulated cost. Under a real
+    clock it works too, but takes the simulated time for real. :func:`run_replay` starts a
+    virtual-time trio run for you.
+
+    Args:
+        requests: The workload, in file order (arrival order is by ``arrival_s`` when
+            ``config.concurrency > 1``).
+        config: The simulation settings.
+        capacity_tokens: Overrides ``config.capacity_tokens`` (for sweeps).
+        theoretical: The workload's theoretical maximum, if already computed.
+        progress: Called with the count of finished requests after each one.
+
+    Returns:
+        Per-stage and per-request results, TTFT percentiles and the theoretical maximum.
+
+    Raises:
+        ConfigError: the requests or the settings are invalid.
+    """
+    capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    if theoretical is None:
+        theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
+    configs = stage_configs(config, capacity_tokens=capacity)
+    factory = simulated_model_factory(bytes_per_token=config.bytes_per_token, cost=config.cost)
+    tokenizer = BlockTokenizer(config.block_size)
+    collector = _Collector(config, [c.stage_id for c in configs], progress=progress)
+
+    wall_start = time.perf_counter()
+    async with open_pipeline(configs, factory) as pipeline:
+        clock_start = trio.current_time()
+        if config.concurrency == 1:
+            for request in requests:
+                started = trio.current_time()
+                result = await _prefill(pipeline, tokenizer, request)
+                collector.finish(
+                    request, result, started - clock_start, trio.current_time() - clock_start
+                )
+        else:
+            await _replay_concurrently(pipeline, tokenizer, requests, config, collector)
+    wall_s = time.perf_counter() - wall_start
+    return _summarise(config, capacity, requests, collector, theoretical, wall_s)
+
+
+async def _replay_concurrently(
+    pipeline: Pipeline,
+    tokenizer: BlockTokenizer,
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    collector: _Collector,
+) -> None:
+    limiter = trio.CapacityLimiter(config.concurrency)
+    start = trio.current_time()
+    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+
+    async def one(request: SimRequest) -> None:
+        try:
+            result = await _prefill(pipeline, tokenizer, request)
+            collector.finish(request, result, request.arrival_s, trio.current_time() - start)
+        finally:
+            limiter.release_on_behalf_of(request)
+
+    async with trio.open_nursery() as nursery:
+        for request in ordered:
+            await trio.sleep_until(start + request.arrival_s)
+            await limiter.acquire_on_behalf_of(request)
+            nursery.start_soon(one, request)
+
+
+def _summarise(
+    config: SimConfig,
+    capacity: int,
+    requests: Sequence[SimRequest],
+    collector: _Collector,
+    theoretical: TheoreticalMax,
+    wall_s: float,
+) -> ReplayResult:
+    stage_count = config.stages
+    restored = [0] * stage_count
+    computed = [0] * stage_count
+    hits = [0] * stage_count
+    records = [0] * stage_count
+    evictions = [0] * stage_count
+    evicted_bytes = [0] * stage_count
+    resident_max = [0] * stage_count
+    cost = config.cost
+
+    if config.concurrency == 1:
+        ordered = list(requests)
+    else:
+        ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    arrivals: list[float] = []
+    uncached_costs: list[list[float]] = []
+    cached: dict[int, float] = {}
+    for request in ordered:
+        _, result, started_s, finished_s = collector.outcomes[request.index]
+        # A stage that restores the whole prompt skips its model, so nothing slept for that
+        # restore; charge it here so every restore costs what the cost model says.
+        skipped_restore_s = 0.0
+        for position, report in enumerate(result.stages):
+            restored[position] += report.restored_tokens
+            computed[position] += report.computed_tokens
+            hits[position] += report.restored_tokens > 0
+            records[position] += len(report.records)
+            evictions[position] += len(report.evicted)
+            evicted_bytes[position] += sum(entry.payload_bytes for entry in report.evicted)
+            for record in report.records:
+                resident_max[position] = max(resident_max[position], record.resident_bytes)
+            if report.computed_tokens == 0:
+                skipped_restore_s += cost.stage_cost(
+                    computed_tokens=0,
+                    restored_bytes=report.restored_tokens * config.bytes_per_token,
+                )
+        cached[request.index] = finished_s - started_s + skipped_restore_s
+        arrivals.append(started_s if config.concurrency == 1 else request.arrival_s)
+        uncached_costs.append([cost.uncached_stage_cost(request.input_length)] * stage_count)
+
+    if config.concurrency == 1:
+        # One at a time: each request starts when the previous one finished, so its uncached
+        # time is just the sum of its stages' costs.
+        uncached = [sum(costs) for costs in uncached_costs]
+    else:
+        finishes = pipeline_finish_times(arrivals, uncached_costs, concurrency=config.concurrency)
+        uncached = [finish - arrival for finish, arrival in zip(finishes, arrivals, strict=True)]
+
+    outcomes = []
+    for request, uncached_s in zip(ordered, uncached, strict=True):
+        _, result, _, _ = collector.outcomes[request.index]
+        outcomes.append(
+            RequestOutcome(
+                index=request.index,
+                input_length=request.input_length,
+                restored_tokens=tuple(report.restored_tokens for report in result.stages),
+                ttft_cached_s=cached[request.index],
+                ttft_uncached_s=uncached_s,
+            )
+        )
+    outcomes.sort(key=lambda outcome: outcome.index)
+    finishes_s = [value[3] for value in collector.outcomes.values()]
+    first_arrival = min(arrivals, default=0.0)
+    stages = tuple(
+        StageSummary(
+            stage_id=collector.stage_ids[position],
+            restored_tokens=restored[position],
+            computed_tokens=computed[position],
+            hits=hits[position],
+            records=records[position],
+            evictions=evictions[position],
+            evicted_bytes=evicted_bytes[position],
+            resident_bytes_max=resident_max[position],
+        )
+        for position in range(stage_count)
+    )
+    return ReplayResult(
+        config=config,
+        capacity_tokens=capacity,
+        requests=len(requests),
+        prompt_tokens=sum(request.input_length for request in requests),
+        restored_tokens=restored[0],
+        theoretical=theoretical,
+        stages=stages,
+        ttft_cached=percentiles([o.ttft_cached_s for o in outcomes]),
+        ttft_uncached=percentiles([o.ttft_uncached_s for o in outcomes]),
+        wall_s=wall_s,
+        virtual_s=max(finishes_s, default=0.0) - first_arrival,
+        outcomes=tuple(outcomes),
+    )
+
+
+def run_replay(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    *,
+    capacity_tokens: int | None = None,
+    theoretical: TheoreticalMax | None = None,
+    progress: ProgressCallback | None = None,
+) -> ReplayResult:
+    """Run :func:`replay` in a fresh trio run on a virtual clock (from synchronous code).
+
+    Returns:
+        The replay's result.
+    """
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def main() -> ReplayResult:
+        return await replay(
+            requests,
+            config,
+            capacity_tokens=capacity_tokens,
+            theoretical=theoretical,
+            progress=progress,
+        )
+
+    return trio.run(main, clock=clock)
+
+
+def run_sweep(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    capacities: Sequence[int],
+    *,
+    progress: ProgressCallback | None = None,
+) -> list[ReplayResult]:
+    """Replay the same requests once per cache capacity (tokens per stage; 0 = unbounded).
+
+    Returns:
+        One result per capacity, in the given order.
+    """
+    for capacity in capacities:
+        if capacity < 0:
+            msg = f"capacity_tokens must be >= 0, got {capacity}"
+            raise ConfigError(msg)
+    theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
+    results = []
+    for done, capacity in enumerate(capacities):
+        base = done * len(requests)
+
+        def shifted(count: int, base: int = base) -> None:
+            if progress is not None:
+                progress(base + count)
+
+        results.append(
+            run_replay(
+                requests,
+                config,
+                capacity_tokens=capacity,
+                theoretical=theoretical,
+                progress=shifted,
+            )
+        )
+    return results

@@ -1,0 +1,243 @@
+"""Reports of replays: rich tables for people, stable JSON for programs, a PNG plot."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from stage_runtime.errors import ConfigError
+from stage_runtime.sim.replay import ReplayResult
+
+__all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
+
+
+def result_to_json(
+    result: ReplayResult, *, source: Mapping[str, object] | None = None
+) -> dict[str, object]:
+    """The JSON form of one replay, with the issue's stable keys.
+
+    Args:
+        result: The replay.
+        source: What was replayed (trace path, workload shape, skipped lines); stored under
+            ``config["source"]``.
+
+    Returns:
+        A JSON-ready dict: ``requests``, ``prompt_tokens``, ``restored_tokens`` (stage 0),
+        ``token_hit_ratio``, ``theoretical_max_hit_ratio``, ``stages`` (``stage_id``,
+        ``restored_tokens``, ``computed_tokens``, ``records``, ``evictions``,
+        ``resident_bytes_max`` and a few more), ``ttft_s`` (``p50``/``p90``/``p99``, each
+        ``cached`` and ``uncached``), ``wall_s``, ``tokens_per_s`` and ``config`` (every setting
+        used), plus ``virtual_s`` and ``theoretical_max_hit_tokens``.
+    """
+    config = result.config.as_dict(result.capacity_tokens)
+    if source is not None:
+        config["source"] = dict(source)
+    ttft = {
+        name: {
+            "cached": getattr(result.ttft_cached, name),
+            "uncached": getattr(result.ttft_uncached, name),
+        }
+        for name in ("p50", "p90", "p99")
+    }
+    return {
+        "requests": result.requests,
+        "prompt_tokens": result.prompt_tokens,
+        "restored_tokens": result.restored_tokens,
+        "token_hit_ratio": result.token_hit_ratio,
+        "theoretical_max_hit_ratio": result.theoretical.ratio,
+        "theoretical_max_hit_tokens": result.theoretical.hit_tokens,
+        "stages": [
+            {
+                "stage_id": stage.stage_id,
+                "restored_tokens": stage.restored_tokens,
+                "computed_tokens": stage.computed_tokens,
+                "token_hit_ratio": stage.token_hit_ratio,
+                "hits": stage.hits,
+                "records": stage.records,
+                "evictions": stage.evictions,
+                "evicted_bytes": stage.evicted_bytes,
+                "resident_bytes_max": stage.resident_bytes_max,
+            }
+            for stage in result.stages
+        ],
+        "ttft_s": ttft,
+        "wall_s": result.wall_s,
+        "tokens_per_s": result.tokens_per_s,
+        "virtual_s": result.virtual_s,
+        "config": config,
+    }
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.2f} s"
+    return f"{value * 1000:.1f} ms"
+
+
+def _capacity(tokens: int) -> str:
+    return "unbounded" if tokens == 0 else f"{tokens:,} tokens"
+
+
+def render_report(
+    console: Console, result: ReplayResult, *, title: str, skipped_lines: int = 0
+) -> None:
+    """Print one replay as tables: totals, stages, time to first token.
+
+    Args:
+        console: Where to print.
+        result: The replay.
+        title: What was replayed (shown on the first line).
+        skipped_lines: Malformed trace lines skipped (shown when not 0).
+    """
+    config = result.config
+    console.print(f"[bold]{title}[/bold]")
+    console.print(
+        f"{config.stages} stages, block {config.block_size}, min {config.min_prefix_tokens} "
+        f"tokens, stride {config.stride}, record limit {config.record_limit}, "
+        f"{config.max_entries} entries and {_capacity(result.capacity_tokens)} per stage, "
+        f"{config.bytes_per_token:,} bytes/token, concurrency {config.concurrency}"
+    )
+
+    totals = Table(box=box.SIMPLE, show_header=False)
+    totals.add_column("what")
+    totals.add_column("value", justify="right")
+    totals.add_row("requests", f"{result.requests:,}")
+    if skipped_lines:
+        totals.add_row("skipped bad lines", f"{skipped_lines:,}")
+    totals.add_row("prompt tokens", f"{result.prompt_tokens:,}")
+    totals.add_row("restored tokens (stage 0)", f"{result.restored_tokens:,}")
+    totals.add_row("token hit ratio", f"{result.token_hit_ratio:.1%}")
+    totals.add_row("theoretical max (infinite cache, per block)", f"{result.theoretical.ratio:.1%}")
+    totals.add_row("wall time", _seconds(result.wall_s))
+    totals.add_row("replay speed", f"{result.tokens_per_s:,.0f} tokens/s")
+    totals.add_row("simulated time", _seconds(result.virtual_s))
+    console.print(totals)
+
+    stages = Table(title="per stage", box=box.SIMPLE_HEAD)
+    for name in ("stage", "restored", "computed", "hit ratio", "hits", "records", "evictions"):
+        stages.add_column(name, justify="left" if name == "stage" else "right")
+    stages.add_column("peak resident", justify="right")
+    for stage in result.stages:
+        stages.add_row(
+            stage.stage_id,
+            f"{stage.restored_tokens:,}",
+            f"{stage.computed_tokens:,}",
+            f"{stage.token_hit_ratio:.1%}",
+            f"{stage.hits:,}",
+            f"{stage.records:,}",
+            f"{stage.evictions:,}",
+            _bytes(stage.resident_bytes_max),
+        )
+    console.print(stages)
+
+    ttft = Table(title="time to first token (simulated)", box=box.SIMPLE_HEAD)
+    for name in ("", "with cache", "without cache", "saved"):
+        ttft.add_column(name, justify="right")
+    for name in ("p50", "p90", "p99"):
+        cached = getattr(result.ttft_cached, name)
+        uncached = getattr(result.ttft_uncached, name)
+        saved = 1 - cached / uncached if uncached > 0 else 0.0
+        saved = 0.0 if abs(saved) < 0.005 else saved  # no "-0%"
+        ttft.add_row(name, _seconds(cached), _seconds(uncached), f"{saved:.0%}")
+    console.print(ttft)
+
+
+def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: str) -> None:
+    """Print a capacity sweep as one table (a row per capacity)."""
+    console.print(f"[bold]{title}[/bold]")
+    if not results:
+        return
+    first = results[0]
+    console.print(
+        f"{first.requests:,} requests, {first.prompt_tokens:,} prompt tokens, theoretical max "
+        f"{first.theoretical.ratio:.1%} (infinite cache, per block)"
+    )
+    table = Table(title="capacity sweep (per stage)", box=box.SIMPLE_HEAD)
+    for name in (
+        "capacity",
+        "max bytes",
+        "hit ratio",
+        "evictions",
+        "peak resident",
+        "TTFT p50",
+        "TTFT p90",
+        "wall",
+    ):
+        table.add_column(name, justify="right")
+    for result in results:
+        table.add_row(
+            _capacity(result.capacity_tokens),
+            _bytes(result.config.max_bytes(result.capacity_tokens)),
+            f"{result.token_hit_ratio:.1%}",
+            f"{sum(stage.evictions for stage in result.stages):,}",
+            _bytes(max(stage.resident_bytes_max for stage in result.stages)),
+            _seconds(result.ttft_cached.p50),
+            _seconds(result.ttft_cached.p90),
+            _seconds(result.wall_s),
+        )
+    console.print(table)
+
+
+def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) -> None:
+    """Write a PNG: hit ratio against capacity for a sweep, else restored vs computed per request.
+
+    Args:
+        results: One replay, or a sweep (several).
+        path: The PNG to write.
+
+    Raises:
+        ConfigError: matplotlib is not installed (``pip install 'stage-runtime[plot]'``).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
+        raise ConfigError(msg) from exc
+
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    axes = figure.add_subplot()
+    if len(results) > 1:
+        labels = [
+            "unbounded" if r.capacity_tokens == 0 else f"{r.capacity_tokens:,}" for r in results
+        ]
+        positions = list(range(len(results)))
+        axes.plot(
+            positions, [r.token_hit_ratio for r in results], marker="o", label="token hit ratio"
+        )
+        axes.axhline(
+            results[0].theoretical.ratio,
+            linestyle="--",
+            color="grey",
+            label="theoretical max (infinite cache)",
+        )
+        axes.set_xticks(positions, labels)
+        axes.set_xlabel("cache capacity per stage (tokens)")
+        axes.set_ylabel("token hit ratio (stage 0)")
+        axes.set_ylim(0, 1)
+        axes.set_title("Token hit ratio against cache capacity")
+    else:
+        result = results[0]
+        indices = [outcome.index for outcome in result.outcomes]
+        restored = [outcome.restored_tokens[0] for outcome in result.outcomes]
+        computed = [o.input_length - o.restored_tokens[0] for o in result.outcomes]
+        axes.bar(indices, computed, width=1.0, label="computed", color="tab:orange")
+        axes.bar(indices, restored, width=1.0, bottom=computed, label="restored", color="tab:blue")
+        axes.set_xlabel("request")
+        axes.set_ylabel("prompt tokens (stage 0)")
+        axes.set_title(
+            f"Restored vs computed tokens per request ({result.token_hit_ratio:.1%} restored)"
+        )
+    axes.legend()
+    figure.savefig(os.fspath(path), dpi=120)

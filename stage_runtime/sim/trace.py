@@ -1,0 +1,283 @@
+"""Requests to replay, and reading them from Mooncake-format trace files.
+
+A trace line is one JSON object: ``timestamp`` (ms), ``input_length`` (tokens), ``output_length``
+(tokens) and ``hash_ids`` (one id per block of the prompt; the last block may be partial). Equal
+id chains mean equal prompt prefixes, which is all a replay needs to reproduce the sharing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+
+from stage_runtime.errors import TraceFormatError
+
+__all__ = [
+    "SimRequest",
+    "TraceReadResult",
+    "parse_trace_line",
+    "read_demo_trace",
+    "read_trace",
+    "read_trace_lines",
+    "total_prompt_tokens",
+]
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+@attrs.frozen(kw_only=True)
+class SimRequest:
+    """One prompt to prefill: where it came from, when it arrives and which blocks it is made of."""
+
+    index: int
+    """Position in the workload (0-based, file order for a trace)."""
+
+    line: int = 0
+    """Line number in the trace file (1-based), or 0 for a synthetic request."""
+
+    arrival_s: float = 0.0
+    """Arrival time in seconds from the start of the workload (trace ``timestamp`` / 1000)."""
+
+    input_length: int
+    """Prompt length in tokens."""
+
+    output_length: int = 0
+    """Generated tokens (kept for the report; prefill does not use it)."""
+
+    block_ids: tuple[int, ...]
+    """One id per block of the prompt; equal ids at equal positions after equal chains are equal
+    token blocks."""
+
+    block_lengths: tuple[int, ...] | None = None
+    """Tokens taken from each block, or ``None`` for full blocks with the last one cut so that the
+    prompt has ``input_length`` tokens (the trace layout). Synthetic workloads use explicit lengths
+    to place partial blocks (the end of a system prompt) in the middle of a prompt."""
+
+    def block_layout(self, block_size: int) -> list[tuple[int, int]]:
+        """Return ``(block_id, tokens_used)`` for every block the prompt actually uses."""
+        if self.block_lengths is not None:
+            return list(zip(self.block_ids, self.block_lengths, strict=True))
+        used = -(-self.input_length // block_size)
+        layout = [(block_id, block_size) for block_id in self.block_ids[:used]]
+        if layout:
+            last_id, _ = layout[-1]
+            layout[-1] = (last_id, self.input_length - block_size * (used - 1))
+        return layout
+
+
+@attrs.frozen(kw_only=True)
+class TraceReadResult:
+    """The requests read from a trace and what was skipped on the way."""
+
+    path: str
+    """The file the requests came from (as given)."""
+
+    requests: tuple[SimRequest, ...]
+    """Valid requests in file order (at most ``limit`` of them)."""
+
+    skipped_lines: int = 0
+    """Malformed lines skipped because ``skip_bad_lines`` was set."""
+
+    first_error: str | None = None
+    """The message of the first skipped line, to show the user what was wrong."""
+
+
+def _fail(path: str, line: int, field: str, rule: str) -> TraceFormatError:
+    where = f"{path}:{line}"
+    msg = f"{where}: {field} {rule}" if field else f"{where}: {rule}"
+    return TraceFormatError(msg, path=path, line=line, field=field)
+
+
+def _non_negative_int(record: dict[str, object], field: str, path: str, line: int) -> int:
+    if field not in record:
+        raise _fail(path, line, field, "is missing")
+    value = record[field]
+    # bool is an int subclass in Python, but `true` is not a length.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, line, field, f"must be an integer, got {value!r}")
+    if value < 0:
+        raise _fail(path, line, field, f"must be >= 0, got {value}")
+    return value
+
+
+def parse_trace_line(
+    text: str, *, path: str = "<trace>", line: int = 1, index: int = 0, block_size: int = 512
+) -> SimRequest:
+    """Parse one trace line into a request, validating every field.
+
+    Args:
+        text: The JSON text of the line.
+        path: The file name used in error messages.
+        line: The 1-based line number used in error messages.
+        index: The request's position in the workload.
+        block_size: Tokens per hash id; ``input_length`` may not exceed
+            ``block_size * len(hash_ids)``.
+
+    Returns:
+        The request.
+
+    Raises:
+        TraceFormatError: The line is not a JSON object, lacks a field, or has an invalid value;
+            the message names the file, line and field.
+    """
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _fail(path, line, "", f"is not valid JSON ({exc.msg})") from exc
+    if not isinstance(record, dict):
+        raise _fail(path, line, "", f"must be a JSON object, got {type(record).__name__}")
+
+    if "timestamp" not in record:
+        raise _fail(path, line, "timestamp", "is missing")
+    timestamp = record["timestamp"]
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
+        raise _fail(path, line, "timestamp", f"must be a number of ms, got {timestamp!r}")
+    if not timestamp >= 0:  # also refuses NaN
+        raise _fail(path, line, "timestamp", f"must be >= 0, got {timestamp}")
+
+    input_length = _non_negative_int(record, "input_length", path, line)
+    if input_length == 0:
+        raise _fail(path, line, "input_length", "must be >= 1, got 0")
+    output_length = _non_negative_int(record, "output_length", path, line)
+
+    if "hash_ids" not in record:
+        raise _fail(path, line, "hash_ids", "is missing")
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {hash_ids!r}")
+    for position, block_id in enumerate(hash_ids):
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            rule = f"must hold integers, got {block_id!r} at position {position}"
+            raise _fail(path, line, "hash_ids", rule)
+        if not _INT64_MIN <= block_id <= _INT64_MAX:
+            rule = f"must hold 64-bit integers, got {block_id} at position {position}"
+            raise _fail(path, line, "hash_ids", rule)
+    if input_length > block_size * len(hash_ids):
+        rule = (
+            f"must be <= block_size * len(hash_ids) = {block_size} * {len(hash_ids)}, "
+            f"got {input_length}"
+        )
+        raise _fail(path, line, "input_length", rule)
+
+    return SimRequest(
+        index=index,
+        line=line,
+        arrival_s=float(timestamp) / 1000.0,
+        input_length=input_length,
+        output_length=output_length,
+        block_ids=tuple(hash_ids),
+    )
+
+
+def read_trace_lines(
+    lines: Iterable[str],
+    *,
+    path: str = "<trace>",
+    block_size: int = 512,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+) -> TraceReadResult:
+    """Parse trace lines (blank lines are ignored).
+
+    Args:
+        lines: The lines of the trace.
+        path: The name used in error messages and in the result.
+        block_size: Tokens per hash id.
+        skip_bad_lines: Skip and count malformed lines instead of raising.
+        limit: Stop after this many valid requests (``None``: read everything).
+
+    Returns:
+        The requests and the count of skipped lines.
+
+    Raises:
+        TraceFormatError: A line is malformed and ``skip_bad_lines`` is false.
+    """
+    requests: list[SimRequest] = []
+    skipped = 0
+    first_error: str | None = None
+    for line_number, text in enumerate(lines, start=1):
+        if limit is not None and len(requests) >= limit:
+            break
+        if not text.strip():
+            continue
+        try:
+            request = parse_trace_line(
+                text, path=path, line=line_number, index=len(requests), block_size=block_size
+            )
+        except TraceFormatError as exc:
+            if not skip_bad_lines:
+                raise
+            skipped += 1
+            if first_error is None:
+                first_error = str(exc)
+            continue
+        requests.append(request)
+    return TraceReadResult(
+        path=path, requests=tuple(requests), skipped_lines=skipped, first_error=first_error
+    )
+
+
+def read_trace(
+    path: str | os.PathLike[str],
+    *,
+    block_size: int = 512,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+) -> TraceReadResult:
+    """Read a Mooncake-format trace file (one JSON object per line).
+
+    Args:
+        path: The ``.jsonl`` file.
+        block_size: Tokens per hash id.
+        skip_bad_lines: Skip and count malformed lines instead of raising.
+        limit: Stop after this many valid requests.
+
+    Returns:
+        The requests in file order and the count of skipped lines.
+
+    Raises:
+        TraceFormatError: A line is malformed (file, line and field in the message) and
+            ``skip_bad_lines`` is false; also raised for a file that is not UTF-8 text.
+        OSError: The file cannot be opened.
+    """
+    name = os.fspath(path)
+    with Path(path).open(encoding="utf-8") as handle:
+        try:
+            return read_trace_lines(
+                handle,
+                path=name,
+                block_size=block_size,
+                skip_bad_lines=skip_bad_lines,
+                limit=limit,
+            )
+        except UnicodeDecodeError as exc:
+            msg = f"{name}: is not UTF-8 text ({exc.reason})"
+            raise TraceFormatError(msg, path=name) from exc
+
+
+def total_prompt_tokens(requests: Sequence[SimRequest]) -> int:
+    """Sum of the prompt lengths."""
+    return sum(request.input_length for request in requests)
+
+
+def read_demo_trace(*, block_size: int = 512, limit: int | None = None) -> TraceReadResult:
+    """Read the trace excerpt bundled with the package (see ``stage_runtime/data``).
+
+    Args:
+        block_size: Tokens per hash id.
+        limit: Stop after this many requests.
+
+    Returns:
+        The excerpt's requests.
+    """
+    from stage_runtime.data import DEMO_TRACE, demo_trace
+
+    with demo_trace().open("r", encoding="utf-8") as handle:
+        return read_trace_lines(
+            handle, path=f"stage_runtime/data/{DEMO_TRACE}", block_size=block_size, limit=limit
+        )

@@ -1,0 +1,91 @@
+"""Hash ids become deterministic token blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage_runtime import ConfigError
+from stage_runtime.sim import VOCAB_SIZE, BlockTokenizer, SimRequest
+
+_IDS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+def test_block_depends_only_on_its_id() -> None:
+    """Two tokenizers give the same block for the same id, wherever it sits in the prompt."""
+    first, second = BlockTokenizer(512), BlockTokenizer(512)
+    prompt = first.prompt([9, 42, 7], 1536)
+    np.testing.assert_array_equal(prompt[512:1024], second.block(42))
+    np.testing.assert_array_equal(first.block(42), second.block(42))
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=_IDS, b=_IDS, block_size=st.sampled_from([4, 7, 100, 128, 512, 1000]))
+def test_distinct_ids_give_distinct_blocks(a: int, b: int, block_size: int) -> None:
+    """Distinct ids never give the same full block; equal ids always do."""
+    tokenizer = BlockTokenizer(block_size)
+    same = bool(np.array_equal(tokenizer.block(a), tokenizer.block(b)))
+    assert same == (a == b)
+
+
+def test_neighbouring_ids_differ_in_many_tokens() -> None:
+    """Ids 0..999 give 1000 pairwise different blocks that differ in at least a quarter."""
+    blocks = BlockTokenizer(512).blocks(np.arange(1000))
+    assert len({row.tobytes() for row in blocks}) == 1000
+    assert int((blocks[0] != blocks[1]).sum()) >= 128
+
+
+def test_equal_chains_give_equal_prefixes_and_cut_to_length() -> None:
+    """Prompts sharing their first ids share those tokens; lengths cut the last block."""
+    tokenizer = BlockTokenizer(16)
+    a = tokenizer.prompt([1, 2, 3], 40)
+    b = tokenizer.prompt([1, 2, 4], 35)
+    assert a.shape == (40,)
+    assert b.shape == (35,)
+    np.testing.assert_array_equal(a[:32], b[:32])
+    assert not np.array_equal(a[32:35], b[32:35])
+
+
+def test_tokens_are_int32_in_the_vocabulary() -> None:
+    """Token ids are contiguous int32 values in [0, VOCAB_SIZE)."""
+    for block_size in (512, 100, 3):
+        tokens = BlockTokenizer(block_size).prompt(list(range(50)), 50 * block_size - 1)
+        assert tokens.dtype == np.int32
+        assert tokens.flags.c_contiguous
+        assert int(tokens.min()) >= 0
+        assert int(tokens.max()) < VOCAB_SIZE
+
+
+def test_explicit_block_lengths_place_partial_blocks_anywhere() -> None:
+    """block_lengths take a prefix of each block, so a partial block can sit mid-prompt."""
+    tokenizer = BlockTokenizer(8)
+    tokens = tokenizer.prompt([5, 6], 11, block_lengths=[3, 8])
+    np.testing.assert_array_equal(tokens[:3], tokenizer.block(5)[:3])
+    np.testing.assert_array_equal(tokens[3:], tokenizer.block(6))
+    request = SimRequest(index=0, input_length=11, block_ids=(5, 6), block_lengths=(3, 8))
+    np.testing.assert_array_equal(tokenizer.request_tokens(request), tokens)
+
+
+@pytest.mark.parametrize(
+    ("ids", "length", "lengths", "message"),
+    [
+        ([1], 9, None, "input_length must be <= block_size \\* len\\(block_ids\\) = 8, got 9"),
+        ([1, 2], 3, [3], "block_lengths must have one entry per block id"),
+        ([1], 9, [9], "block_lengths must lie in \\[0, 8\\]"),
+        ([1, 2], 5, [3, 3], "block_lengths must sum to input_length 5, got 6"),
+    ],
+)
+def test_inconsistent_prompts_are_refused(
+    ids: list[int], length: int, lengths: list[int] | None, message: str
+) -> None:
+    """Lengths that do not fit the blocks raise ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=message):
+        BlockTokenizer(8).prompt(ids, length, block_lengths=lengths)
+
+
+def test_block_size_must_be_positive() -> None:
+    """A zero block size is refused."""
+    with pytest.raises(ConfigError, match="block_size must be >= 1, got 0"):
+        BlockTokenizer(0)

@@ -1,0 +1,46 @@
+"""The cost model and the FIFO pipeline timing used for uncached TTFT."""
+
+from __future__ import annotations
+
+import pytest
+
+from stage_runtime import ConfigError
+from stage_runtime.sim import CostModel, percentiles, pipeline_finish_times
+
+
+def test_stage_cost_charges_computed_tokens_and_restored_bytes() -> None:
+    """Cost = computed tokens x prefill cost + restored bytes x restore cost."""
+    cost = CostModel(prefill_s_per_token=2.0, restore_s_per_byte=0.5)
+    assert cost.stage_cost(computed_tokens=3, restored_bytes=4) == 8.0
+    assert cost.uncached_stage_cost(5) == 10.0
+
+
+@pytest.mark.parametrize("field", ["prefill_s_per_token", "restore_s_per_byte"])
+def test_negative_costs_are_refused(field: str) -> None:
+    """Negative or NaN costs raise ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):
+        CostModel(**{field: -1.0})
+    with pytest.raises(ConfigError, match=f"{field} must be >= 0, got nan"):
+        CostModel(**{field: float("nan")})
+
+
+def test_pipeline_finish_times_overlap_stages() -> None:
+    """Two stages of 1 s: request 1 enters stage 0 while request 0 is in stage 1."""
+    finish = pipeline_finish_times([0.0, 0.0], [[1.0, 1.0], [1.0, 1.0]], concurrency=2)
+    assert finish == [2.0, 3.0]
+
+
+def test_pipeline_finish_times_respect_concurrency_and_arrivals() -> None:
+    """With concurrency 1 a request waits for the previous one; a late arrival waits for itself."""
+    finish = pipeline_finish_times([0.0, 0.0, 10.0], [[1.0, 1.0]] * 3, concurrency=1)
+    assert finish == [2.0, 4.0, 12.0]
+    with pytest.raises(ConfigError, match="concurrency must be >= 1, got 0"):
+        pipeline_finish_times([0.0], [[1.0]], concurrency=0)
+
+
+def test_percentiles_interpolate_linearly() -> None:
+    """p50/p90/p99 of 0..100 are 50/90/99; an empty sample gives zeros."""
+    result = percentiles([float(v) for v in range(101)])
+    assert (result.p50, result.p90, result.p99) == (50.0, 90.0, 99.0)
+    empty = percentiles([])
+    assert (empty.p50, empty.p90, empty.p99) == (0.0, 0.0, 0.0)

@@ -1,0 +1,194 @@
+"""Replays through the real pipeline, checked against hit ratios and times worked by hand.
+
+The hand-worked trace uses 16-token blocks, min_tokens = stride = 16 and record limit 2, so a
+prompt of N tokens looks up [N, grid floor, ..., 16] and records [N, grid floor]:
+
+- r0 ids [1,2,3], 40 tokens: miss; records 40 and 32.
+- r1 ids [1,2,4], 40 tokens: 40 misses (block 3 differs), 32 hits; records 40 and 32 again.
+- r2 ids [1,5], 20 tokens: 20 and 16 miss (16 tokens of block 1 were never recorded alone).
+- r3 ids [1,5,6], 48 tokens: 48 and 32 miss, 16 hits (recorded by r2).
+
+Restored: 0 + 32 + 0 + 16 = 48 of 148 tokens at every stage; an infinite block cache would
+restore 32 + 16 + (16 + 4) = 68.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from stage_runtime import ConfigError
+from stage_runtime.sim import (
+    CostModel,
+    SimConfig,
+    SimRequest,
+    kv_cache_config,
+    pipeline_finish_times,
+    read_demo_trace,
+    replay,
+    run_replay,
+    run_sweep,
+    stage_configs,
+)
+
+P = 1e-3  # prefill seconds per token
+
+
+def _request(index: int, ids: list[int], length: int, arrival_s: float = 0.0) -> SimRequest:
+    return SimRequest(index=index, arrival_s=arrival_s, input_length=length, block_ids=tuple(ids))
+
+
+HAND_TRACE = [
+    _request(0, [1, 2, 3], 40),
+    _request(1, [1, 2, 4], 40),
+    _request(2, [1, 5], 20),
+    _request(3, [1, 5, 6], 48),
+]
+
+
+def _config(**overrides: object) -> SimConfig:
+    settings: dict[str, object] = {
+        "stages": 2,
+        "block_size": 16,
+        "bytes_per_token": 2,
+        "cost": CostModel(prefill_s_per_token=P, restore_s_per_byte=0.0),
+    }
+    settings.update(overrides)
+    return SimConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_hand_worked_trace_hit_ratios() -> None:
+    """Every stage restores 32 tokens for r1 and 16 for r3: 48 of 148, theory 68 of 148."""
+    result = run_replay(HAND_TRACE, _config())
+    assert [o.restored_tokens for o in result.outcomes] == [(0, 0), (32, 32), (0, 0), (16, 16)]
+    assert (result.requests, result.prompt_tokens, result.restored_tokens) == (4, 148, 48)
+    assert result.token_hit_ratio == 48 / 148
+    assert (result.theoretical.hit_tokens, result.theoretical.ratio) == (68, 68 / 148)
+    for stage in result.stages:
+        assert (stage.restored_tokens, stage.computed_tokens, stage.hits) == (48, 100, 2)
+        assert (stage.records, stage.evictions) == (8, 0)
+        # 40+32 (r0), 40 (r1; its 32 replaces r0's), 20+16 (r2), 48+32 (r3): 228 tokens x 2 B.
+        assert stage.resident_bytes_max == 456
+
+
+def test_hand_worked_ttft_with_and_without_cache() -> None:
+    """One at a time, TTFT is the sum of stage costs: computed tokens plus restored bytes."""
+    restore = 1e-4
+    config = _config(cost=CostModel(prefill_s_per_token=P, restore_s_per_byte=restore))
+    result = run_replay(HAND_TRACE, config)
+    cached = [o.ttft_cached_s for o in result.outcomes]
+    uncached = [o.ttft_uncached_s for o in result.outcomes]
+    assert cached == pytest.approx(
+        [2 * 40 * P, 2 * (8 * P + 64 * restore), 2 * 20 * P, 2 * (32 * P + 32 * restore)]
+    )
+    assert uncached == pytest.approx([2 * 40 * P, 2 * 40 * P, 2 * 20 * P, 2 * 48 * P])
+    assert result.ttft_uncached.p50 == pytest.approx(2 * 40 * P)
+
+
+def test_capacity_forces_evictions_that_cost_hits() -> None:
+    """64-byte stage caches: an unrelated prompt evicts r0's pages before r1 can reuse them.
+
+    r0 records 40 (80 B, oversize) then 32 (evicts 40); rX records 32 (evicts r0's 32) and 16
+    (evicts rX's 32); r1 misses, records 40 (evicts rX's 16) and 32 (evicts 40): 5 evictions.
+    """
+    trace = [_request(0, [1, 2, 3], 40), _request(1, [7, 8], 32), _request(2, [1, 2, 4], 40)]
+    unbounded = run_replay(trace, _config())
+    assert [o.restored_tokens[0] for o in unbounded.outcomes] == [0, 0, 32]
+    bounded = run_replay(trace, _config(capacity_tokens=32))
+    assert bounded.config.max_bytes() == 64
+    assert [o.restored_tokens[0] for o in bounded.outcomes] == [0, 0, 0]
+    for stage in bounded.stages:
+        assert (stage.evictions, stage.evicted_bytes) == (5, 80 + 64 + 64 + 32 + 80)
+        assert stage.resident_bytes_max == 80
+    assert bounded.theoretical.ratio == unbounded.theoretical.ratio == 32 / 112
+
+
+def test_sweep_gives_one_result_per_capacity_in_order() -> None:
+    """A sweep replays once per capacity; more capacity never restores less here."""
+    trace = [_request(0, [1, 2, 3], 40), _request(1, [7, 8], 32), _request(2, [1, 2, 4], 40)]
+    results = run_sweep(trace, _config(), [32, 0])
+    assert [r.capacity_tokens for r in results] == [32, 0]
+    assert [r.restored_tokens for r in results] == [0, 32]
+    with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
+        run_sweep(trace, _config(), [-1])
+
+
+def test_concurrency_replays_arrivals_in_virtual_time() -> None:
+    """Concurrency 2: r1 arrives at 10 ms, queues behind r0 at each stage; TTFT counts it."""
+    trace = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [7], 16, arrival_s=0.01)]
+    result = run_replay(trace, _config(concurrency=2))
+    # r0: stage 0 until 40 ms, stage 1 until 80 ms. r1: stage 0 40-56 ms, stage 1 80-96 ms.
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx([0.08, 0.086])
+    finishes = pipeline_finish_times([0.0, 0.01], [[40 * P] * 2, [16 * P] * 2], concurrency=2)
+    assert [o.ttft_uncached_s for o in result.outcomes] == pytest.approx([0.08, finishes[1] - 0.01])
+    assert result.virtual_s == pytest.approx(0.096)
+    one_at_a_time = run_replay(trace, _config(concurrency=1))
+    assert [o.ttft_cached_s for o in one_at_a_time.outcomes] == pytest.approx([0.08, 0.032])
+
+
+async def test_replay_embeds_in_a_trio_program(autojump_clock: trio.testing.MockClock) -> None:
+    """replay() runs inside the caller's trio run; its virtual time passes on the caller's clock."""
+    before = trio.current_time()
+    result = await replay(HAND_TRACE, _config())
+    assert result.restored_tokens == 48
+    assert trio.current_time() - before == pytest.approx(
+        sum(o.ttft_cached_s for o in result.outcomes)
+    )
+
+
+def test_stage_configs_carry_the_cache_settings() -> None:
+    """Stages get contiguous layers, neighbours and the capacity as max_bytes."""
+    config = _config(stages=3, capacity_tokens=100, record_limit=4, max_entries=9)
+    stages = stage_configs(config)
+    assert [s.stage_id for s in stages] == ["stage-0", "stage-1", "stage-2"]
+    assert [(s.layer_start, s.layer_end) for s in stages] == [(0, 8), (8, 16), (16, 24)]
+    assert (stages[0].upstream, stages[0].downstream) == (None, "stage-1")
+    cache = kv_cache_config(config)
+    assert all(s.kv_cache == cache for s in stages)
+    assert (cache.max_bytes, cache.max_entries, cache.shared_prefix_record_limit) == (200, 9, 4)
+    assert (cache.min_tokens, cache.shared_prefix_stride_tokens) == (16, 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stride_tokens": 0}, "stride 0 leaves no lookup grid for record_limit 2"),
+        ({"capacity_tokens": -1}, "capacity_tokens must be an integer >= 0, got -1"),
+        ({"stages": 0}, "stages must be an integer >= 1, got 0"),
+        ({"concurrency": 0}, "concurrency must be an integer >= 1, got 0"),
+    ],
+)
+def test_impossible_settings_are_refused(kwargs: dict[str, object], message: str) -> None:
+    """SimConfig refuses impossible settings with a ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=message):
+        _config(**kwargs)
+
+
+def test_demo_excerpt_replays_with_real_sharing() -> None:
+    """The first 60 requests of the bundled excerpt restore a real share of their tokens."""
+    requests = read_demo_trace(limit=60).requests
+    result = run_replay(requests, SimConfig())
+    assert 0 < result.token_hit_ratio <= result.theoretical.ratio
+    assert len(result.stages) == 4
+    assert all(
+        stage.computed_tokens + stage.restored_tokens == result.prompt_tokens
+        for stage in result.stages
+    )
+
+
+async def test_example_program_restores_shared_prompts(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/multi_stage_simulation.py restores a real share, never above the theory."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[3] / "examples" / "multi_stage_simulation.py"
+    spec = importlib.util.spec_from_file_location("example_multi_stage_simulation", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures = await module.main()
+    assert 0.3 < figures["hit_ratio"] <= figures["theoretical_max"]
+    assert "requests: stage 0 restored" in capsys.readouterr().out

@@ -1,0 +1,46 @@
+"""The theoretical maximum hit ratio: an infinite cache at block granularity."""
+
+from __future__ import annotations
+
+from stage_runtime.sim import SimRequest, theoretical_max_hit_ratio
+
+
+def _request(index: int, ids: list[int], length: int) -> SimRequest:
+    return SimRequest(index=index, input_length=length, block_ids=tuple(ids))
+
+
+def test_hand_computed_trace() -> None:
+    """Worked by hand: shared chains hit, partial blocks count their seen part, then stop."""
+    requests = [
+        _request(0, [1, 2, 3], 1500),  # blocks 512, 512, 476: all new -> 0
+        _request(1, [1, 2, 4], 1200),  # 1, 2 seen in full -> 1024; 4 new
+        _request(2, [1, 2, 3], 1536),  # 1024 + 476 of block 3 (seen partly) -> 1500
+        _request(3, [9, 2], 1024),  # 2 after a different chain is a different block -> 0
+        _request(4, [5], 10),  # new -> 0
+    ]
+    result = theoretical_max_hit_ratio(requests, block_size=512)
+    assert result.prompt_tokens == 1500 + 1200 + 1536 + 1024 + 10
+    assert result.hit_tokens == 1024 + 1500
+    assert result.ratio == 2524 / 5270
+
+
+def test_repeating_a_prompt_restores_all_of_it() -> None:
+    """The second identical prompt is entirely restorable."""
+    requests = [_request(0, [1, 2], 700), _request(1, [1, 2], 700)]
+    assert theoretical_max_hit_ratio(requests, block_size=512).hit_tokens == 700
+
+
+def test_explicit_block_lengths_count_partial_blocks_mid_prompt() -> None:
+    """A shared 3-token partial block followed by different blocks counts those 3 tokens."""
+    requests = [
+        SimRequest(index=0, input_length=7, block_ids=(1, 2), block_lengths=(3, 4)),
+        SimRequest(index=1, input_length=7, block_ids=(1, 3), block_lengths=(3, 4)),
+    ]
+    result = theoretical_max_hit_ratio(requests, block_size=8)
+    assert result.hit_tokens == 3
+
+
+def test_empty_workload_has_ratio_zero() -> None:
+    """No requests: zero tokens, ratio 0."""
+    result = theoretical_max_hit_ratio([], block_size=512)
+    assert (result.hit_tokens, result.prompt_tokens, result.ratio) == (0, 0, 0.0)

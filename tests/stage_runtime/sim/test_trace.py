@@ -1,0 +1,134 @@
+"""Reading Mooncake-format traces: valid lines, every malformed line, skipping, limits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stage_runtime import TraceFormatError
+from stage_runtime.sim import SimRequest, parse_trace_line, read_demo_trace, read_trace
+
+
+def _line(**fields: object) -> str:
+    record: dict[str, object] = {
+        "timestamp": 1500,
+        "input_length": 600,
+        "output_length": 7,
+        "hash_ids": [4, 5],
+    }
+    record.update(fields)
+    return json.dumps({k: v for k, v in record.items() if v is not _MISSING})
+
+
+_MISSING = object()
+
+
+def test_valid_line_becomes_a_request() -> None:
+    """A valid line keeps its lengths and ids, and the timestamp becomes seconds."""
+    request = parse_trace_line(_line(), path="t.jsonl", line=3, index=2)
+    assert request == SimRequest(
+        index=2, line=3, arrival_s=1.5, input_length=600, output_length=7, block_ids=(4, 5)
+    )
+
+
+def test_block_layout_cuts_the_last_block() -> None:
+    """Trace blocks are full except the last, which holds the rest of the prompt."""
+    request = parse_trace_line(_line(hash_ids=[4, 5, 6]))
+    assert request.block_layout(512) == [(4, 512), (5, 88)]
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "fragment"),
+    [
+        ("{not json", "", "is not valid JSON"),
+        ("[1, 2]", "", "must be a JSON object, got list"),
+        (_line(timestamp=_MISSING), "timestamp", "timestamp is missing"),
+        (_line(timestamp="soon"), "timestamp", "must be a number of ms, got 'soon'"),
+        (_line(timestamp=-1), "timestamp", "must be >= 0, got -1"),
+        (_line(input_length=_MISSING), "input_length", "input_length is missing"),
+        (_line(input_length=-5), "input_length", "must be >= 0, got -5"),
+        (_line(input_length=12.5), "input_length", "must be an integer, got 12.5"),
+        (_line(input_length="600"), "input_length", "must be an integer, got '600'"),
+        (_line(input_length=True), "input_length", "must be an integer, got True"),
+        (_line(input_length=0), "input_length", "must be >= 1, got 0"),
+        (_line(output_length=_MISSING), "output_length", "output_length is missing"),
+        (_line(output_length=-2), "output_length", "must be >= 0, got -2"),
+        (_line(hash_ids=_MISSING), "hash_ids", "hash_ids is missing"),
+        (_line(hash_ids="1,2"), "hash_ids", "must be a list of integers"),
+        (_line(hash_ids=[1, "x"]), "hash_ids", "got 'x' at position 1"),
+        (_line(hash_ids=[1, 2**64]), "hash_ids", "must hold 64-bit integers"),
+        (
+            _line(input_length=1025, hash_ids=[1, 2]),
+            "input_length",
+            "must be <= block_size * len(hash_ids) = 512 * 2, got 1025",
+        ),
+        (_line(input_length=1, hash_ids=[]), "input_length", "512 * 0, got 1"),
+    ],
+)
+def test_malformed_line_names_file_line_and_field(text: str, field: str, fragment: str) -> None:
+    """Every malformed line raises TraceFormatError naming the file, line and field."""
+    with pytest.raises(TraceFormatError, match=r"^trace\.jsonl:7: ") as caught:
+        parse_trace_line(text, path="trace.jsonl", line=7)
+    assert fragment in str(caught.value)
+    assert (caught.value.path, caught.value.line, caught.value.field) == ("trace.jsonl", 7, field)
+
+
+def test_block_size_sets_the_length_bound() -> None:
+    """The input_length bound follows the block size."""
+    assert (
+        parse_trace_line(_line(input_length=20, hash_ids=[1, 2]), block_size=10).input_length == 20
+    )
+    with pytest.raises(TraceFormatError, match="10 \\* 2, got 21"):
+        parse_trace_line(_line(input_length=21, hash_ids=[1, 2]), block_size=10)
+
+
+def _write(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_read_trace_reports_the_line_number_of_the_bad_line(tmp_path: Path) -> None:
+    """Line numbers count every line of the file, blank ones included."""
+    path = _write(tmp_path, [_line(), "", _line(), _line(input_length=-1)])
+    with pytest.raises(TraceFormatError) as caught:
+        read_trace(path)
+    assert caught.value.line == 4
+    assert str(caught.value).startswith(f"{path}:4: input_length")
+
+
+def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path: Path) -> None:
+    """With skip_bad_lines, bad lines are counted and the valid ones replay in file order."""
+    path = _write(tmp_path, [_line(), "oops", _line(output_length=1), _line(hash_ids=None)])
+    result = read_trace(path, skip_bad_lines=True)
+    assert result.skipped_lines == 2
+    assert [r.line for r in result.requests] == [1, 3]
+    assert [r.index for r in result.requests] == [0, 1]
+    assert result.first_error is not None
+    assert ":2:" in result.first_error
+
+
+def test_limit_stops_after_that_many_requests(tmp_path: Path) -> None:
+    """limit counts valid requests, and lines after the limit are not even parsed."""
+    path = _write(tmp_path, [_line(), _line(), "not json at all"])
+    result = read_trace(path, limit=2)
+    assert len(result.requests) == 2
+    assert result.skipped_lines == 0
+
+
+def test_non_utf8_file_is_a_trace_format_error(tmp_path: Path) -> None:
+    """A binary file is refused as a trace error naming the file."""
+    path = tmp_path / "binary.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(TraceFormatError, match=r"binary\.jsonl: is not UTF-8"):
+        read_trace(path)
+
+
+def test_bundled_demo_trace_has_300_requests_with_sharing() -> None:
+    """The packaged excerpt loads through importlib.resources: 300 requests, 6.8M tokens."""
+    result = read_demo_trace()
+    assert len(result.requests) == 300
+    assert sum(r.input_length for r in result.requests) == 6_801_604
+    assert result.skipped_lines == 0

@@ -1,0 +1,64 @@
+"""Synthetic workloads: shared system prompts and multi-turn conversations."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from stage_runtime import ConfigError
+from stage_runtime.sim import WorkloadSpec, synthetic_workload, theoretical_max_hit_ratio
+
+
+def test_same_seed_same_workload_and_arrivals_are_sorted() -> None:
+    """A seed fixes the workload; arrivals never go backwards; indices follow arrivals."""
+    spec = WorkloadSpec(groups=3, prompts_per_group=4, conversations=2, turns=3, seed=5)
+    first, second = synthetic_workload(spec), synthetic_workload(spec)
+    assert first == second
+    assert len(first) == spec.request_count == 18
+    arrivals = [r.arrival_s for r in first]
+    assert arrivals == sorted(arrivals)
+    assert [r.index for r in first] == list(range(18))
+    assert synthetic_workload(WorkloadSpec(groups=3, prompts_per_group=4, seed=6)) != first
+
+
+def test_group_prompts_share_exactly_the_system_prompt() -> None:
+    """One group of three: each later prompt can restore the 700-token system prompt only."""
+    spec = WorkloadSpec(
+        groups=1,
+        prompts_per_group=3,
+        system_prompt_tokens=700,
+        question_tokens=100,
+        conversations=0,
+    )
+    requests = synthetic_workload(spec, block_size=512)
+    assert all(r.input_length == 800 for r in requests)
+    assert all(r.block_lengths == (512, 188, 100) for r in requests)
+    result = theoretical_max_hit_ratio(requests, block_size=512)
+    assert result.hit_tokens == 2 * 700
+
+
+def test_conversation_turns_extend_the_previous_turn_in_order() -> None:
+    """Turn t resends every earlier turn: each prompt's blocks start with the previous one's."""
+    spec = WorkloadSpec(groups=0, conversations=1, turns=4, tokens_per_turn=300)
+    requests = synthetic_workload(spec, block_size=512)
+    assert [r.input_length for r in requests] == [300, 600, 900, 1200]
+    for previous, current in itertools.pairwise(requests):
+        assert current.block_ids[: len(previous.block_ids)] == previous.block_ids
+    result = theoretical_max_hit_ratio(requests, block_size=512)
+    assert result.hit_tokens == 300 + 600 + 900
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"groups": -1}, "groups must be >= 0, got -1"),
+        ({"question_tokens": 0}, "question_tokens must be >= 1, got 0"),
+        ({"requests_per_s": 0.0}, "requests_per_s must be > 0, got 0.0"),
+        ({"groups": 0, "conversations": 0}, "the workload has no requests"),
+    ],
+)
+def test_impossible_workloads_are_refused(kwargs: dict[str, object], message: str) -> None:
+    """Bad shapes raise ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=message):
+        WorkloadSpec(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,145 @@
+"""The command line: exit codes, one-line errors, JSON on stdout, the demo.
+
+Usage errors are checked in-process (they stop before any replay); full runs go through a
+subprocess, as a user would run them, and are kept few and small.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stage_runtime.cli import main
+
+TINY = [
+    {"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [1, 2, 3]},
+    {"timestamp": 5, "input_length": 32, "output_length": 1, "hash_ids": [7, 8]},
+    {"timestamp": 9, "input_length": 40, "output_length": 1, "hash_ids": [1, 2, 4]},
+]
+SMALL = ["--block-size", "16", "--bytes-per-token", "2", "--stages", "2"]
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stage_runtime", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        check=False,
+    )
+
+
+def _trace(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["replay", "t.jsonl", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--capacity-tokens", "-1"], "argument --capacity-tokens: must be >= 0, got -1"),
+        (["demo", "--stages", "two"], "argument --stages: must be an integer, got 'two'"),
+        (["demo", "--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
+        (["demo", "--stride", "0"], "--stride 0 leaves no lookup grid for --record-limit 2"),
+        (["demo", "--capacity-tokens", "5", "--sweep-capacity", "1,2"], "are exclusive"),
+        (["demo", "--sweep-capacity", "1,,2"], "comma-separated list"),
+        (["demo", "--sweep-capacity", "8,-5"], "every capacity must be >= 0, got -5"),
+        (["demo", "--prefill-us-per-token", "-3"], "must be a finite number >= 0"),
+        (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unknown flags and impossible settings: exit code 2 and a single line on stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert fragment in captured.err
+    assert captured.err.startswith("stage-runtime")
+
+
+def test_serve_without_the_server_module_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If stage_runtime.server is not installed, serve says so and exits 2."""
+    monkeypatch.setitem(sys.modules, "stage_runtime.server.command", None)
+    monkeypatch.setitem(sys.modules, "stage_runtime.server", None)
+    assert main(["serve"]) == 2
+    assert "server" in capsys.readouterr().err
+
+
+def test_demo_prints_a_report_and_writes_json(tmp_path: Path) -> None:
+    """The README's first command: 300 requests, 4 stages, a readable report, exit 0."""
+    done = _run("demo", "--json", "demo.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for fragment in ("token hit ratio", "theoretical max", "stage-3", "p99", "tokens/s"):
+        assert fragment in done.stdout
+    document = json.loads((tmp_path / "demo.json").read_text(encoding="utf-8"))
+    assert document["requests"] == 300
+    assert 0 < document["token_hit_ratio"] <= document["theoretical_max_hit_ratio"]
+    assert document["config"]["stages"] == 4
+
+
+def test_replay_sweep_json_to_stdout_is_pure_json(tmp_path: Path) -> None:
+    """--json - with a sweep: stdout is exactly one JSON list, one result per capacity."""
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    done = _run(
+        "replay", str(trace), *SMALL, "--sweep-capacity", "32,0", "--json", "-", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert [r["config"]["capacity_tokens"] for r in results] == [32, 0]
+    assert [r["restored_tokens"] for r in results] == [0, 32]
+    assert results[0]["stages"][0]["evictions"] == 5
+
+
+def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> None:
+    """A malformed line stops the replay with exit 1 and file:line: field in one line."""
+    bad = dict(TINY[0], input_length=-4)
+    trace = _trace(tmp_path, [json.dumps(TINY[0]), json.dumps(bad), json.dumps(TINY[2])])
+    done = _run("replay", str(trace), *SMALL, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1
+    assert f"{trace}:2: input_length must be >= 0, got -4" in done.stderr
+
+    skipped = _run("replay", str(trace), *SMALL, "--skip-bad-lines", "--json", "-", cwd=tmp_path)
+    assert skipped.returncode == 0, skipped.stderr
+    document = json.loads(skipped.stdout)
+    assert document["requests"] == 2
+    assert document["config"]["source"]["skipped_lines"] == 1
+
+
+def test_simulate_writes_a_plot_and_a_report(tmp_path: Path) -> None:
+    """simulate with a small workload prints its report and writes the PNG."""
+    done = _run(
+        "simulate",
+        "--groups",
+        "2",
+        "--prompts-per-group",
+        "3",
+        "--conversations",
+        "1",
+        "--turns",
+        "3",
+        "--plot",
+        "plot.png",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "9 synthetic requests" in done.stdout
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
