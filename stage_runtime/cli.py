@@ -118,7 +118,24 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix lengths recorded per request; 0 = every grid length (2)",
     )
     pipeline.add_argument(
-        "--max-entries", type=_POSITIVE, default=64, help="entries per stage cache (64)"
+        "--max-entries",
+        type=_POSITIVE,
+        default=None,
+        help="entries per stage cache (64 with --index ladder; with --index paged every page "
+        "is an entry, so the default is 1,000,000 and --capacity-tokens does the bounding)",
+    )
+    pipeline.add_argument(
+        "--index",
+        choices=["ladder", "paged"],
+        default="ladder",
+        help="cache index: ladder = the upstream's per-length entries; paged = shared pages "
+        "(ladder)",
+    )
+    pipeline.add_argument(
+        "--page-tokens",
+        type=_POSITIVE,
+        default=None,
+        help="tokens per page with --index paged (default: the stride)",
     )
     pipeline.add_argument(
         "--capacity-tokens",
@@ -327,6 +344,10 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
 
 
+PAGED_DEFAULT_MAX_ENTRIES = 1_000_000
+"""``--max-entries`` default with ``--index paged``: pages are entries, bytes do the bounding."""
+
+
 def _sim_config(args: argparse.Namespace) -> SimConfig:
     from stage_runtime.sim import CostModel, SimConfig
 
@@ -336,7 +357,11 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         min_tokens=args.min_tokens,
         stride_tokens=args.stride,
         record_limit=args.record_limit,
-        max_entries=args.max_entries,
+        max_entries=args.max_entries
+        if args.max_entries is not None
+        else (PAGED_DEFAULT_MAX_ENTRIES if args.index == "paged" else 64),
+        index=args.index,
+        page_tokens=args.page_tokens,
         capacity_tokens=args.capacity_tokens or 0,
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,
