@@ -27,6 +27,7 @@ from stage_runtime.config import (
     KvCacheConfig,
     LoadMode,
     MessageBase,
+    PageEviction,
     StageConfig,
     kill_switch_engaged,
 )
@@ -166,6 +167,7 @@ __all__ = [
     "CacheAccounting",
     "CacheIndex",
     "EvictedPage",
+    "PageEviction",
     "MissReason",
     "PageChain",
     "PagedActivationIndex",

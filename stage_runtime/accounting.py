@@ -114,6 +114,8 @@ class _Group:
 
 def _common_prefix_tokens(a: bytes, b: bytes) -> int:
     """Whole int32 tokens that two little-endian token byte strings share from the start."""
+    if a[:4] != b[:4]:
+        return 0  # the usual case: segments after one parent differ at their first token
     m = min(len(a), len(b))
     left = np.frombuffer(a, dtype=np.uint8, count=m)
     right = np.frombuffer(b, dtype=np.uint8, count=m)

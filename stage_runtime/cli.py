@@ -138,6 +138,13 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per page with --index paged (default: the stride)",
     )
     pipeline.add_argument(
+        "--page-eviction",
+        choices=["lru", "reuse"],
+        default="lru",
+        help="with --index paged: evict the least recently used page, or the least valuable "
+        "by reuse and recompute saved (lru)",
+    )
+    pipeline.add_argument(
         "--capacity-tokens",
         type=_NON_NEGATIVE,
         default=None,
@@ -362,6 +369,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         else (PAGED_DEFAULT_MAX_ENTRIES if args.index == "paged" else 64),
         index=args.index,
         page_tokens=args.page_tokens,
+        page_eviction=args.page_eviction,
         capacity_tokens=args.capacity_tokens or 0,
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,

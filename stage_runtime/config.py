@@ -28,6 +28,7 @@ __all__ = [
     "KvCacheConfig",
     "LoadMode",
     "MessageBase",
+    "PageEviction",
     "StageConfig",
     "kill_switch_engaged",
 ]
@@ -87,6 +88,17 @@ class CacheIndex(enum.StrEnum):
 
     LADDER = "ladder"
     PAGED = "paged"
+
+
+class PageEviction(enum.StrEnum):
+    """Which page the paged index evicts first (leaves only, in both policies).
+
+    ``LRU``: the least recently used. ``REUSE``: the least valuable by reuse and recompute saved
+    (GreedyDual-style, see :class:`~stage_runtime.paged.PagedActivationIndex`).
+    """
+
+    LRU = "lru"
+    REUSE = "reuse"
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +181,10 @@ def _to_cache_payload(value: object) -> CachePayload:
 
 def _to_cache_index(value: object) -> CacheIndex:
     return _enum(CacheIndex, "index", value)
+
+
+def _to_page_eviction(value: object) -> PageEviction:
+    return _enum(PageEviction, "page_eviction", value)
 
 
 def _to_load_mode(value: object) -> LoadMode:
@@ -268,6 +284,9 @@ class KvCacheConfig:
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_int(1, _U64_MAX))
     """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
+
+    page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
+    """Paged mode: ``lru`` (default) or ``reuse`` (weighs reuse and recompute saved)."""
 
     @property
     def effective_page_tokens(self) -> int:

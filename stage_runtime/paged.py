@@ -37,6 +37,7 @@ from stage_runtime.errors import ConfigError, FrameError
 
 __all__ = [
     "EntryKind",
+    "EvictionPolicy",
     "EvictedPage",
     "PageChain",
     "PagedActivationIndex",
@@ -49,6 +50,9 @@ __all__ = [
 
 EntryKind = Literal["page", "tail", "exact"]
 """A full page, the exact-length tail of a prompt, or a whole frame that could not be paged."""
+
+EvictionPolicy = Literal["lru", "reuse"]
+"""Which leaf goes first: least recently used, or least valuable by reuse (see the index)."""
 
 _PAGE_DOMAIN = b"stage-runtime/activation-page-v1"
 _TAIL_DOMAIN = b"stage-runtime/activation-tail-v1"
@@ -289,8 +293,6 @@ class PagedIndexStats:
     tails: int
     exact_entries: int
     resident_bytes: int
-    unique_prefix_bytes: int
-    """Bytes the distinct resident prefixes need (tails that overlap a page count once)."""
     lookups: int
     hits: int
     misses_never_seen: int
@@ -337,6 +339,15 @@ class _Entry:
     meta: Hashable
     last_used: int
     children: int = 0
+    hits: int = 0
+    """Restores that used this entry."""
+    priority: float = 0.0
+    """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+
+
+def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:
+    """Heap item of a leaf: lowest priority first, then least recently used."""
+    return (entry.priority, entry.last_used, id(entry), entry)
 
 
 @attrs.define(eq=False)
@@ -356,9 +367,17 @@ class PagedActivationIndex:
     """Prompts shorter than this are not recorded; restores shorter than this are misses."""
     tombstones: int = attrs.field(default=65536)
     """Evicted keys remembered to classify misses as ``evicted``."""
+    eviction: EvictionPolicy = attrs.field(default="lru")
+    """``lru``: the least recently used leaf goes first. ``reuse``: a GreedyDual-style policy
+    weighing reuse and recompute; each entry's value is ``L + prior + hits``, where ``hits``
+    counts the restores that used it, the prior is 1 for a full page (it saves a page of
+    recompute for any longer prompt) and 0 for tails and exact entries (they save anything only
+    when the very same prompt returns), and ``L`` rises to the value of each evicted entry, so
+    old popularity ages out. Ties go to the least recently used."""
 
     _entries: dict[bytes, _Entry] = attrs.field(factory=dict, init=False)
-    _leaves: list[tuple[int, int, _Entry]] = attrs.field(factory=list, init=False)
+    _leaves: list[tuple[float, int, int, _Entry]] = attrs.field(factory=list, init=False)
+    _inflation: float = attrs.field(default=0.0, init=False)
     _clock: int = attrs.field(default=0, init=False)
     _resident_bytes: int = attrs.field(default=0, init=False)
     _kinds: dict[str, int] = attrs.field(
@@ -388,6 +407,9 @@ class PagedActivationIndex:
                 msg = f"{name} must be >= {low}, got {value}"
                 raise ConfigError(msg)
         self._misses = MissTracker(capacity=self.tombstones)
+        if self.eviction not in ("lru", "reuse"):
+            msg = f"eviction must be 'lru' or 'reuse', got {self.eviction!r}"
+            raise ConfigError(msg)
 
     # ---------------------------------------------------------------- keys
 
@@ -551,7 +573,7 @@ class PagedActivationIndex:
                 existing.payload = _stored(segment)
                 existing.meta = meta
                 existing.bytes_per_token = bpt
-            self._touch(existing)
+            self._touch(existing, hit=False)
             stored[2] += 1
             return existing
         if not self._make_room(int(segment.size), parent, evicted):
@@ -571,12 +593,14 @@ class PagedActivationIndex:
             meta=meta,
             last_used=self._clock,
         )
+        if self.eviction == "reuse":
+            entry.priority = self._inflation + (1.0 if kind == "page" else 0.0)
         self._entries[key] = entry
         self._kinds[kind] += 1
         self._resident_bytes += int(segment.size)
         if parent is not None:
             parent.children += 1
-        heapq.heappush(self._leaves, (entry.last_used, id(entry), entry))
+        heapq.heappush(self._leaves, _leaf_item(entry))
         self._misses.cached(key)
         if kind == "exact":
             segments = chain.segments(token_count)
@@ -589,7 +613,7 @@ class PagedActivationIndex:
         return entry
 
     def _make_room(self, size: int, protect: _Entry | None, evicted: list[EvictedPage]) -> bool:
-        held: list[tuple[int, int, _Entry]] = []
+        held: list[tuple[float, int, int, _Entry]] = []
         ok = True
         while True:
             if len(self._entries) + 1 > self.max_entries:
@@ -600,7 +624,7 @@ class PagedActivationIndex:
                 break
             victim = self._pop_leaf()
             if victim is protect and victim is not None:
-                held.append((victim.last_used, id(victim), victim))
+                held.append(_leaf_item(victim))
                 victim = self._pop_leaf()
             if victim is None:
                 ok = False
@@ -613,25 +637,31 @@ class PagedActivationIndex:
     def _pop_leaf(self) -> _Entry | None:
         """The least recently used resident entry with no cached child, removed from the heap."""
         while self._leaves:
-            stamp, _, entry = heapq.heappop(self._leaves)
+            priority, stamp, _, entry = heapq.heappop(self._leaves)
             if (
                 self._entries.get(entry.key) is entry
                 and entry.children == 0
                 and entry.last_used == stamp
+                and entry.priority == priority
             ):
                 return entry
         return None
 
-    def _touch(self, entry: _Entry) -> None:
+    def _touch(self, entry: _Entry, *, hit: bool) -> None:
         self._clock += 1
         entry.last_used = self._clock
+        if hit:
+            entry.hits += 1
+        if self.eviction == "reuse":
+            prior = 1.0 if entry.kind == "page" else 0.0
+            entry.priority = self._inflation + prior + entry.hits
         if entry.children == 0:
-            heapq.heappush(self._leaves, (entry.last_used, id(entry), entry))
+            heapq.heappush(self._leaves, _leaf_item(entry))
             if len(self._leaves) > 2 * len(self._entries) + 64:
                 self._compact_leaves()
 
     def _compact_leaves(self) -> None:
-        self._leaves = [(e.last_used, id(e), e) for e in self._entries.values() if e.children == 0]
+        self._leaves = [_leaf_item(e) for e in self._entries.values() if e.children == 0]
         heapq.heapify(self._leaves)
 
     def _evict(
@@ -645,9 +675,10 @@ class PagedActivationIndex:
         if parent is not None:
             parent.children -= 1
             if parent.children == 0 and self._entries.get(parent.key) is parent:
-                heapq.heappush(self._leaves, (parent.last_used, id(parent), parent))
+                heapq.heappush(self._leaves, _leaf_item(parent))
         self._footprint.remove(entry.key)
         if reason != "cleared":
+            self._inflation = max(self._inflation, entry.priority)
             self._misses.evicted(entry.key)
             self._evictions += 1
             self._evicted_bytes += size
@@ -704,7 +735,7 @@ class PagedActivationIndex:
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
         for entry in used:
-            self._touch(entry)
+            self._touch(entry, hit=True)
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
@@ -753,18 +784,21 @@ class PagedActivationIndex:
         return tuple(out)
 
     def unique_prefix_bytes(self) -> int:
-        """Bytes the distinct resident prefixes need, each token row once."""
+        """Bytes the distinct resident prefixes need, each token row once.
+
+        Tails that are a prefix of a cached page (or of another tail) count once. Computed
+        lazily from what changed since the last call.
+        """
         return self._footprint.unique_bytes()
 
     def stats(self) -> PagedIndexStats:
-        """Counters and residency now."""
+        """Counters and residency now (cheap; see :meth:`unique_prefix_bytes` for the footprint)."""
         return PagedIndexStats(
             entries=len(self._entries),
             pages=self._kinds["page"],
             tails=self._kinds["tail"],
             exact_entries=self._kinds["exact"],
             resident_bytes=self._resident_bytes,
-            unique_prefix_bytes=self._footprint.unique_bytes(),
             lookups=self._lookups,
             hits=self._hits,
             misses_never_seen=self._miss_counts["never_seen"],

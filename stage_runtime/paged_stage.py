@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
-from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.config import MessageBase, PageEviction, StageConfig
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
 from stage_runtime.identity import TokenArray
@@ -38,7 +38,13 @@ from stage_runtime.integration import (
     ResidentActivationRestore,
     _check_width,
 )
-from stage_runtime.paged import EvictedPage, PageChain, PagedActivationIndex, page_chain
+from stage_runtime.paged import (
+    EvictedPage,
+    PageChain,
+    PagedActivationIndex,
+    PagedRestore,
+    page_chain,
+)
 from stage_runtime.tenancy import paged_namespace
 
 __all__ = ["PagedActivationRestore", "PagedStageIntegration"]
@@ -46,7 +52,7 @@ __all__ = ["PagedActivationRestore", "PagedStageIntegration"]
 
 @attrs.frozen(kw_only=True, eq=False)
 class PagedActivationRestore:
-    """A paged hit in streaming form: one zero-copy frame per page, assembled on demand."""
+    """A paged hit in streaming form: zero-copy page frames, or one frame assembled on demand."""
 
     identity: PrefillKvIdentity
     """Identity of the restored prefix (its prefix hash is the chained page key)."""
@@ -60,21 +66,22 @@ class PagedActivationRestore:
     """Entries resident at restore time."""
     desc: ActivationDesc
     """Descriptor of the whole restored prefix."""
-    pages: tuple[ActivationFrame, ...]
-    """The pages in token order, each a read-only view of the cached rows (never copied)."""
+    source: PagedRestore
+    """The index's hit: the cached page payloads (read-only views) and their token counts."""
+
+    def pages(self) -> tuple[ActivationFrame, ...]:
+        """The pages in token order, one frame each, viewing the cached rows (never copied)."""
+        return tuple(
+            ActivationFrame(
+                desc=attrs.evolve(self.desc, token_count=count, payload_bytes=int(payload.size)),
+                payload=payload,
+            )
+            for count, payload in zip(self.source.page_token_counts, self.source.pages, strict=True)
+        )
 
     def frame(self) -> ActivationFrame:
         """The whole prefix as one frame: at most one copy (none for one page or virtual rows)."""
-        if len(self.pages) == 1:
-            return self.pages[0]
-        payloads = [page.payload for page in self.pages]
-        virtual = all(p.size > 1 and p.strides[0] == 0 for p in payloads)
-        if virtual and len({int(p[0]) for p in payloads}) == 1:
-            joined: npt.NDArray[np.uint8] = np.broadcast_to(payloads[0][:1], (self.payload_bytes,))
-        else:
-            joined = np.concatenate(payloads)
-            joined.flags.writeable = False
-        return ActivationFrame(desc=self.desc, payload=joined)
+        return ActivationFrame(desc=self.desc, payload=self.source.payload())
 
     def to_restore(self) -> ResidentActivationRestore:
         """The same hit as the integration's usual result (assembling the frame)."""
@@ -116,6 +123,7 @@ class PagedStageIntegration(KvStageIntegration):
             max_entries=cfg.max_entries,
             max_bytes=cfg.max_bytes,
             min_tokens=cfg.min_tokens,
+            eviction="reuse" if cfg.page_eviction is PageEviction.REUSE else "lru",
         )
 
     # ----------------------------------------------------------------------------------------
@@ -170,13 +178,6 @@ class PagedStageIntegration(KvStageIntegration):
         if not isinstance(meta, ActivationDesc):  # pragma: no cover - only this class records
             msg = f"cached page meta must be an ActivationDesc, got {type(meta).__name__}"
             raise FrameError(msg)
-        pages = tuple(
-            ActivationFrame(
-                desc=attrs.evolve(meta, token_count=count, payload_bytes=int(payload.size)),
-                payload=payload,
-            )
-            for count, payload in zip(found.page_token_counts, found.pages, strict=True)
-        )
         count = found.token_count
         hash_ = "blake3:" + found.last_key.hex()
         return PagedActivationRestore(
@@ -186,7 +187,7 @@ class PagedStageIntegration(KvStageIntegration):
             payload_bytes=found.payload_bytes,
             entries=found.entries,
             desc=attrs.evolve(meta, token_count=count, payload_bytes=found.payload_bytes),
-            pages=pages,
+            source=found,
         )
 
     def record_resident_activation(
@@ -281,7 +282,7 @@ class PagedStageIntegration(KvStageIntegration):
             restored_tokens=s.restored_tokens,
             entries=s.entries,
             resident_bytes=s.resident_bytes,
-            unique_prefix_bytes=s.unique_prefix_bytes,
+            unique_prefix_bytes=self.index.unique_prefix_bytes(),
             evictions=s.evictions,
             evicted_bytes=s.evicted_bytes,
         )

@@ -77,6 +77,12 @@ def _to_index(value: object) -> CacheIndex:
         raise ConfigError(msg) from None
 
 
+def _eviction(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("lru", "reuse"):
+        msg = f"page_eviction must be 'lru' or 'reuse', got {value!r}"
+        raise ConfigError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class SimConfig:
     """Everything a replay depends on besides the requests (the CLI's flags)."""
@@ -126,6 +132,9 @@ class SimConfig:
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
     """Tokens per page in paged mode; ``None``: the stride."""
 
+    page_eviction: str = attrs.field(default="lru", validator=_eviction)
+    """Paged mode's eviction: ``lru`` or ``reuse``."""
+
     def __attrs_post_init__(self) -> None:
         if self.stride == 0 and self.record_limit > 0:
             msg = (
@@ -170,6 +179,7 @@ class SimConfig:
             "model_id": self.model_id,
             "index": str(self.index),
             "page_tokens": self.page_tokens if self.page_tokens is not None else self.stride,
+            "page_eviction": self.page_eviction,
         }
 
 
@@ -199,6 +209,7 @@ def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) ->
         shared_prefix_record_limit=config.record_limit,
         index=config.index,
         page_tokens=config.page_tokens,
+        page_eviction=config.page_eviction,
     )
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from stage_runtime import CacheIndex, ConfigError, KvCacheConfig, MessageBase
+from stage_runtime import (
+    CacheIndex,
+    ConfigError,
+    KvCacheConfig,
+    KvStageIntegration,
+    MessageBase,
+    PagedStageIntegration,
+    PageEviction,
+    StageConfig,
+)
 
 
 def test_index_defaults_to_the_upstream_ladder_and_pages_to_the_stride() -> None:
@@ -50,3 +59,20 @@ def test_cache_salt_is_optional_and_must_be_a_string() -> None:
     assert MessageBase(cache_salt="tenant-a").cache_salt == "tenant-a"
     with pytest.raises(ConfigError, match="cache_salt must be a string"):
         MessageBase(cache_salt=3)  # type: ignore[arg-type]
+
+
+def test_page_eviction_reaches_the_paged_index() -> None:
+    """page_eviction = "reuse" selects the reuse-aware policy; unknown values are named."""
+    config = StageConfig(
+        stage_id="s",
+        model_id="m",
+        layer_start=0,
+        layer_end=1,
+        kv_cache=KvCacheConfig(mode="lookup-record", index="paged", page_eviction="reuse"),
+    )
+    kv = KvStageIntegration.from_config(config, environ={})
+    assert isinstance(kv, PagedStageIntegration)
+    assert kv.index.eviction == "reuse"
+    assert KvCacheConfig().page_eviction is PageEviction.LRU
+    with pytest.raises(ConfigError, match="page_eviction must be one of 'lru', 'reuse'"):
+        KvCacheConfig(page_eviction="fifo")

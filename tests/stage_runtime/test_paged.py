@@ -281,6 +281,38 @@ def test_unique_prefix_bytes_counts_overlapping_tails_once() -> None:
     assert index.unique_prefix_bytes() == 5 * BPT
 
 
+@pytest.mark.parametrize(("eviction", "survivor"), [("lru", [3, 4]), ("reuse", [1, 2])])
+def test_reuse_eviction_keeps_a_popular_page_over_a_newer_one_off(
+    eviction: str, survivor: list[int]
+) -> None:
+    """LRU evicts the older popular page; reuse-aware eviction evicts the newer one-off page."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=2, eviction=eviction)  # type: ignore[arg-type]
+    record(index, [1, 2])
+    for _ in range(3):
+        assert restored(index, [1, 2]) == 2
+    record(index, [3, 4])
+    record(index, [5, 6])
+    assert restored(index, survivor) == 2
+    assert restored(index, [5, 6]) == 2
+    assert len(index) == 2
+
+
+def test_reuse_eviction_ages_out_old_popularity() -> None:
+    """Each eviction raises the floor, so a once-popular page cannot stay forever."""
+    index = PagedActivationIndex(page_tokens=1, max_entries=2, eviction="reuse")
+    record(index, [1])
+    assert restored(index, [1]) == 1  # value 2
+    for token in range(10, 14):  # each newcomer starts at the last victim's value + 1
+        record(index, [token])
+    assert restored(index, [1]) == 0
+
+
+def test_unknown_eviction_policy_is_refused() -> None:
+    """Only 'lru' and 'reuse' exist."""
+    with pytest.raises(ConfigError, match="eviction must be 'lru' or 'reuse', got 'mru'"):
+        PagedActivationIndex(page_tokens=1, max_entries=1, eviction="mru")  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ stateful model check
 
 Key = tuple[bytes, tuple[int, ...]]
@@ -289,7 +321,13 @@ Key = tuple[bytes, tuple[int, ...]]
 class ReferenceIndex:
     """The same policy over a dict of prefix tuples: the simplest thing that could be right."""
 
-    def __init__(self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int) -> None:
+    def __init__(
+        self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int, eviction: str
+    ) -> None:
+        self.eviction = eviction
+        self.hits: dict[Key, int] = {}
+        self.value: dict[Key, float] = {}  # the reuse policy's priority
+        self.inflation = 0.0
         self.p = page_tokens
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -322,8 +360,7 @@ class ReferenceIndex:
             start = (len(key[1]) - 1) // self.p * self.p
             size = (len(key[1]) - start) * BPT
             if key in self.entries:
-                self.clock += 1
-                self.entries[key] = self.clock
+                self.use(key, hit=False)
                 protect = key
                 continue
             while len(self.entries) + 1 > self.max_entries or (
@@ -333,13 +370,16 @@ class ReferenceIndex:
                 leaves = [k for k in self.entries if k not in parents and k != protect]
                 if not leaves:
                     return evicted
-                victim = min(leaves, key=self.entries.__getitem__)
+                victim = min(leaves, key=lambda k: (self.value[k], self.entries[k]))
+                self.inflation = max(self.inflation, self.value[victim])
                 del self.entries[victim]
                 self.tombstones.add(victim)
                 vstart = (len(victim[1]) - 1) // self.p * self.p
                 evicted.append((vstart, len(victim[1]) - vstart))
             self.clock += 1
             self.entries[key] = self.clock
+            self.hits[key] = 0
+            self.value[key] = self.inflation + self.prior(key) if self.eviction == "reuse" else 0.0
             self.tombstones.discard(key)
             protect = key
         return evicted
@@ -356,9 +396,18 @@ class ReferenceIndex:
         if k == 0 or k < self.min_tokens:
             return 0, reason
         for key in used:
-            self.clock += 1
-            self.entries[key] = self.clock
+            self.use(key, hit=True)
         return k, None
+
+    def prior(self, key: Key) -> float:
+        return 1.0 if len(key[1]) % self.p == 0 else 0.0
+
+    def use(self, key: Key, *, hit: bool) -> None:
+        self.clock += 1
+        self.entries[key] = self.clock
+        self.hits[key] += hit
+        if self.eviction == "reuse":
+            self.value[key] = self.inflation + self.prior(key) + self.hits[key]
 
     def unique_bytes(self) -> int:
         prefixes = {
@@ -382,15 +431,19 @@ class PagedIndexMachine(RuleBasedStateMachine):
         max_entries=st.integers(1, 8),
         max_bytes=st.sampled_from([0, 6 * BPT, 12 * BPT]),
         min_tokens=st.integers(0, 3),
+        eviction=st.sampled_from(["lru", "reuse"]),
     )
-    def setup(self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int) -> None:
+    def setup(
+        self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int, eviction: str
+    ) -> None:
         self.index = PagedActivationIndex(
             page_tokens=page_tokens,
             max_entries=max_entries,
             max_bytes=max_bytes,
             min_tokens=min_tokens,
+            eviction=eviction,  # type: ignore[arg-type]
         )
-        self.ref = ReferenceIndex(page_tokens, max_entries, max_bytes, min_tokens)
+        self.ref = ReferenceIndex(page_tokens, max_entries, max_bytes, min_tokens, eviction)
 
     @rule(ns=namespace_st, tokens=tokens_st)
     def record(self, ns: bytes, tokens: tuple[int, ...]) -> None:

@@ -210,8 +210,8 @@ def test_streaming_restore_hands_out_page_views() -> None:
     second = kv.restore_resident_pages(config, MessageBase(), 0, tokens, WIDTH)
     assert first is not None
     assert second is not None
-    assert [p.token_count for p in first.pages] == [4, 4, 2]
-    for a, b in zip(first.pages, second.pages, strict=True):
+    assert [p.token_count for p in first.pages()] == [4, 4, 2]
+    for a, b in zip(first.pages(), second.pages(), strict=True):
         assert np.shares_memory(a.payload, b.payload)
     np.testing.assert_array_equal(first.frame().rows(), causal_rows(tokens))
 
