@@ -117,33 +117,41 @@ def cache_level(requests: list[SimRequest], config: SimConfig, capacity: int) ->
     }
 
 
-def run_one(
-    requests: list[SimRequest],
-    base_config: SimConfig,
-    index: str,
-    capacity: int,
-    repeat: int,
-) -> dict[str, Any]:
-    """Both measurements for one index at one capacity (medians of ``repeat`` timings)."""
+def _config(base_config: SimConfig, index: str) -> SimConfig:
     import attrs
 
     if index == "paged-reuse":
-        config = attrs.evolve(base_config, index="paged", page_eviction="reuse")
-    else:
-        config = attrs.evolve(base_config, index=index)
-    cache_runs = [cache_level(requests, config, capacity) for _ in range(repeat)]
-    replay_walls: list[float] = []
-    replay_ratio = 0.0
+        return attrs.evolve(base_config, index="paged", page_eviction="reuse")
+    return attrs.evolve(base_config, index=index)
+
+
+def run_capacity(
+    requests: list[SimRequest], base_config: SimConfig, capacity: int, repeat: int
+) -> dict[str, dict[str, Any]]:
+    """Both measurements for every index at one capacity.
+
+    Repetitions are interleaved (ladder, paged, paged-reuse, ladder, ...) so that noise from
+    other work on the machine spreads over all of them; timings are medians.
+    """
+    cache_runs: dict[str, list[dict[str, Any]]] = {index: [] for index in INDEXES}
+    replay_walls: dict[str, list[float]] = {index: [] for index in INDEXES}
+    replay_ratio: dict[str, float] = {}
     for _ in range(repeat):
-        result = run_replay(requests, config, capacity_tokens=capacity)
-        replay_walls.append(result.wall_s)
-        replay_ratio = result.token_hit_ratio
-    out = dict(cache_runs[0])
-    out["cache_s_all"] = [r["cache_s"] for r in cache_runs]
-    out["cache_s"] = statistics.median(out["cache_s_all"])
-    out["replay_wall_s_all"] = replay_walls
-    out["replay_wall_s"] = statistics.median(replay_walls)
-    out["replay_token_hit_ratio"] = replay_ratio
+        for index in INDEXES:
+            config = _config(base_config, index)
+            cache_runs[index].append(cache_level(requests, config, capacity))
+            result = run_replay(requests, config, capacity_tokens=capacity)
+            replay_walls[index].append(result.wall_s)
+            replay_ratio[index] = result.token_hit_ratio
+    out: dict[str, dict[str, Any]] = {}
+    for index in INDEXES:
+        row = dict(cache_runs[index][0])
+        row["cache_s_all"] = [r["cache_s"] for r in cache_runs[index]]
+        row["cache_s"] = statistics.median(row["cache_s_all"])
+        row["replay_wall_s_all"] = replay_walls[index]
+        row["replay_wall_s"] = statistics.median(replay_walls[index])
+        row["replay_token_hit_ratio"] = replay_ratio[index]
+        out[index] = row
     return out
 
 
@@ -241,9 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     results: dict[str, dict[str, Any]] = {}
     for capacity in args.capacities:
-        results[str(capacity)] = {
-            index: run_one(requests, config, index, capacity, args.repeat) for index in INDEXES
-        }
+        results[str(capacity)] = run_capacity(requests, config, capacity, args.repeat)
 
     checks: dict[str, bool] = {}
     for capacity in args.capacities:
