@@ -55,6 +55,11 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
+from stage_runtime.index_modes import (
+    LadderStageIntegration,
+    PagedActivationRestore,
+    PagedStageIntegration,
+)
 from stage_runtime.integration import (
     ActivationRecordSummary,
     KvStageIntegration,
@@ -83,7 +88,6 @@ from stage_runtime.paged import (
     PagedRestore,
     page_chain,
 )
-from stage_runtime.paged_stage import PagedActivationRestore, PagedStageIntegration
 from stage_runtime.pipeline import (
     Pipeline,
     PipelineStats,
@@ -177,6 +181,7 @@ __all__ = [
     "PagedRestore",
     "page_chain",
     "LadderAccounting",
+    "LadderStageIntegration",
     "PagedActivationRestore",
     "PagedStageIntegration",
     "paged_namespace",

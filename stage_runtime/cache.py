@@ -9,6 +9,7 @@ most recently used, so finding the victim is O(1) and equals the upstream's "sma
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Hashable
 from typing import Any, Final, Literal
 
 import attrs
@@ -18,6 +19,7 @@ from stage_runtime.frames import ActivationFrame
 
 __all__ = [
     "CacheLookup",
+    "KeyIndex",
     "CacheRecordOutcome",
     "EvictedEntry",
     "EvictionReason",
@@ -29,6 +31,14 @@ _U64_MAX: Final = 2**64 - 1
 
 EvictionReason = Literal["max_entries", "max_bytes", "cleared"]
 """Why an entry left the cache: the entry bound, the byte bound, or :meth:`clear`."""
+
+KeyIndex = Callable[[str], "tuple[Hashable, int] | None"]
+"""Maps a key to ``(group, count)`` for the cache's count index, or None to leave it out.
+
+The integration passes one that reads ``(token_start, width)`` and the token count out of an
+``act:`` key, so a restore can tell which candidate lengths cannot possibly hit without hashing
+them (see :meth:`ResidentActivationCache.indexed_counts`).
+"""
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +127,7 @@ class _Entry:
     byte_size: int
     last_used: int
     frame: ActivationFrame
+    slot: tuple[Hashable, int] | None
 
 
 def _bound(name: str, value: object, low: int) -> int:
@@ -138,6 +149,8 @@ class ResidentActivationCache:
         max_bytes: Bytes kept; 0 means no byte bound. An entry larger than this is still stored,
             after evicting everything else (as upstream).
         min_tokens: Records of fewer tokens are refused.
+        key_index: Optional :data:`KeyIndex`; when given, the cache keeps, per group, the counts
+            of the resident keys (:meth:`indexed_counts`).
 
     Raises:
         ConfigError: a bound is negative, or ``max_entries`` is 0.
@@ -154,11 +167,22 @@ class ResidentActivationCache:
     _records: int
     _evictions: int
     _evicted_bytes: int
+    key_index: KeyIndex | None
+    _index: dict[Hashable, dict[int, int]]
 
-    def __init__(self, max_entries: int = 64, max_bytes: int = 0, min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        max_entries: int = 64,
+        max_bytes: int = 0,
+        min_tokens: int = 0,
+        *,
+        key_index: KeyIndex | None = None,
+    ) -> None:
         self.max_entries = _bound("max_entries", max_entries, 1)
         self.max_bytes = _bound("max_bytes", max_bytes, 0)
         self.min_tokens = _bound("min_tokens", min_tokens, 0)
+        self.key_index = key_index
+        self._index = {}
         self._entries = {}
         self._clock = 0
         self._resident_bytes = 0
@@ -218,7 +242,9 @@ class ResidentActivationCache:
         would be exceeded; an entry larger than ``max_bytes`` is stored anyway once the cache is
         empty.
 
-        The frame is stored as given (frames are immutable views; nothing is copied).
+        The frame is stored as given (frames are immutable views; nothing is copied). As
+        upstream, ``token_count`` and ``byte_size`` are not checked against the frame here:
+        :meth:`KvStageIntegration.restore_resident_activation` validates hits instead.
 
         Raises:
             ConfigError: a bad key, count or size (the cache is left unchanged).
@@ -234,10 +260,12 @@ class ResidentActivationCache:
             raise FrameError(msg)
         if token_count < self.min_tokens or byte_size == 0:
             return CacheRecordOutcome()
+        slot = None if self.key_index is None else self.key_index(key)  # before any change
         self._clock += 1
         previous = self._entries.pop(key, None)
         if previous is not None:
             self._resident_bytes -= previous.byte_size
+            self._unindex(previous)
         evicted: list[EvictedEntry] = []
         while self._entries:
             if len(self._entries) + 1 > self.max_entries:
@@ -249,6 +277,7 @@ class ResidentActivationCache:
             victim_key = next(iter(self._entries))
             victim = self._entries.pop(victim_key)
             self._resident_bytes -= victim.byte_size
+            self._unindex(victim)
             evicted.append(
                 EvictedEntry(
                     key=victim_key,
@@ -257,8 +286,15 @@ class ResidentActivationCache:
                     reason=reason,
                 )
             )
+        if slot is not None:
+            counts = self._index.setdefault(slot[0], {})
+            counts[slot[1]] = counts.get(slot[1], 0) + 1
         self._entries[key] = _Entry(
-            token_count=token_count, byte_size=byte_size, last_used=self._clock, frame=frame
+            token_count=token_count,
+            byte_size=byte_size,
+            last_used=self._clock,
+            frame=frame,
+            slot=slot,
         )
         self._resident_bytes += byte_size
         self._records += 1
@@ -284,8 +320,41 @@ class ResidentActivationCache:
             for key, e in self._entries.items()
         )
         self._entries.clear()
+        self._index.clear()
         self._resident_bytes = 0
         return cleared
+
+    def count_misses(self, count: int) -> None:
+        """Account for ``count`` lookups known to miss, exactly as that many missed
+        :meth:`lookup` calls would: the clock and the lookup and miss counters advance; no entry
+        changes. Lets a caller skip hashing keys that the count index rules out.
+
+        Raises:
+            ConfigError: ``count`` is negative.
+        """
+        _bound("count", count, 0)
+        self._clock += count
+        self._lookups += count
+
+    def indexed_counts(self, group: Hashable) -> Collection[int]:
+        """Counts of the resident keys in ``group`` under the cache's ``key_index``.
+
+        A key whose ``(group, count)`` is not listed here is not resident. Empty when the cache
+        has no ``key_index``. Does not touch recency or counters.
+        """
+        return self._index.get(group, {}).keys()
+
+    def _unindex(self, entry: _Entry) -> None:
+        if entry.slot is None:
+            return
+        group, count = entry.slot
+        counts = self._index[group]
+        if counts[count] == 1:
+            del counts[count]
+            if not counts:
+                del self._index[group]
+        else:
+            counts[count] -= 1
 
     def stats(self) -> ResidentCacheStats:
         """Current counters."""
@@ -309,4 +378,5 @@ class ResidentActivationCache:
                 for k, e in self._entries.items()
             ],
             self.stats(),
+            {group: dict(counts) for group, counts in self._index.items()},
         )

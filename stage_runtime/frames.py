@@ -180,8 +180,13 @@ class ActivationFrame:
     desc: ActivationDesc = attrs.field(validator=attrs.validators.instance_of(ActivationDesc))
     """What the payload holds."""
 
-    payload: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_payload)
+    payload: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_payload, repr=False)
     """The bytes, read-only; ``payload.size == desc.payload_bytes``."""
+
+    def __repr__(self) -> str:
+        # Never print payload bytes: they can be gigabytes (and virtual).
+        kind = "virtual" if self.is_virtual else "view"
+        return f"ActivationFrame(desc={self.desc!r}, payload=<uint8[{self.payload.size}] {kind}>)"
 
     def __attrs_post_init__(self) -> None:
         if self.desc.payload_bytes != self.payload.size:

@@ -8,10 +8,12 @@ Every argument is validated before the cache is touched, so a rejected call (a
 :class:`~stage_runtime.errors.ConfigError` or :class:`~stage_runtime.errors.FrameError`) leaves the
 cache exactly as it was: same entries, same recency, same counters.
 
-A stage calls restore and then record with the same tokens. The prefix hashes computed for the
-restore's lookup candidates are remembered (keyed on the token *contents*, compared against a
-private copy) and reused by the record, whose candidates are a subset of the lookup candidates,
-so the pair costs one pass over the tokens.
+A stage calls restore and then record with the same tokens. The cache indexes its keys by
+``(token_start, width, token_count)``, so a restore hashes only the candidate lengths that could
+hit (the others are accounted as misses without hashing, exactly as probing them would be). It
+hashes the record lengths in the same pass; the hashes are remembered (keyed on the token
+*contents*, compared against a private copy) and reused by the record, so the pair costs about
+one pass over the tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.accounting import CacheAccounting, LadderAccounting
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import (
-    CacheRecordOutcome,
     EvictedEntry,
     ResidentActivationCache,
     ResidentCacheStats,
@@ -51,12 +52,12 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
-from stage_runtime.paged import PageChain, page_chain
 from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
-from stage_runtime.tenancy import paged_namespace, salted_prefix_hashes
+from stage_runtime.tenancy import salted_prefix_hashes
 
 __all__ = [
     "ActivationRecordSummary",
+    "activation_key_slot",
     "KvStageIntegration",
     "PageIdentity",
     "PrefillKvIdentity",
@@ -235,8 +236,6 @@ class _HashMemo:
     tokens: TokenArray
     """A private copy: the caller may reuse or mutate its own array."""
     hashes: dict[int, str]
-    complete: bool
-    """Whether ``hashes`` holds every lookup candidate (and so every count callers ask for)."""
 
     def matches(
         self, config: StageConfig, token_start: int, namespace: str | None, tokens: TokenArray
@@ -282,12 +281,12 @@ class KvStageIntegration:
     cache_healthy: bool = True
     """Cleared to stop all lookups and records (the upstream's V-E health gate)."""
 
-    _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
+    probe_all: bool = False
+    """Hash and look up every candidate on restore, as the spec reads literally. By default only
+    candidate lengths with a resident key are hashed (same results, clock and counters); set this
+    when something must see the key of every candidate (e.g. miss-reason tracking)."""
 
-    _ladder_accounting: LadderAccounting = attrs.field(
-        factory=LadderAccounting, init=False, repr=False
-    )
-    _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
+    _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(
@@ -324,11 +323,12 @@ class KvStageIntegration:
             max_resident_tokens_hint=derive_max_resident_tokens(config.ctx_size),
         )
         integration_cls = cls
-        if cache_config.index is CacheIndex.PAGED:
-            # Imported here: paged_stage subclasses this class.
-            from stage_runtime.paged_stage import PagedStageIntegration
+        if cls is KvStageIntegration:
+            # The index modes (issue 6) subclass this class, hence the late import.
+            from stage_runtime.index_modes import LadderStageIntegration, PagedStageIntegration
 
-            integration_cls = PagedStageIntegration
+            paged = cache_config.index is CacheIndex.PAGED
+            integration_cls = PagedStageIntegration if paged else LadderStageIntegration
         return integration_cls(
             mode=cache_config.mode,
             payload=effective_cache_payload(cache_config.payload, config.model_id),
@@ -338,6 +338,7 @@ class KvStageIntegration:
                 max_entries=cache_config.max_entries,
                 max_bytes=cache_config.max_bytes,
                 min_tokens=cache_config.min_tokens,
+                key_index=activation_key_slot,
             ),
         )
 
@@ -438,38 +439,64 @@ class KvStageIntegration:
         width = _check_width(activation_width)
         if not self.should_lookup() or array.size == 0:
             return None
-        counts = self.policy.candidate_token_counts(int(array.size))
-        hashes = self._hashes(config, base, token_start, array, counts)
-        probed: list[str] = []
-        rejected = False
-        for count in counts:
+        n = int(array.size)
+        counts = self.policy.candidate_token_counts(n)
+        # Only candidates with a resident key of their (start, width, count) can hit; the others
+        # are accounted as the misses they would be without hashing them (same clock, same
+        # counters, same recency as probing every candidate).
+        if not self.probe_all and self.cache.key_index is activation_key_slot:
+            group = (str(token_start), f"w{width}")
+            probes = sorted(
+                (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
+                reverse=True,
+            )
+        else:  # a cache built without our index: probe every candidate
+            probes = counts
+        if not probes:
+            self.cache.count_misses(len(counts))
+            return None
+        wanted = list(probes)
+        if self.should_record():
+            # The record of this prompt comes next: hash its lengths in the same pass.
+            wanted += self.policy.record_candidate_token_counts(n)
+        hashes = self._hashes(config, base, token_start, array, wanted)
+        skipped = 0
+        remaining = iter(probes)
+        probe = next(remaining)
+        for index, count in enumerate(counts):
+            if count != probe:
+                skipped += 1
+                continue
+            self.cache.count_misses(skipped)
+            skipped = 0
             pid = page_id(config, token_start, count, hashes[count])
             key = activation_page_id(pid, width)
             hit = self.cache.lookup(key)
-            probed.append(key)
-            if hit is None:
-                continue
-            frame = hit.frame
-            if (
-                hit.token_count != count
-                or frame.desc.token_count != count
-                or frame.desc.payload_bytes != hit.byte_size
-                or frame.payload.size != hit.byte_size
-            ):
-                rejected = True
-                continue
-            self._ladder_accounting.hit(count)
-            identity = self._identity(config, base, token_start, array, count, hashes[count])
-            return ResidentActivationRestore(
-                identity=identity,
-                page_id=key,
-                token_count=count,
-                payload_bytes=hit.byte_size,
-                entries=hit.entries,
-                frame=frame,
-            )
-        self._ladder_accounting.miss(probed, rejected=rejected)
-        return None
+            if hit is not None:
+                frame = hit.frame
+                if (
+                    hit.token_count == count
+                    and frame.desc.token_count == count
+                    and frame.desc.payload_bytes == hit.byte_size
+                    and frame.payload.size == hit.byte_size
+                ):
+                    identity = self._identity(
+                        config, base, token_start, array, count, hashes[count]
+                    )
+                    return ResidentActivationRestore(
+                        identity=identity,
+                        page_id=key,
+                        token_count=count,
+                        payload_bytes=hit.byte_size,
+                        entries=hit.entries,
+                        frame=frame,
+                    )
+            next_probe = next(remaining, None)
+            if next_probe is None:
+                self.cache.count_misses(len(counts) - index - 1)
+                return None
+            probe = next_probe
+        return None  # pragma: no cover - every probe is a candidate, so the loop returns
 
     def record_resident_activation(
         self,
@@ -523,7 +550,6 @@ class KvStageIntegration:
             candidate = frame._cut(count)
             key = activation_page_id(page_id(config, token_start, count, hashes[count]), width)
             outcome = self.cache.record(key, count, candidate.payload.size, candidate)
-            self._account_record(config, base, token_start, array, width, key, candidate, outcome)
             stats = self.cache.stats()
             records.append(
                 ResidentActivationRecord(
@@ -542,9 +568,7 @@ class KvStageIntegration:
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every cached frame; returns them with reason ``"cleared"``."""
         self._memo = None
-        cleared = self.cache.clear()
-        self._ladder_accounting.evicted(cleared)
-        return cleared
+        return self.cache.clear()
 
     def stats(self) -> ResidentCacheStats:
         """The cache's counters."""
@@ -574,6 +598,17 @@ class KvStageIntegration:
             raise ConfigError(msg)
         return as_token_array(tokens)
 
+    def accounting(self) -> CacheAccounting:
+        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes.
+
+        Integrations built by :meth:`from_config` (both index modes) implement it.
+
+        Raises:
+            NotImplementedError: on a bare ``KvStageIntegration`` built by hand.
+        """
+        msg = "accounting() needs an integration built by KvStageIntegration.from_config"
+        raise NotImplementedError(msg)
+
     def _hashes(
         self,
         config: StageConfig,
@@ -582,7 +617,7 @@ class KvStageIntegration:
         array: TokenArray,
         counts: list[int],
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set."""
+        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6)."""
         hashes = self._unsalted_hashes(config, base, token_start, array, counts)
         if base.cache_salt is None:
             return hashes
@@ -596,35 +631,26 @@ class KvStageIntegration:
         array: TokenArray,
         counts: list[int],
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, reusing the previous prompt's pass when it matches.
+        """Prefix hashes for ``counts``, reusing those of the previous prompt when it matches.
 
-        Callers ask for subsets of the lookup candidates of ``len(array)`` plus ``len(array)``
-        itself (record candidates are a subset of the lookup candidates). When the cache looks
-        things up, a new pass hashes all lookup candidates so that the record of the same prompt
-        finds them; a memo hit then needs no per-count check (which would cost more than the
-        lookup it saves). A record-only cache hashes just the few record lengths.
+        The memo is keyed on the token contents (compared against a private copy), so a caller
+        mutating its array between calls gets fresh hashes. Missing counts of a matching prompt
+        are added by one more pass.
         """
         namespace = base.chat_template_id
         memo = self._memo
-        if (
-            array.size > 0
-            and memo is not None
-            and memo.matches(config, token_start, namespace, array)
-            and (memo.complete or all(count in memo.hashes for count in counts))
-        ):
+        if memo is not None and memo.matches(config, token_start, namespace, array):
+            missing = [count for count in counts if count not in memo.hashes]
+            if missing:
+                memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
             return memo.hashes
-        wanted = set(counts)
-        complete = self.should_lookup()
-        if complete:
-            wanted.update(self.policy.candidate_token_counts(int(array.size)))
-        hashes = prefix_hashes(config, token_start, array, wanted, namespace)
+        hashes = prefix_hashes(config, token_start, array, counts, namespace)
         self._memo = _HashMemo(
             config=config,
             token_start=token_start,
             namespace=namespace,
             tokens=array.copy(),
             hashes=hashes,
-            complete=complete,
         )
         return hashes
 
@@ -660,57 +686,24 @@ class KvStageIntegration:
             token_ids=_readonly(array[:count]),
         )
 
-    # ----------------------------------------------------------------------------------------
-    # accounting (issue 6): miss reasons, restored tokens, unique-prefix footprint
 
-    def accounting(self) -> CacheAccounting:
-        """Hits, misses by reason, restored tokens and residency vs unique-prefix bytes."""
-        acc = self._ladder_accounting
-        stats = self.cache.stats()
-        return CacheAccounting(
-            index="ladder",
-            lookups=acc.lookups,
-            hits=acc.hits,
-            misses_never_seen=acc.miss_counts["never_seen"],
-            misses_evicted=acc.miss_counts["evicted"],
-            misses_rejected=acc.miss_counts["rejected"],
-            restored_tokens=acc.restored_tokens,
-            entries=stats.entries,
-            resident_bytes=stats.resident_bytes,
-            unique_prefix_bytes=acc.footprint.unique_bytes(),
-            evictions=stats.evictions,
-            evicted_bytes=stats.evicted_bytes,
-        )
+def activation_key_slot(key: str) -> tuple[tuple[str, str], int] | None:
+    """``((token_start, "w{width}"), token_count)`` of an ``act:`` key, or None for other keys.
 
-    def _account_record(
-        self,
-        config: StageConfig,
-        base: MessageBase,
-        token_start: int,
-        array: TokenArray,
-        width: int,
-        key: str,
-        candidate: ActivationFrame,
-        outcome: CacheRecordOutcome,
-    ) -> None:
-        self._ladder_accounting.evicted(outcome.evicted)
-        if not outcome.stored:
-            return
-        namespace = paged_namespace(config, token_start, base, width)
-        chain = self._footprint_chain
-        if not (
-            chain is not None
-            and chain.namespace == namespace
-            and chain.tokens.size == array.size
-            and bool(np.array_equal(chain.tokens, array))
-        ):
-            chain = page_chain(
-                namespace, array, page_tokens=self.cache_config.effective_page_tokens
-            )
-            self._footprint_chain = chain
-        count = candidate.token_count
-        bpt = max(candidate.payload.size // max(count, 1), 1)
-        self._ladder_accounting.stored(key, chain.segments(count), bpt)
+    The cache's :data:`~stage_runtime.cache.KeyIndex` for activation keys
+    ``act:{stage}:{start}:{count}:{layer_start}:{digest}:w{width}`` (the stage id may itself
+    contain colons, so the key is split from the right).
+    """
+    if not key.startswith("act:"):
+        return None
+    parts = key.rsplit(":", 5)
+    if len(parts) != 6 or not parts[5].startswith("w"):
+        return None
+    try:
+        count = int(parts[2])
+    except ValueError:
+        return None
+    return (parts[1], parts[5]), count
 
 
 def _check_width(width: object) -> int:

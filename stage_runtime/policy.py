@@ -109,6 +109,24 @@ class CandidatePolicy:
         top = max(top, low)
         return [n, *range(top, low, -stride), low]
 
+    def is_candidate(self, token_count: int, count: int) -> bool:
+        """Whether ``count`` is in ``candidate_token_counts(token_count)``, in O(1)."""
+        n = token_count
+        if n <= 0 or count <= 0 or count > n:
+            return False
+        if count == n:
+            return True
+        low = self.min_tokens
+        if low == 0 or n <= low or count < low:
+            return False
+        if count == low:
+            return True
+        stride = self.effective_stride
+        top = n - n % stride
+        if top == n:
+            top = n - stride
+        return count <= top and (top - count) % stride == 0
+
     def record_candidate_token_counts(self, token_count: int) -> list[int]:
         """Prefix lengths to record for an N-token prompt, longest first (spec §2.2).
 

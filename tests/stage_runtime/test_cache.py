@@ -19,6 +19,7 @@ from stage_runtime import (
     ResidentActivationCache,
     ResidentCacheStats,
 )
+from stage_runtime.integration import activation_key_slot
 
 
 def frame(tokens: int = 4, nbytes: int = 16) -> ActivationFrame:
@@ -202,7 +203,10 @@ def test_bad_record_leaves_cache_unchanged(
 
 # --- stateful: the cache against a dict + counter reference model ---------------------------
 
-KEYS = st.sampled_from([f"k{i}" for i in range(6)])
+# Half the keys look like activation keys, so the count index is exercised too.
+KEYS = st.sampled_from(
+    [f"k{i}" for i in range(3)] + [f"act:stage:0:{300 + i % 2}:0:ab{i}:w4" for i in range(4)]
+)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -225,7 +229,9 @@ class CacheMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 3),
     )
     def create(self, max_entries: int, max_bytes: int, min_tokens: int) -> None:
-        self.cache = ResidentActivationCache(max_entries, max_bytes, min_tokens)
+        self.cache = ResidentActivationCache(
+            max_entries, max_bytes, min_tokens, key_index=activation_key_slot
+        )
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
 
     @precondition(lambda self: self.cache is not None)
@@ -307,7 +313,38 @@ class CacheMachine(RuleBasedStateMachine):
             self.evicted_bytes,
         )
         assert stats.entries <= self.max_entries
+        slots = [activation_key_slot(key) for key in self.model]
+        expected_counts = sorted(count for slot in slots if slot for _, count in [slot])
+        indexed = self.cache.indexed_counts(("0", "w4"))
+        assert sorted(set(expected_counts)) == sorted(indexed)
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestCacheAgainstReferenceModel = CacheMachine.TestCase
+
+
+def test_count_misses_acts_like_missed_lookups() -> None:
+    """count_misses(n) advances the clock and the lookup/miss counters by n, nothing else."""
+    a = ResidentActivationCache(max_entries=2)
+    b = ResidentActivationCache(max_entries=2)
+    for cache in (a, b):
+        cache.record("x", 4, 16, frame())
+    for _ in range(3):
+        a.lookup("missing")
+    b.count_misses(3)
+    assert a.clock == b.clock == 4
+    assert a.stats() == b.stats()
+    with pytest.raises(ConfigError, match="count must be >= 0, got -1"):
+        b.count_misses(-1)
+
+
+def test_indexed_counts_follow_records_evictions_and_clear() -> None:
+    """The count index lists resident act: keys per (start, width) group."""
+    cache = ResidentActivationCache(max_entries=2, key_index=activation_key_slot)
+    cache.record("act:s:0:300:0:aa:w8", 300, 16, frame())
+    cache.record("act:s:0:256:0:bb:w8", 256, 16, frame())
+    cache.record("plain", 4, 16, frame())  # evicts the 300 key; not indexed itself
+    assert sorted(cache.indexed_counts(("0", "w8"))) == [256]
+    assert list(cache.indexed_counts(("5", "w8"))) == []
+    cache.clear()
+    assert list(cache.indexed_counts(("0", "w8"))) == []

@@ -320,3 +320,10 @@ def test_from_array_keeps_broadcast_zeros_virtual() -> None:
     copied = ActivationFrame.from_array(ones)
     assert not copied.is_virtual
     np.testing.assert_array_equal(copied.rows(), ones)
+
+
+def test_repr_never_prints_the_payload() -> None:
+    """A frame's repr names size and kind, not the bytes."""
+    frame = ActivationFrame.virtual(token_count=4, bytes_per_token=2)
+    assert repr(frame).endswith("payload=<uint8[8] virtual>)")
+    assert "payload=<uint8[16] view>" in repr(byte_frame(4, 16))

@@ -7,6 +7,8 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_runtime import (
     ActivationFrame,
@@ -18,14 +20,18 @@ from stage_runtime import (
     KvCacheConfig,
     KvStageIntegration,
     MessageBase,
+    ResidentActivationCache,
     ResidentActivationRecord,
     StageConfig,
     activation_page_id,
     effective_cache_payload,
+    page_id,
+    prefix_hash,
     prefix_namespace_hash,
     summarize_records,
 )
 from stage_runtime import integration as integration_module
+from stage_runtime.integration import activation_key_slot
 
 from ._seed import activation_frame, seed_base, seed_config, seed_integration
 
@@ -617,3 +623,140 @@ def test_a_frame_disagreeing_with_its_payload_never_reaches_the_cache() -> None:
     ):
         ActivationFrame(desc=attrs.evolve(good.desc, payload_bytes=1199), payload=good.payload)
     assert kv.cache._snapshot() == before
+
+
+BLOCKS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(BLOCKS, min_size=1, max_size=6))
+def test_restored_rows_always_belong_to_the_query_prefix(prompts: list[list[int]]) -> None:
+    """Whatever was recorded before, a restore returns exactly the rows of the query's first k
+    tokens (rows here are a function of the token prefix, as a causal model's are)."""
+    config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=6)
+    kv = seed_integration(config)
+    base = seed_base()
+    for blocks in prompts:
+        # 32-token blocks drawn from 4 kinds: prompts share prefixes block-wise.
+        tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
+        rows = np.cumsum(tokens.astype(np.float64))[:, None].astype(np.float32) * np.ones(
+            (1, 4), dtype=np.float32
+        )
+        restored = kv.restore_resident_activation(config, base, 0, tokens, 4)
+        if restored is not None:
+            k = restored.token_count
+            assert 0 < k <= tokens.size
+            np.testing.assert_array_equal(restored.frame.rows(), rows[:k])
+            np.testing.assert_array_equal(restored.identity.token_ids, tokens[:k])
+        frame = ActivationFrame.from_array(rows, layer_end=4)
+        kv.record_resident_activation(config, base, 0, tokens, 4, frame)
+
+
+def test_activation_key_slot_parses_from_the_right() -> None:
+    """Stage ids may contain colons; non-activation keys are not indexed."""
+    assert activation_key_slot("act:pipe:stage:0:7:2176:0:0123456789abcdef:w4096") == (
+        ("7", "w4096"),
+        2176,
+    )
+    assert activation_key_slot("other") is None
+    assert activation_key_slot("act:x:y") is None
+    assert activation_key_slot("act:s:0:many:0:ab:w4") is None
+
+
+def reference_restore(
+    kv: KvStageIntegration,
+    config: StageConfig,
+    base: MessageBase,
+    start: int,
+    tokens: np.ndarray[Any, Any],
+    width: int,
+) -> tuple[int, str] | None:
+    """Spec §5.1 read literally: hash and look up every candidate, longest first."""
+    if not kv.should_lookup() or tokens.size == 0:
+        return None
+    for count in kv.policy.candidate_token_counts(int(tokens.size)):
+        digest = prefix_hash(config, start, tokens[:count], base.chat_template_id)
+        key = activation_page_id(page_id(config, start, count, digest), width)
+        hit = kv.cache.lookup(key)
+        if hit is None:
+            continue
+        if (
+            hit.token_count == count
+            and hit.frame.desc.token_count == count
+            and hit.frame.desc.payload_bytes == hit.byte_size
+            and hit.frame.payload.size == hit.byte_size
+        ):
+            return count, key
+    return None
+
+
+def observable(kv: KvStageIntegration) -> tuple[Any, ...]:
+    """Clock, entries in LRU order with their recency, and counters."""
+    clock, entries, stats, _ = kv.cache._snapshot()
+    return clock, [entry[:4] for entry in entries], stats
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "restore", "restore", "plant"]),
+        st.lists(st.integers(0, 3), min_size=1, max_size=10),
+        st.sampled_from([0, 32]),
+        st.sampled_from([4, 8]),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS)
+def test_restore_matches_the_literal_spec_reading(
+    ops: list[tuple[str, list[int], int, int]],
+) -> None:
+    """The index-pruned restore gives the same answers, clock, recency and counters as probing
+    every candidate, whatever was recorded, planted or evicted before."""
+    config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=5)
+    base = seed_base()
+    fast, slow, full = seed_integration(config), seed_integration(config), seed_integration(config)
+    full.probe_all = True
+    for op, blocks, start, width in ops:
+        tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
+        frame = ActivationFrame.virtual(token_count=tokens.size, bytes_per_token=width * 4)
+        if op == "record":
+            for kv in (fast, slow, full):
+                kv.record_resident_activation(config, base, start, tokens, width, frame)
+        elif op == "plant":
+            # an entry under the exact key whose frame is one token short (fails validation)
+            short = ActivationFrame.virtual(token_count=tokens.size - 1, bytes_per_token=4)
+            ident = fast.prefill_identity(config, base, start, tokens)
+            key = activation_page_id(ident.page_id, width)
+            for kv in (fast, slow, full):
+                kv.cache.record(key, tokens.size, short.payload_bytes, short)
+        else:
+            got = fast.restore_resident_activation(config, base, start, tokens, width)
+            want = reference_restore(slow, config, base, start, tokens, width)
+            assert (None if got is None else (got.token_count, got.page_id)) == want
+            every = full.restore_resident_activation(config, base, start, tokens, width)
+            assert (None if every is None else (every.token_count, every.page_id)) == want
+        assert observable(fast) == observable(slow) == observable(full)
+
+
+def test_cache_without_key_index_is_probed_fully() -> None:
+    """An integration built by hand around a plain cache still finds its entries."""
+    config = seed_config()
+    built = seed_integration(config)
+    kv = KvStageIntegration(
+        mode=built.mode,
+        payload=built.payload,
+        cache_config=built.cache_config,
+        policy=built.policy,
+        cache=ResidentActivationCache(max_entries=8, min_tokens=256),
+    )
+    tokens = list(range(2214))
+    kv.record_resident_activation(
+        config, seed_base(), 0, tokens, 4096, activation_frame(2214, 8856)
+    )
+    restored = kv.restore_resident_activation(config, seed_base(), 0, [*tokens, 5, 6], 4096)
+    assert restored is not None
+    assert restored.token_count == 2176
+    assert kv.stats().lookups == 2

@@ -14,6 +14,7 @@ from stage_runtime import (
     CacheMode,
     KvCacheConfig,
     KvStageIntegration,
+    LadderStageIntegration,
     MessageBase,
     PagedStageIntegration,
     StageConfig,
@@ -79,6 +80,7 @@ def test_from_config_builds_the_index_the_config_names() -> None:
     assert isinstance(kv, PagedStageIntegration)
     assert kv.index.page_tokens == 8
     ladder, _ = integration("ladder")
+    assert isinstance(ladder, LadderStageIntegration)
     assert not isinstance(ladder, PagedStageIntegration)
     assert stage("paged").kv_cache is not None
     assert stage("paged").kv_cache.index is CacheIndex.PAGED  # type: ignore[union-attr]

@@ -265,3 +265,21 @@ def test_policy_properties(min_tokens: int, stride: int, limit: int, hint: int, 
         assert lookup[-1] == min_tokens
         if limit == 0 or limit >= 2:
             assert record[1] == lookup[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    min_tokens=st.integers(0, 300),
+    stride=st.integers(0, 200),
+    n=st.integers(0, 3000),
+    data=st.data(),
+)
+def test_is_candidate_matches_the_candidate_list(
+    min_tokens: int, stride: int, n: int, data: st.DataObject
+) -> None:
+    """is_candidate(n, c) is membership in candidate_token_counts(n)."""
+    p = policy(min_tokens, stride, 2)
+    candidates = set(p.candidate_token_counts(n))
+    probes = data.draw(st.lists(st.integers(-1, n + 2), max_size=30))
+    for c in [*probes, *candidates, min_tokens, n]:
+        assert p.is_candidate(n, c) == (c in candidates)

@@ -1,11 +1,15 @@
-"""The paged index mode of :class:`~stage_runtime.integration.KvStageIntegration`.
+"""The two index modes of :class:`~stage_runtime.integration.KvStageIntegration` (issue 6).
 
-``KvStageIntegration.from_config`` returns a :class:`PagedStageIntegration` when the stage's
-``kv_cache.index`` is ``"paged"``. It keeps the integration's API and result types, so the cache
-actor, the stage and the pipeline do not know which index they talk to; underneath, a
-:class:`~stage_runtime.paged.PagedActivationIndex` replaces the ladder's per-length entries.
+``KvStageIntegration.from_config`` returns one of these, chosen by ``kv_cache.index``:
 
-Differences a caller can see:
+- :class:`LadderStageIntegration` (``"ladder"``, the default): the upstream's behaviour, exactly
+  (the base class does the work), plus accounting: misses by reason, restored tokens and the
+  unique-prefix footprint of the resident entries;
+- :class:`PagedStageIntegration` (``"paged"``): a :class:`~stage_runtime.paged.PagedActivationIndex`
+  replaces the ladder's per-length entries behind the same API and result types, so the cache
+  actor, the stage and the pipeline do not know which index they talk to.
+
+Differences a caller of the paged mode can see:
 
 - a restore returns the longest cached run of pages (any page boundary, not only grid lengths),
   plus the tail when the whole prompt matches; its ``identity.prefix_hash`` is the chained page
@@ -25,18 +29,19 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.accounting import CacheAccounting
+from stage_runtime.accounting import CacheAccounting, LadderAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.config import MessageBase, PageEviction, StageConfig
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
-from stage_runtime.identity import TokenArray
+from stage_runtime.identity import TokenArray, activation_page_id, as_token_array, page_id
 from stage_runtime.integration import (
     KvStageIntegration,
     PrefillKvIdentity,
     ResidentActivationRecord,
     ResidentActivationRestore,
     _check_width,
+    activation_key_slot,
 )
 from stage_runtime.paged import (
     EvictedPage,
@@ -47,7 +52,162 @@ from stage_runtime.paged import (
 )
 from stage_runtime.tenancy import paged_namespace
 
-__all__ = ["PagedActivationRestore", "PagedStageIntegration"]
+__all__ = ["LadderStageIntegration", "PagedActivationRestore", "PagedStageIntegration"]
+
+
+@attrs.define(eq=False)
+class LadderStageIntegration(KvStageIntegration):
+    """The upstream ladder index, unchanged, plus the accounting both modes report.
+
+    Restores and records are the base class's; this wraps them to count hits, restored tokens
+    and misses by reason (``never_seen``, ``evicted`` when a candidate's key was evicted before,
+    ``rejected`` when a cached entry failed validation), and to track the unique-prefix footprint
+    of the resident entries (pages of ``effective_page_tokens`` keyed like the paged index's).
+    """
+
+    _accounting: LadderAccounting = attrs.field(factory=LadderAccounting, init=False, repr=False)
+    _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
+    _tombstone_slots: set[tuple[tuple[str, str], int]] = attrs.field(
+        factory=set, init=False, repr=False
+    )
+    """``(start, width)`` and length of every key ever evicted: which candidates need a check."""
+
+    def restore_resident_activation(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        activation_width: int,
+    ) -> ResidentActivationRestore | None:
+        """The base class's restore (spec §5.1), counted.
+
+        Raises:
+            ConfigError: a bad argument; the cache is left unchanged.
+        """
+        found_before = self.cache.stats().hits
+        found = super().restore_resident_activation(
+            config, base, token_start, tokens, activation_width
+        )
+        array = as_token_array(tokens)
+        if not self.should_lookup() or array.size == 0:
+            return found
+        if found is not None:
+            self._accounting.hit(found.token_count)
+            return found
+        rejected = self.cache.stats().hits > found_before
+        self._accounting.miss(
+            self._evicted_candidates(config, base, token_start, array, activation_width),
+            rejected=rejected,
+        )
+        return None
+
+    def record_resident_activation(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        activation_width: int,
+        frame: ActivationFrame,
+    ) -> list[ResidentActivationRecord]:
+        """The base class's record (spec §5.2), with evictions and the footprint tracked.
+
+        Raises:
+            ConfigError: a bad argument; the cache is left unchanged.
+            FrameError: ``frame`` is not an ActivationFrame; the cache is left unchanged.
+        """
+        records = super().record_resident_activation(
+            config, base, token_start, tokens, activation_width, frame
+        )
+        if not records:
+            return records
+        array = as_token_array(tokens)
+        for record in records:
+            self._evicted(record.evicted)
+            if record.page_id not in self.cache:
+                continue
+            chain = self._chain(config, base, token_start, array, activation_width)
+            bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
+            self._accounting.stored(record.page_id, chain.segments(record.token_count), bpt)
+        return records
+
+    def clear(self) -> tuple[EvictedEntry, ...]:
+        """Drop every cached frame; returns them with reason ``"cleared"``."""
+        cleared = super().clear()
+        self._accounting.evicted(cleared)
+        return cleared
+
+    def accounting(self) -> CacheAccounting:
+        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes."""
+        acc = self._accounting
+        stats = self.cache.stats()
+        return CacheAccounting(
+            index="ladder",
+            lookups=acc.lookups,
+            hits=acc.hits,
+            misses_never_seen=acc.miss_counts["never_seen"],
+            misses_evicted=acc.miss_counts["evicted"],
+            misses_rejected=acc.miss_counts["rejected"],
+            restored_tokens=acc.restored_tokens,
+            entries=stats.entries,
+            resident_bytes=stats.resident_bytes,
+            unique_prefix_bytes=acc.footprint.unique_bytes(),
+            evictions=stats.evictions,
+            evicted_bytes=stats.evicted_bytes,
+        )
+
+    def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
+        self._accounting.evicted(entries)
+        for entry in entries:
+            slot = activation_key_slot(entry.key)
+            if slot is not None and entry.reason != "cleared":
+                self._tombstone_slots.add(slot)
+
+    def _evicted_candidates(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        array: TokenArray,
+        width: int,
+    ) -> list[str]:
+        """Keys of the lookup candidates whose (start, width, length) ever lost an entry."""
+        if not self._tombstone_slots:
+            return []
+        group = (str(token_start), f"w{max(width, 0)}")
+        counts = [
+            count
+            for count in self.policy.candidate_token_counts(int(array.size))
+            if (group, count) in self._tombstone_slots
+        ]
+        if not counts:
+            return []
+        hashes = self._hashes(config, base, token_start, array, counts)
+        return [
+            activation_page_id(page_id(config, token_start, c, hashes[c]), width) for c in counts
+        ]
+
+    def _chain(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        array: TokenArray,
+        width: int,
+    ) -> PageChain:
+        namespace = paged_namespace(config, token_start, base, width)
+        chain = self._footprint_chain
+        if (
+            chain is not None
+            and chain.namespace == namespace
+            and chain.tokens.size == array.size
+            and bool(np.array_equal(chain.tokens, array))
+        ):
+            return chain
+        chain = page_chain(namespace, array, page_tokens=self.cache_config.effective_page_tokens)
+        self._footprint_chain = chain
+        return chain
 
 
 @attrs.frozen(kw_only=True, eq=False)
