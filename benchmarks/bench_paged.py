@@ -38,9 +38,9 @@ from stage_runtime.sim import (
     SimRequest,
     read_trace,
     run_replay,
+    stage_configs,
     theoretical_max_hit_ratio,
 )
-from stage_runtime.sim.replay import stage_configs
 
 TAKES_TRACE = True
 """``benchmarks/run.py`` passes ``--trace PATH`` to benchmarks that set this."""

@@ -54,17 +54,15 @@ def _machine() -> dict[str, str]:
 def _scalars(result: object) -> str:
     if not isinstance(result, dict):
         return ""
-    keys = [
-        "wall_s",
-        "floor_s",
-        "ratio_to_floor",
-        "tokens_per_s",
-        "peak_rss_bytes",
-    ]
+    preferred = ["wall_s", "floor_s", "ratio_to_floor", "tokens_per_s", "peak_rss_bytes"]
+    keys = [k for k in preferred if k in result]
+    keys += [k for k in result if k not in preferred]
     shown: list[str] = []
-    for key, value in result.items():
-        if (key in keys or len(shown) < 4) and isinstance(value, int | float):
-            shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")
+    for key in keys:
+        value = result[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        shown.append(f"{key}={value:,.3g}" if isinstance(value, float) else f"{key}={value:,}")
     return ", ".join(shown[:6])
 
 
@@ -74,14 +72,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--trace", help="trace for the benchmarks that take one")
     parser.add_argument("--only", action="append", help="run only this benchmark (repeatable)")
     parser.add_argument("--output", default=str(HERE / "results.json"))
+    parser.add_argument("--out-dir", default=str(HERE / "out"), help="per-benchmark JSON files")
     parser.add_argument(
         "extra", nargs=argparse.REMAINDER, help="arguments after -- go to every benchmark"
     )
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
 
-    out_dir = HERE / "out"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {}
     summary: list[tuple[str, str, float, str]] = []
     for script in discover(args.only):

@@ -11,6 +11,7 @@ Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file);
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -22,7 +23,7 @@ import structlog
 from stage_runtime.errors import ConfigError, TraceFormatError
 
 if TYPE_CHECKING:
-    from stage_runtime.sim import SimConfig
+    from stage_runtime.sim import SimConfig, WorkloadSpec
 
 __all__ = ["build_parser", "main"]
 
@@ -76,6 +77,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _costs(text: str) -> list[float]:
+    try:
+        return [_non_negative_float(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        msg = f"every cost {exc}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def _capacities(text: str) -> list[int]:
     parts = [part.strip() for part in text.split(",")]
     if not text.strip() or any(not part for part in parts):
@@ -95,31 +104,41 @@ _NON_NEGATIVE = _int_at_least(0)
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline = parser.add_argument_group("pipeline and cache")
-    pipeline.add_argument("--stages", type=_POSITIVE, default=4, help="pipeline stages (4)")
     pipeline.add_argument(
-        "--block-size", type=_POSITIVE, default=512, help="tokens per trace hash id (512)"
+        "--stages", type=_POSITIVE, metavar="N", default=4, help="pipeline stages (4)"
+    )
+    pipeline.add_argument(
+        "--block-size",
+        type=_POSITIVE,
+        metavar="N",
+        default=512,
+        help="tokens per trace hash id (512)",
     )
     pipeline.add_argument(
         "--min-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="shortest cached prefix (default: the block size)",
     )
     pipeline.add_argument(
         "--stride",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="lookup-grid stride in tokens (default: the block size)",
     )
     pipeline.add_argument(
         "--record-limit",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=2,
         help="prefix lengths recorded per request; 0 = every grid length (2)",
     )
     pipeline.add_argument(
         "--max-entries",
         type=_POSITIVE,
+        metavar="N",
         default=None,
         help="entries per stage cache (64 with --index ladder; with --index paged every page "
         "is an entry, so the default is 1,000,000 and --capacity-tokens does the bounding)",
@@ -147,6 +166,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--capacity-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=None,
         help="per-stage cache capacity in tokens: max_bytes = capacity x bytes per token; "
         "0 = unbounded (0)",
@@ -154,6 +174,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--bytes-per-token",
         type=_POSITIVE,
+        metavar="N",
         default=8192,
         help="activation bytes per token (8192: 4096-wide bf16)",
     )
@@ -169,22 +190,30 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--concurrency",
         type=_POSITIVE,
+        metavar="N",
         default=1,
         help="requests in flight; 1 = file order, one at a time; more = arrivals by timestamp",
     )
     run.add_argument(
-        "--limit-requests", type=_POSITIVE, default=None, help="replay only the first N requests"
+        "--limit-requests",
+        type=_POSITIVE,
+        metavar="N",
+        default=None,
+        help="replay only the first N requests",
     )
     run.add_argument(
         "--prefill-us-per-token",
-        type=_non_negative_float,
-        default=25.0,
-        help="simulated compute per token per stage, microseconds (25)",
+        type=_costs,
+        default=[25.0],
+        metavar="US[,US...]",
+        help="simulated compute per token per stage, microseconds; one value for every stage "
+        "or one per stage (25)",
     )
     run.add_argument(
         "--restore-ns-per-byte",
         type=_non_negative_float,
         default=0.05,
+        metavar="NS",
         help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
     )
 
@@ -209,7 +238,6 @@ def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
         from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         serve = subcommands.add_parser("serve", help=help_text, description=help_text)
-        serve.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         serve.set_defaults(run=_serve_unavailable)
         return
     serve = subcommands.add_parser("serve", help=help_text, description=help_text)
@@ -231,15 +259,29 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     try:
         return int(command.run_serve(args))
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in {"hypercorn", "starlette"}:
+    except Exception as exc:
+        missing = _missing_server_module(exc)
+        if missing is None:
             raise
         print(
             f"{PROG} serve: error: the server needs the 'server' extra "
-            f"({exc.name} is missing): pip install 'stage-runtime[server]'",
+            f"({missing} is missing): pip install 'stage-runtime[server]'",
             file=sys.stderr,
         )
         return 2
+
+
+def _missing_server_module(exc: BaseException) -> str | None:
+    """The server dependency whose absence caused ``exc`` (maybe inside a group), if any."""
+    if isinstance(exc, ModuleNotFoundError):
+        name = exc.name or ""
+        return name if name.split(".")[0] in {"hypercorn", "starlette"} else None
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _missing_server_module(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,30 +323,57 @@ def build_parser() -> argparse.ArgumentParser:
         "and multi-turn conversations, arriving as a seeded Poisson process.",
     )
     workload = simulate.add_argument_group("workload")
-    workload.add_argument("--groups", type=_NON_NEGATIVE, default=8, help="prompt groups (8)")
     workload.add_argument(
-        "--prompts-per-group", type=_POSITIVE, default=12, help="prompts per group (12)"
+        "--groups", type=_NON_NEGATIVE, metavar="N", default=8, help="prompt groups (8)"
+    )
+    workload.add_argument(
+        "--prompts-per-group",
+        type=_POSITIVE,
+        metavar="N",
+        default=12,
+        help="prompts per group (12)",
     )
     workload.add_argument(
         "--system-prompt-tokens",
         type=_NON_NEGATIVE,
+        metavar="N",
         default=3072,
         help="system prompt shared by a group (3072)",
     )
     workload.add_argument(
-        "--question-tokens", type=_POSITIVE, default=384, help="question after it (384)"
+        "--question-tokens",
+        type=_POSITIVE,
+        metavar="N",
+        default=384,
+        help="question after it (384)",
     )
     workload.add_argument(
-        "--conversations", type=_NON_NEGATIVE, default=8, help="multi-turn conversations (8)"
+        "--conversations",
+        type=_NON_NEGATIVE,
+        metavar="N",
+        default=8,
+        help="multi-turn conversations (8)",
     )
-    workload.add_argument("--turns", type=_POSITIVE, default=6, help="turns per conversation (6)")
     workload.add_argument(
-        "--tokens-per-turn", type=_POSITIVE, default=512, help="tokens each turn adds (512)"
+        "--turns", type=_POSITIVE, metavar="N", default=6, help="turns per conversation (6)"
     )
     workload.add_argument(
-        "--rate", type=_positive_float, default=4.0, help="mean arrivals per second (4)"
+        "--tokens-per-turn",
+        type=_POSITIVE,
+        metavar="N",
+        default=512,
+        help="tokens each turn adds (512)",
     )
-    workload.add_argument("--seed", type=int, default=0, help="seed of order and arrivals (0)")
+    workload.add_argument(
+        "--rate",
+        type=_positive_float,
+        default=4.0,
+        metavar="PER_S",
+        help="mean arrivals per second (4)",
+    )
+    workload.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of order and arrivals (0)"
+    )
     _add_simulation_arguments(simulate)
     simulate.set_defaults(run=_run_simulation)
 
@@ -346,6 +415,13 @@ def _check_usage(args: argparse.Namespace) -> None:
             "use --stride >= 1 or --record-limit 0"
         )
         raise _UsageError(msg)
+    costs = len(args.prefill_us_per_token)
+    if costs > 1 and costs != args.stages:
+        msg = f"--prefill-us-per-token needs one cost or one per stage ({args.stages}), got {costs}"
+        raise _UsageError(msg)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
+        raise _UsageError(msg)
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
         msg = "--groups and --conversations are both 0: the workload has no requests"
         raise _UsageError(msg)
@@ -374,8 +450,13 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,
         cost=CostModel(
-            prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-            restore_s_per_byte=args.restore_ns_per_byte * 1e-9,
+            prefill_s_per_token=args.prefill_us_per_token[0] / 1e6,
+            stage_prefill_s_per_token=(
+                [us / 1e6 for us in args.prefill_us_per_token]
+                if len(args.prefill_us_per_token) > 1
+                else []
+            ),
+            restore_s_per_byte=args.restore_ns_per_byte / 1e9,
         ),
     )
 
@@ -461,6 +542,8 @@ def _run_simulation(args: argparse.Namespace) -> int:
             results = [sim.run_replay(requests, config, progress=advance)]
 
     documents = [sim.result_to_json(result, source=source) for result in results]
+    for document in documents:
+        document["skipped_lines"] = skipped
     payload: object = documents if capacities else documents[0]
     if not json_to_stdout:
         if capacities:
@@ -478,10 +561,10 @@ def _run_simulation(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_dict(spec: object) -> dict[str, object]:
+def _spec_dict(spec: WorkloadSpec) -> dict[str, object]:
     import attrs
 
-    return attrs.asdict(spec)  # type: ignore[arg-type]
+    return attrs.asdict(spec)
 
 
 def _write_json(payload: object, target: str, stdout: TextIO) -> None:
@@ -504,7 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 success, 1 bad input data, 2 bad usage.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.run is not _serve_unavailable:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prefix = f"{PROG} {args.command}: error:"
     run: Callable[[argparse.Namespace], int] = args.run
     try:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
-from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
-from stage_runtime.sim.replay import (
+from stage_runtime.sim.driver import (
     ReplayResult,
     RequestOutcome,
     SimConfig,
@@ -27,7 +26,9 @@ from stage_runtime.sim.replay import (
     run_replay,
     run_sweep,
     stage_configs,
+    validate_requests,
 )
+from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import render_report, render_sweep, result_to_json, write_plot
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import (
@@ -73,5 +74,6 @@ __all__ = [
     "synthetic_workload",
     "theoretical_max_hit_ratio",
     "total_prompt_tokens",
+    "validate_requests",
     "write_plot",
 ]

@@ -77,7 +77,10 @@ class BlockTokenizer:
         self._lane_of = (positions // self._run) % _LANES
 
     def _lanes(self, block_ids: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]:
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).view(np.uint64)
+        try:
+            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).view(np.uint64)
+        except OverflowError:  # ids beyond int64 (unsigned 64-bit hashes): taken modulo 2**64
+            ids = np.asarray([int(i) % 2**64 for i in block_ids], dtype=np.uint64)
         mixed = _mix64(ids)
         lanes: npt.NDArray[np.uint32] = ((mixed[:, None] >> _LANE_SHIFTS) & _LANE_MASK).astype(
             np.uint32

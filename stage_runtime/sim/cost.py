@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -18,6 +18,10 @@ def _non_negative_float(instance: object, attribute: attrs.Attribute[float], val
         raise ConfigError(msg)
 
 
+def _floats(values: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(value) for value in values)
+
+
 @attrs.frozen(kw_only=True)
 class CostModel:
     """What a stage spends on one prefill, in seconds of virtual time.
@@ -31,16 +35,33 @@ class CostModel:
     prefill_s_per_token: float = attrs.field(default=25e-6, validator=_non_negative_float)
     """Seconds one stage spends computing one prompt token."""
 
+    stage_prefill_s_per_token: tuple[float, ...] = attrs.field(
+        default=(), converter=_floats, validator=attrs.validators.deep_iterable(_non_negative_float)
+    )
+    """Per-stage prefill costs for an unbalanced pipeline (one per stage, in order); empty:
+    every stage costs ``prefill_s_per_token``."""
+
     restore_s_per_byte: float = attrs.field(default=0.05e-9, validator=_non_negative_float)
     """Seconds one stage spends restoring one byte of cached activations."""
 
-    def stage_cost(self, *, computed_tokens: int, restored_bytes: int) -> float:
-        """Seconds one stage spends on a prefill that restores some bytes and computes the rest."""
-        return computed_tokens * self.prefill_s_per_token + restored_bytes * self.restore_s_per_byte
+    def prefill_for(self, stage_index: int) -> float:
+        """Seconds stage ``stage_index`` spends computing one prompt token."""
+        if self.stage_prefill_s_per_token:
+            return self.stage_prefill_s_per_token[stage_index]
+        return self.prefill_s_per_token
 
-    def uncached_stage_cost(self, tokens: int) -> float:
+    def stage_cost(
+        self, *, computed_tokens: int, restored_bytes: int, stage_index: int = 0
+    ) -> float:
+        """Seconds one stage spends on a prefill that restores some bytes and computes the rest."""
+        return (
+            computed_tokens * self.prefill_for(stage_index)
+            + restored_bytes * self.restore_s_per_byte
+        )
+
+    def uncached_stage_cost(self, tokens: int, stage_index: int = 0) -> float:
         """Seconds one stage spends on a prefill of ``tokens`` with no cache."""
-        return tokens * self.prefill_s_per_token
+        return tokens * self.prefill_for(stage_index)
 
 
 def pipeline_finish_times(

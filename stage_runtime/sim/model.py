@@ -27,7 +27,9 @@ class SimulatedStageModel:
     ``bytes_per_token / 2``: the default 8,192 bytes per token is a 4,096-wide bf16 activation.
     :meth:`forward` sleeps ``cost.stage_cost(...)``: the computed tokens at the prefill cost plus
     the restored prefix's bytes at the restore cost. Run under a virtual clock
-    (``trio.testing.MockClock(autojump_threshold=0)``) the sleeps take no wall time.
+    (``trio.testing.MockClock(autojump_threshold=0)``) the sleeps take no wall time. With
+    ``sleep=False`` it only returns frames: for callers that add the costs up themselves (a
+    replay of one request at a time, where nothing overlaps, does).
     """
 
     bytes_per_token: int = 8192
@@ -44,6 +46,9 @@ class SimulatedStageModel:
 
     layer_end: int = 0
     """Written into produced frames."""
+
+    sleep: bool = True
+    """Whether :meth:`forward` sleeps its cost (virtual time) or returns at once."""
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_per_token < 1:
@@ -68,8 +73,10 @@ class SimulatedStageModel:
             msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
             raise FrameError(msg)
         restored_bytes = 0 if restored is None else restored.payload_bytes
-        delay = self.cost.stage_cost(computed_tokens=n - start, restored_bytes=restored_bytes)
-        if delay > 0:
+        delay = self.cost.stage_cost(
+            computed_tokens=n - start, restored_bytes=restored_bytes, stage_index=self.stage_index
+        )
+        if self.sleep and delay > 0:
             await trio.sleep(delay)
         return self._frame(n - start)
 
@@ -85,13 +92,14 @@ class SimulatedStageModel:
 
 
 def simulated_model_factory(
-    *, bytes_per_token: int = 8192, cost: CostModel | None = None
+    *, bytes_per_token: int = 8192, cost: CostModel | None = None, sleep: bool = True
 ) -> ModelFactory:
     """A model factory for ``open_pipeline``: one :class:`SimulatedStageModel` per stage.
 
     Args:
         bytes_per_token: Payload bytes per token row.
         cost: Virtual-time costs; :class:`CostModel` defaults when None.
+        sleep: Whether the models sleep their cost (see :class:`SimulatedStageModel`).
 
     Returns:
         A callable building a :class:`SimulatedStageModel` from a stage's configuration.
@@ -108,6 +116,7 @@ def simulated_model_factory(
             stage_index=config.stage_index,
             layer_start=config.layer_start,
             layer_end=config.layer_end,
+            sleep=sleep,
         )
 
     return build

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.replay import ReplayResult
+from stage_runtime.sim.driver import ReplayResult
 
 __all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
 
@@ -104,10 +104,13 @@ def render_report(
     config = result.config
     console.print(f"[bold]{title}[/bold]")
     console.print(
-        f"{config.stages} stages, block {config.block_size}, min {config.min_prefix_tokens} "
-        f"tokens, stride {config.stride}, record limit {config.record_limit}, "
-        f"{config.max_entries} entries and {_capacity(result.capacity_tokens)} per stage, "
-        f"{config.bytes_per_token:,} bytes/token, concurrency {config.concurrency}"
+        f"pipeline: {config.stages} stages, {config.bytes_per_token:,} activation bytes per "
+        f"token, concurrency {config.concurrency}, blocks of {config.block_size} tokens"
+    )
+    console.print(
+        f"cache per stage: {config.max_entries} entries, {_capacity(result.capacity_tokens)}; "
+        f"ladder: min {config.min_prefix_tokens} tokens, stride {config.stride}, "
+        f"record limit {config.record_limit}"
     )
 
     totals = Table(box=box.SIMPLE, show_header=False)
@@ -122,7 +125,7 @@ def render_report(
     totals.add_row("theoretical max (infinite cache, per block)", f"{result.theoretical.ratio:.1%}")
     totals.add_row("wall time", _seconds(result.wall_s))
     totals.add_row("replay speed", f"{result.tokens_per_s:,.0f} tokens/s")
-    totals.add_row("simulated time", _seconds(result.virtual_s))
+    totals.add_row("simulated time (virtual clock)", _seconds(result.virtual_s))
     console.print(totals)
 
     stages = Table(title="per stage", box=box.SIMPLE_HEAD)
@@ -152,6 +155,11 @@ def render_report(
         saved = 0.0 if abs(saved) < 0.005 else saved  # no "-0%"
         ttft.add_row(name, _seconds(cached), _seconds(uncached), f"{saved:.0%}")
     console.print(ttft)
+    console.print(
+        f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
+        f"infinite cache could restore {result.theoretical.ratio:.1%}. Try --max-entries, "
+        "--record-limit or --sweep-capacity to see what closes the gap."
+    )
 
 
 def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: str) -> None:
@@ -179,7 +187,9 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     for result in results:
         table.add_row(
             _capacity(result.capacity_tokens),
-            _bytes(result.config.max_bytes(result.capacity_tokens)),
+            _bytes(result.config.max_bytes(result.capacity_tokens))
+            if result.capacity_tokens
+            else "unbounded",
             f"{result.token_hit_ratio:.1%}",
             f"{sum(stage.evictions for stage in result.stages):,}",
             _bytes(max(stage.resident_bytes_max for stage in result.stages)),

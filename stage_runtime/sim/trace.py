@@ -26,8 +26,8 @@ __all__ = [
     "total_prompt_tokens",
 ]
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+_ID_MIN = -(2**63)
+_ID_MAX = 2**64 - 1
 
 
 @attrs.frozen(kw_only=True)
@@ -154,7 +154,7 @@ def parse_trace_line(
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             rule = f"must hold integers, got {block_id!r} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
-        if not _INT64_MIN <= block_id <= _INT64_MAX:
+        if not _ID_MIN <= block_id <= _ID_MAX:
             rule = f"must hold 64-bit integers, got {block_id} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
     if input_length > block_size * len(hash_ids):

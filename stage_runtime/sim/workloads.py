@@ -124,18 +124,17 @@ def synthetic_workload(spec: WorkloadSpec, *, block_size: int = 512) -> list[Sim
         sources.append(turns)
 
     rng = np.random.default_rng(spec.seed)
-    remaining = [len(source) for source in sources]
+    # A uniform shuffle of the sources' labels (one label per request) interleaves them at random
+    # while each source keeps its own order: its k-th label takes its k-th request.
+    labels = rng.permutation(np.repeat(np.arange(len(sources)), [len(s) for s in sources]))
     cursor = [0] * len(sources)
-    total = sum(remaining)
+    total = int(labels.size)
     gaps = rng.exponential(1.0 / spec.requests_per_s, size=total)
     requests: list[SimRequest] = []
     arrival = 0.0
-    for index in range(total):
-        weights = np.asarray(remaining, dtype=np.float64)
-        source = int(rng.choice(len(sources), p=weights / weights.sum()))
-        block_ids, block_lengths = sources[source][cursor[source]]
-        cursor[source] += 1
-        remaining[source] -= 1
+    for index, label in enumerate(labels.tolist()):
+        block_ids, block_lengths = sources[label][cursor[label]]
+        cursor[label] += 1
         if index:
             arrival += float(gaps[index])
         requests.append(

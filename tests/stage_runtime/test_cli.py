@@ -51,7 +51,8 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         (["demo", "--capacity-tokens", "5", "--sweep-capacity", "1,2"], "are exclusive"),
         (["demo", "--sweep-capacity", "1,,2"], "comma-separated list"),
         (["demo", "--sweep-capacity", "8,-5"], "every capacity must be >= 0, got -5"),
-        (["demo", "--prefill-us-per-token", "-3"], "must be a finite number >= 0"),
+        (["demo", "--prefill-us-per-token", "-3"], "every cost must be a finite number >= 0"),
+        (["demo", "--prefill-us-per-token", "1,2"], "one cost or one per stage (4), got 2"),
         (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
@@ -79,7 +80,7 @@ def test_serve_without_the_server_module_is_a_clear_error(
     """If stage_runtime.server is not installed, serve says so and exits 2."""
     monkeypatch.setitem(sys.modules, "stage_runtime.server.command", None)
     monkeypatch.setitem(sys.modules, "stage_runtime.server", None)
-    assert main(["serve"]) == 2
+    assert main(["serve", "--topology", "pipeline.toml"]) == 2
     assert "server" in capsys.readouterr().err
 
 
@@ -121,6 +122,7 @@ def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> No
     assert skipped.returncode == 0, skipped.stderr
     document = json.loads(skipped.stdout)
     assert document["requests"] == 2
+    assert document["skipped_lines"] == 1
     assert document["config"]["source"]["skipped_lines"] == 1
 
 
@@ -143,3 +145,42 @@ def test_simulate_writes_a_plot_and_a_report(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "9 synthetic requests" in done.stdout
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serve_without_the_server_extra_names_the_missing_package(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing hypercorn, even inside an exception group, becomes a one-line install hint."""
+    from stage_runtime import cli
+
+    def run_serve(args: object) -> int:
+        missing = ModuleNotFoundError("No module named 'hypercorn'", name="hypercorn")
+        raise ExceptionGroup("serving failed", [missing])
+
+    fake = type(sys)("stage_runtime.server.command")
+    fake.add_serve_arguments = lambda parser: None  # type: ignore[attr-defined]
+    fake.run_serve = run_serve  # type: ignore[attr-defined]
+    package = type(sys)("stage_runtime.server")
+    package.command = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "stage_runtime.server", package)
+    monkeypatch.setitem(sys.modules, "stage_runtime.server.command", fake)
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'stage-runtime[server]'" in err
+    assert "hypercorn" in err
+
+
+def test_plot_without_matplotlib_is_refused_before_replaying(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot without the plot extra exits 2 at once, naming the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    assert main(["demo", "--plot", "out.png"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'stage-runtime[plot]'" in err
+    assert err.count("\n") == 1

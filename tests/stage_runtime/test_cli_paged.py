@@ -12,7 +12,7 @@ import pytest
 from stage_runtime.cli import main
 from stage_runtime.config import CacheIndex
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.replay import SimConfig, kv_cache_config
+from stage_runtime.sim import SimConfig, kv_cache_config
 
 # The second prompt shares blocks 1 and 2 (32 tokens) with the first, which the ladder recorded
 # only at 64 and 48 tokens: the ladder cannot restore it, the paged index can.

@@ -89,3 +89,12 @@ def test_block_size_must_be_positive() -> None:
     """A zero block size is refused."""
     with pytest.raises(ConfigError, match="block_size must be >= 1, got 0"):
         BlockTokenizer(0)
+
+
+def test_unsigned_64_bit_ids_are_accepted() -> None:
+    """Ids up to 2**64 - 1 (unsigned hashes) work; they are read modulo 2**64."""
+    tokenizer = BlockTokenizer(16)
+    np.testing.assert_array_equal(tokenizer.block(2**64 - 1), tokenizer.block(-1))
+    assert not np.array_equal(tokenizer.block(2**63), tokenizer.block(2**63 + 1))
+    prompt = tokenizer.prompt([2**63, 5], 20)
+    np.testing.assert_array_equal(prompt[16:], tokenizer.block(5)[:4])

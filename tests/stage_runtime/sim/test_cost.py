@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stage_runtime import ConfigError
@@ -18,10 +20,12 @@ def test_stage_cost_charges_computed_tokens_and_restored_bytes() -> None:
 @pytest.mark.parametrize("field", ["prefill_s_per_token", "restore_s_per_byte"])
 def test_negative_costs_are_refused(field: str) -> None:
     """Negative or NaN costs raise ConfigError naming the field."""
+    negative: dict[str, Any] = {field: -1.0}
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):
-        CostModel(**{field: -1.0})
+        CostModel(**negative)
+    nan: dict[str, Any] = {field: float("nan")}
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got nan"):
-        CostModel(**{field: float("nan")})
+        CostModel(**nan)
 
 
 def test_pipeline_finish_times_overlap_stages() -> None:
@@ -44,3 +48,13 @@ def test_percentiles_interpolate_linearly() -> None:
     assert (result.p50, result.p90, result.p99) == (50.0, 90.0, 99.0)
     empty = percentiles([])
     assert (empty.p50, empty.p90, empty.p99) == (0.0, 0.0, 0.0)
+
+
+def test_per_stage_prefill_costs() -> None:
+    """An unbalanced pipeline: each stage charges its own prefill cost per token."""
+    cost = CostModel(prefill_s_per_token=9.0, stage_prefill_s_per_token=[1.0, 3.0])
+    assert cost.stage_cost(computed_tokens=2, restored_bytes=0, stage_index=1) == 6.0
+    assert cost.uncached_stage_cost(2, 0) == 2.0
+    assert CostModel(prefill_s_per_token=9.0).prefill_for(3) == 9.0
+    with pytest.raises(ConfigError, match="must be >= 0, got -2"):
+        CostModel(stage_prefill_s_per_token=[1.0, -2.0])

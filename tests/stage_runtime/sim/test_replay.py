@@ -127,13 +127,22 @@ def test_concurrency_replays_arrivals_in_virtual_time() -> None:
 
 
 async def test_replay_embeds_in_a_trio_program(autojump_clock: trio.testing.MockClock) -> None:
-    """replay() runs inside the caller's trio run; its virtual time passes on the caller's clock."""
+    """replay() runs inside the caller's trio run; with virtual_time its costs pass on the
+    caller's clock, and they add up to the TTFTs the sleep-free default computes."""
+    restore = 1e-4
+    config = _config(cost=CostModel(prefill_s_per_token=P, restore_s_per_byte=restore))
     before = trio.current_time()
-    result = await replay(HAND_TRACE, _config())
-    assert result.restored_tokens == 48
-    assert trio.current_time() - before == pytest.approx(
-        sum(o.ttft_cached_s for o in result.outcomes)
+    slept = await replay(HAND_TRACE, config, virtual_time=True)
+    elapsed = trio.current_time() - before
+    assert slept.restored_tokens == 48
+    assert elapsed == pytest.approx(sum(o.ttft_cached_s for o in slept.outcomes))
+    assert slept.virtual_s == pytest.approx(elapsed)
+    added_up = await replay(HAND_TRACE, config)
+    assert trio.current_time() - before == pytest.approx(elapsed)  # no sleeping this time
+    assert [o.ttft_cached_s for o in added_up.outcomes] == pytest.approx(
+        [o.ttft_cached_s for o in slept.outcomes]
     )
+    assert added_up.virtual_s == pytest.approx(elapsed)
 
 
 def test_stage_configs_carry_the_cache_settings() -> None:
@@ -192,3 +201,65 @@ async def test_example_program_restores_shared_prompts(
     figures = await module.main()
     assert 0.3 < figures["hit_ratio"] <= figures["theoretical_max"]
     assert "requests: stage 0 restored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ([_request(0, [1], 17)], "request 0: input_length must be <= block_size"),
+        ([_request(0, [1], 8), _request(0, [2], 8)], "request 0: index must be unique"),
+        (
+            [SimRequest(index=4, input_length=9, block_ids=(1, 2), block_lengths=(4, 4))],
+            "request 4: block_lengths must give one length",
+        ),
+    ],
+)
+def test_unusable_requests_are_refused_before_the_replay(
+    requests: list[SimRequest], message: str
+) -> None:
+    """Requests that cannot become prompts raise ConfigError naming them, before any work."""
+    with pytest.raises(ConfigError, match=message):
+        run_replay(requests, _config())
+
+
+def test_concurrent_replay_times_follow_the_fifo_pipeline_model() -> None:
+    """At concurrency 3, measured TTFTs equal the FIFO tandem-queue model of the same costs."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.0),
+        _request(1, [1, 2, 4], 40, arrival_s=0.001),
+        _request(2, [9], 16, arrival_s=0.002),
+        _request(3, [1, 2, 3], 44, arrival_s=0.003),
+        _request(4, [8, 7], 30, arrival_s=0.2),
+    ]
+    config = _config(stages=3, concurrency=3)
+    result = run_replay(trace, config)
+    costs = [
+        [(o.input_length - restored) * P for restored in o.restored_tokens] for o in result.outcomes
+    ]
+    arrivals = [r.arrival_s for r in trace]
+    finishes = pipeline_finish_times(arrivals, costs, concurrency=3)
+    expected = [f - a for f, a in zip(finishes, arrivals, strict=True)]
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx(expected)
+    # r1 queues behind r0 at every stage, so r0 is recorded there before r1 is looked up.
+    assert [o.restored_tokens for o in result.outcomes] == [
+        (0, 0, 0),
+        (32, 32, 32),
+        (0, 0, 0),
+        (32, 32, 32),
+        (0, 0, 0),
+    ]
+
+
+def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:
+    """Per-stage costs: back-to-back requests leave the pipeline at the slowest stage's pace."""
+    trace = [_request(i, [100 + i], 10, arrival_s=0.0001 * i) for i in range(4)]
+    cost = CostModel(stage_prefill_s_per_token=[P, 3 * P], restore_s_per_byte=0.0)
+    result = run_replay(trace, _config(cost=cost, concurrency=4))
+    finishes = [o.ttft_cached_s + r.arrival_s for o, r in zip(result.outcomes, trace, strict=True)]
+    # Stage 0 takes 10 ms a request, stage 1 30 ms: they leave 30 ms apart after the first 40 ms.
+    assert finishes == pytest.approx([0.04, 0.07, 0.10, 0.13])
+    assert [o.ttft_uncached_s for o in result.outcomes] == pytest.approx(
+        [o.ttft_cached_s for o in result.outcomes]
+    )
+    with pytest.raises(ConfigError, match="one cost per stage \\(2\\), got 3"):
+        _config(cost=CostModel(stage_prefill_s_per_token=[P, P, P]))

@@ -59,6 +59,7 @@ def test_block_layout_cuts_the_last_block() -> None:
         (_line(hash_ids="1,2"), "hash_ids", "must be a list of integers"),
         (_line(hash_ids=[1, "x"]), "hash_ids", "got 'x' at position 1"),
         (_line(hash_ids=[1, 2**64]), "hash_ids", "must hold 64-bit integers"),
+        (_line(hash_ids=[1, -(2**63) - 1]), "hash_ids", "must hold 64-bit integers"),
         (
             _line(input_length=1025, hash_ids=[1, 2]),
             "input_length",
@@ -132,3 +133,8 @@ def test_bundled_demo_trace_has_300_requests_with_sharing() -> None:
     assert len(result.requests) == 300
     assert sum(r.input_length for r in result.requests) == 6_801_604
     assert result.skipped_lines == 0
+
+
+def test_unsigned_64_bit_hash_ids_parse() -> None:
+    """A hash id up to 2**64 - 1 is a valid id."""
+    assert parse_trace_line(_line(hash_ids=[2**64 - 1, 3])).block_ids == (2**64 - 1, 3)
