@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--repeat", type=int, default=3, help="timing repetitions (median)")
     parser.add_argument("--limit-requests", type=int, default=None)
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
-    parser.add_argument("--plot", default=f"benchmarks/out/{NAME}.png")
+    parser.add_argument("--plot", default=None, help="PNG path (default: the JSON's, .png)")
     args = parser.parse_args(argv)
     trace_path = args.trace_option or args.trace_path
     if trace_path is None:
@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
-    if args.plot:
-        write_plot(out, Path(args.plot))
-        out["plot"] = args.plot
+    plot = Path(args.plot) if args.plot else path.with_suffix(".png")
+    write_plot(out, plot)
+    out["plot"] = str(plot)
     return out
 
 
