@@ -24,7 +24,7 @@ activation frames into payloads and back.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Literal
 
 import attrs
@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
 from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.identity import TokenArray, as_token_array
 
 __all__ = [
     "EntryKind",
@@ -62,22 +63,17 @@ _ROOT_DOMAIN = b"stage-runtime/activation-root-v1"
 Payload = npt.NDArray[np.uint8]
 
 
-def _as_token_array(tokens: object) -> npt.NDArray[np.int32]:
-    array = np.asarray(tokens)
-    if array.ndim != 1:
-        msg = f"tokens must be one-dimensional, got shape {array.shape}"
-        raise ConfigError(msg)
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        msg = f"tokens must be integers, got dtype {array.dtype}"
-        raise ConfigError(msg)
-    if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
-        msg = "tokens must fit in int32"
-        raise ConfigError(msg)
-    out = np.ascontiguousarray(array, dtype="<i4")
-    if out is array and out.flags.writeable:
-        out = out.copy()
-    out.flags.writeable = False
-    return out
+def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
+    """Validated int32 tokens the caller cannot change under us (a read-only private copy).
+
+    A chain is remembered between a restore and the record of the same prompt; if it viewed the
+    caller's buffer, reusing that buffer for the next prompt would silently change it.
+    """
+    ids = as_token_array(tokens)
+    if isinstance(tokens, np.ndarray) and np.may_share_memory(ids, tokens):
+        ids = ids.copy()
+    ids.flags.writeable = False
+    return ids
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -123,7 +119,11 @@ class PageChain:
 
 
 def page_chain(
-    namespace: bytes, tokens: object, *, page_tokens: int, label: str = "act"
+    namespace: bytes,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    page_tokens: int,
+    label: str = "act",
 ) -> PageChain:
     """Compute the chained page keys of ``tokens`` (one BLAKE3 pass over the tokens).
 
@@ -140,7 +140,7 @@ def page_chain(
     if page_tokens < 1:
         msg = f"page_tokens must be >= 1, got {page_tokens}"
         raise ConfigError(msg)
-    ids = _as_token_array(tokens)
+    ids = _private_tokens(tokens)
     root = blake3.blake3(_ROOT_DOMAIN)
     root.update(namespace)
     root_key = root.digest()
@@ -413,7 +413,13 @@ class PagedActivationIndex:
 
     # ---------------------------------------------------------------- keys
 
-    def chain(self, namespace: bytes, tokens: object, *, label: str = "act") -> PageChain:
+    def chain(
+        self,
+        namespace: bytes,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        label: str = "act",
+    ) -> PageChain:
         """The :class:`PageChain` of ``tokens`` with this index's page size."""
         return page_chain(namespace, tokens, page_tokens=self.page_tokens, label=label)
 

@@ -264,7 +264,7 @@ def test_bad_arguments_raise_typed_errors() -> None:
     with pytest.raises(ConfigError, match="int32"):
         index.chain(b"ns", [2**31])
     with pytest.raises(ConfigError, match="integers"):
-        index.chain(b"ns", [1.5])
+        index.chain(b"ns", [1.5])  # type: ignore[list-item]
     with pytest.raises(FrameError, match="uint8"):
         index.record(index.chain(b"ns", [1, 2]), np.zeros(2, dtype=np.float32))
     assert len(index) == 0

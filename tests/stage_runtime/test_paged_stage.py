@@ -266,3 +266,15 @@ def test_paged_clear_and_bounds_report_evicted_entries() -> None:
     assert {e.reason for e in cleared} == {"cleared"}
     assert len(cleared) == 2
     assert kv.stats().entries == 0
+
+
+def test_reused_token_buffer_is_not_mistaken_for_the_previous_prompt() -> None:
+    """A caller refilling one token buffer between restore and record gets the new prompt's keys."""
+    kv, config = integration()
+    buffer = np.arange(1, 13, dtype=np.int32)
+    assert kv.restore_resident_activation(config, MessageBase(), 0, buffer, WIDTH) is None
+    buffer[:] = np.arange(101, 113, dtype=np.int32)
+    frame = frame_of([int(t) for t in buffer])
+    kv.record_resident_activation(config, MessageBase(), 0, buffer, WIDTH, frame)
+    assert restored(kv, config, list(range(101, 113))) == 12
+    assert restored(kv, config, list(range(1, 13))) == 0
