@@ -141,3 +141,17 @@ def test_paged_pipeline_equals_uncached_pipeline(
         for report in got.stages:
             assert 0 <= report.restored_tokens <= got.tokens
             assert report.computed_tokens == got.tokens - report.restored_tokens
+
+
+async def test_each_evicted_page_is_an_activation_evicted_event(logs: list[LogEvent]) -> None:
+    """Under a tight entry bound, every page the index evicts is logged like a ladder eviction."""
+    configs = paged(stage_configs(1, max_entries=3))
+    async with open_pipeline(configs, mix_factory(width=4), environ=NO_ENV) as pipeline:
+        first = await pipeline.prefill(prompt(384), session_id="a")  # pages 0..2
+        second = await pipeline.prefill(prompt(256, start=5_000), session_id="b")
+    evicted = [e for report in second.stages for e in report.evicted]
+    assert first.stages[0].evicted == ()
+    assert [(e.token_count, e.reason) for e in evicted] == [(128, "max_entries")] * 2
+    events = events_named(logs, "activation_evicted")
+    assert [(e["token_count"], e["reason"]) for e in events] == [(128, "max_entries")] * 2
+    assert all(":page:" in e["page_id"] for e in events)
