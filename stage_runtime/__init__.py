@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from stage_runtime.accounting import CacheAccounting, LadderAccounting, MissReason
 from stage_runtime.cache import (
     CacheLookup,
     CacheRecordOutcome,
@@ -19,12 +20,14 @@ from stage_runtime.cache_actor import (
 )
 from stage_runtime.config import (
     SCHEMA_VERSION,
+    CacheIndex,
     CacheMode,
     CachePayload,
     FlashAttention,
     KvCacheConfig,
     LoadMode,
     MessageBase,
+    PageEviction,
     StageConfig,
     kill_switch_engaged,
 )
@@ -52,6 +55,11 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
+from stage_runtime.index_modes import (
+    LadderStageIntegration,
+    PagedActivationRestore,
+    PagedStageIntegration,
+)
 from stage_runtime.integration import (
     ActivationRecordSummary,
     KvStageIntegration,
@@ -70,6 +78,16 @@ from stage_runtime.models import (
     reference_model_factory,
     virtual_model_factory,
 )
+from stage_runtime.paged import (
+    EvictedPage,
+    PageChain,
+    PagedActivationIndex,
+    PagedIndexStats,
+    PagedLookup,
+    PagedRecordOutcome,
+    PagedRestore,
+    page_chain,
+)
 from stage_runtime.pipeline import (
     Pipeline,
     PipelineStats,
@@ -84,6 +102,7 @@ from stage_runtime.policy import (
     round_half_away_from_zero,
 )
 from stage_runtime.stage import StagePrefillReport, StageStats
+from stage_runtime.tenancy import paged_namespace, salted_prefix_hash
 
 __all__ = [
     "CacheActor",
@@ -148,5 +167,24 @@ __all__ = [
     "prefix_hashes",
     "prefix_namespace_hash",
     "round_half_away_from_zero",
+    # paged index (issue 6)
+    "CacheAccounting",
+    "CacheIndex",
+    "EvictedPage",
+    "PageEviction",
+    "MissReason",
+    "PageChain",
+    "PagedActivationIndex",
+    "PagedIndexStats",
+    "PagedLookup",
+    "PagedRecordOutcome",
+    "PagedRestore",
+    "page_chain",
+    "LadderAccounting",
+    "LadderStageIntegration",
+    "PagedActivationRestore",
+    "PagedStageIntegration",
+    "paged_namespace",
+    "salted_prefix_hash",
     "summarize_records",
 ]

@@ -139,8 +139,29 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-entries",
         type=_POSITIVE,
         metavar="N",
-        default=64,
-        help="entries per stage cache (64)",
+        default=None,
+        help="entries per stage cache (64 with --index ladder; with --index paged every page "
+        "is an entry, so the default is 1,000,000 and --capacity-tokens does the bounding)",
+    )
+    pipeline.add_argument(
+        "--index",
+        choices=["ladder", "paged"],
+        default="ladder",
+        help="cache index: ladder = the upstream's per-length entries; paged = shared pages "
+        "(ladder)",
+    )
+    pipeline.add_argument(
+        "--page-tokens",
+        type=_POSITIVE,
+        default=None,
+        help="tokens per page with --index paged (default: the stride)",
+    )
+    pipeline.add_argument(
+        "--page-eviction",
+        choices=["lru", "reuse"],
+        default="lru",
+        help="with --index paged: evict the least recently used page, or the least valuable "
+        "by reuse and recompute saved (lru)",
     )
     pipeline.add_argument(
         "--capacity-tokens",
@@ -406,6 +427,10 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
 
 
+PAGED_DEFAULT_MAX_ENTRIES = 1_000_000
+"""``--max-entries`` default with ``--index paged``: pages are entries, bytes do the bounding."""
+
+
 def _sim_config(args: argparse.Namespace) -> SimConfig:
     from stage_runtime.sim import CostModel, SimConfig
 
@@ -415,7 +440,12 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         min_tokens=args.min_tokens,
         stride_tokens=args.stride,
         record_limit=args.record_limit,
-        max_entries=args.max_entries,
+        max_entries=args.max_entries
+        if args.max_entries is not None
+        else (PAGED_DEFAULT_MAX_ENTRIES if args.index == "paged" else 64),
+        index=args.index,
+        page_tokens=args.page_tokens,
+        page_eviction=args.page_eviction,
         capacity_tokens=args.capacity_tokens or 0,
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,

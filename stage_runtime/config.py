@@ -21,12 +21,14 @@ from stage_runtime.errors import ConfigError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "CacheIndex",
     "CacheMode",
     "CachePayload",
     "FlashAttention",
     "KvCacheConfig",
     "LoadMode",
     "MessageBase",
+    "PageEviction",
     "StageConfig",
     "kill_switch_engaged",
 ]
@@ -75,6 +77,28 @@ class FlashAttention(enum.StrEnum):
     AUTO = "auto"
     DISABLED = "disabled"
     ENABLED = "enabled"
+
+
+class CacheIndex(enum.StrEnum):
+    """How a stage's activation cache keys what it stores (see :mod:`stage_runtime.paged`).
+
+    ``LADDER`` is the upstream: one full copy per recorded prefix length, hits only at those
+    lengths. ``PAGED`` stores pages of rows shared by every prompt with the same prefix.
+    """
+
+    LADDER = "ladder"
+    PAGED = "paged"
+
+
+class PageEviction(enum.StrEnum):
+    """Which page the paged index evicts first (leaves only, in both policies).
+
+    ``LRU``: the least recently used. ``REUSE``: the least valuable by reuse and recompute saved
+    (GreedyDual-style, see :class:`~stage_runtime.paged.PagedActivationIndex`).
+    """
+
+    LRU = "lru"
+    REUSE = "reuse"
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,6 +177,14 @@ def _to_cache_mode(value: object) -> CacheMode:
 
 def _to_cache_payload(value: object) -> CachePayload:
     return _enum(CachePayload, "payload", value)
+
+
+def _to_cache_index(value: object) -> CacheIndex:
+    return _enum(CacheIndex, "index", value)
+
+
+def _to_page_eviction(value: object) -> PageEviction:
+    return _enum(PageEviction, "page_eviction", value)
 
 
 def _to_load_mode(value: object) -> LoadMode:
@@ -247,6 +279,22 @@ class KvCacheConfig:
     shared_prefix_record_limit: int = attrs.field(default=2, validator=_int_in(0, _U64_MAX))
     """How many prefix lengths one record stores; ``0`` means every lookup candidate."""
 
+    index: CacheIndex = attrs.field(default=CacheIndex.LADDER, converter=_to_cache_index)
+    """``ladder`` (the upstream, the default) or ``paged`` (shared pages; not in the upstream)."""
+
+    page_tokens: int | None = attrs.field(default=None, validator=_optional_int(1, _U64_MAX))
+    """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
+
+    page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
+    """Paged mode: ``lru`` (default) or ``reuse`` (weighs reuse and recompute saved)."""
+
+    @property
+    def effective_page_tokens(self) -> int:
+        """``page_tokens``, or the stride (at least 1) when it is None."""
+        if self.page_tokens is not None:
+            return self.page_tokens
+        return max(self.shared_prefix_stride_tokens, 1)
+
     @classmethod
     def from_mapping(
         cls, mapping: Mapping[str, Any], *, source: str | None = None
@@ -270,7 +318,8 @@ class KvCacheConfig:
         ``record``, ``1``/``on``/``true``/``lookup-record``/``lookuprecord``/``exact`` give
         ``lookup-record``; an unset or unrecognised value means no configuration (None). The
         bounds come from ``STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES``, ``_MAX_BYTES``, ``_MIN_TOKENS``,
-        ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT`` and ``_PAYLOAD``.
+        ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT``, ``_PAYLOAD``, and (paged
+        index) ``_INDEX`` and ``_PAGE_TOKENS``.
 
         Raises:
             ConfigError: a bound or payload variable is set but not valid (the upstream ignores
@@ -287,6 +336,7 @@ class KvCacheConfig:
             "MIN_TOKENS": "min_tokens",
             "SHARED_STRIDE_TOKENS": "shared_prefix_stride_tokens",
             "SHARED_RECORD_LIMIT": "shared_prefix_record_limit",
+            "PAGE_TOKENS": "page_tokens",
         }
         for suffix, field in numbers.items():
             name = _ENV_PREFIX + suffix
@@ -306,6 +356,9 @@ class KvCacheConfig:
                 msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {raw_payload!r}"
                 raise ConfigError(msg)
             values["payload"] = payload
+        raw_index = env.get(_ENV_PREFIX + "INDEX")
+        if raw_index is not None and raw_index.strip():
+            values["index"] = raw_index
         try:
             return cls(**values)
         except ConfigError as exc:
@@ -512,6 +565,10 @@ class MessageBase:
 
     seq: int | None = attrs.field(default=None, validator=_optional_int(0, _U64_MAX))
     """Sequence number of the message within its request."""
+
+    cache_salt: str | None = attrs.field(default=None, validator=_optional_str)
+    """Tenant salt mixed into every cache key: requests with different salts never share or
+    probe each other's entries. None (the default) shares across sessions, as upstream."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,12 +26,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import (
     EvictedEntry,
     ResidentActivationCache,
     ResidentCacheStats,
 )
 from stage_runtime.config import (
+    CacheIndex,
     CacheMode,
     CachePayload,
     KvCacheConfig,
@@ -51,6 +53,7 @@ from stage_runtime.identity import (
     prefix_namespace_hash,
 )
 from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
+from stage_runtime.tenancy import salted_prefix_hashes
 
 __all__ = [
     "ActivationRecordSummary",
@@ -319,7 +322,14 @@ class KvStageIntegration:
             CandidatePolicy.from_cache_config(cache_config),
             max_resident_tokens_hint=derive_max_resident_tokens(config.ctx_size),
         )
-        return cls(
+        integration_cls = cls
+        if cls is KvStageIntegration:
+            # The index modes (issue 6) subclass this class, hence the late import.
+            from stage_runtime.index_modes import LadderStageIntegration, PagedStageIntegration
+
+            paged = cache_config.index is CacheIndex.PAGED
+            integration_cls = PagedStageIntegration if paged else LadderStageIntegration
+        return integration_cls(
             mode=cache_config.mode,
             payload=effective_cache_payload(cache_config.payload, config.model_id),
             cache_config=cache_config,
@@ -588,7 +598,32 @@ class KvStageIntegration:
             raise ConfigError(msg)
         return as_token_array(tokens)
 
+    def accounting(self) -> CacheAccounting:
+        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes.
+
+        Integrations built by :meth:`from_config` (both index modes) implement it.
+
+        Raises:
+            NotImplementedError: on a bare ``KvStageIntegration`` built by hand.
+        """
+        msg = "accounting() needs an integration built by KvStageIntegration.from_config"
+        raise NotImplementedError(msg)
+
     def _hashes(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        array: TokenArray,
+        counts: list[int],
+    ) -> dict[int, str]:
+        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6)."""
+        hashes = self._unsalted_hashes(config, base, token_start, array, counts)
+        if base.cache_salt is None:
+            return hashes
+        return salted_prefix_hashes({c: hashes[c] for c in counts}, base.cache_salt)
+
+    def _unsalted_hashes(
         self,
         config: StageConfig,
         base: MessageBase,

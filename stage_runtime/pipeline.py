@@ -105,6 +105,7 @@ class Pipeline:
         *,
         session_id: str,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillResult:
         """Run one prompt through every stage and return the last stage's output.
 
@@ -112,6 +113,9 @@ class Pipeline:
             tokens: The prompt's token ids: integers within int32, at least one.
             session_id: The caller's session (metadata; caches are shared across sessions).
             request_id: The caller's id for this request; ``prefill-<n>`` when None.
+            cache_salt: Tenant salt mixed into every stage's cache keys: requests with another
+                salt (or none) never share or probe this request's entries. None shares
+                across sessions, as upstream.
 
         Returns:
             The final frame and, per stage, the restored/computed tokens, records and evictions.
@@ -135,7 +139,15 @@ class Pipeline:
         elif not isinstance(request_id, str):
             msg = f"request_id must be a string or None, got {request_id!r}"
             raise ConfigError(msg)
-        request = PrefillRequest(request_id=request_id, session_id=session_id, tokens=token_array)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            msg = f"cache_salt must be a string or None, got {cache_salt!r}"
+            raise ConfigError(msg)
+        request = PrefillRequest(
+            request_id=request_id,
+            session_id=session_id,
+            tokens=token_array,
+            cache_salt=cache_salt,
+        )
         self._pending.add(request)
         try:
             try:

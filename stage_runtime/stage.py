@@ -138,6 +138,9 @@ class PrefillRequest:
     abandoned: bool = False
     """Whether the caller gave up; stages skip abandoned requests."""
 
+    cache_salt: str | None = None
+    """Tenant salt for the cache keys (see ``MessageBase.cache_salt``); None shares."""
+
     _scope: trio.CancelScope | None = None
 
     def succeed(self) -> None:
@@ -347,6 +350,7 @@ class Stage:
             run_id=config.run_id,
             request_id=request.request_id,
             session_id=request.session_id,
+            cache_salt=request.cache_salt,
             stage_id=config.stage_id,
             stage_index=config.stage_index,
             topology_id=config.topology_id,

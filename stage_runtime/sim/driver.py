@@ -26,7 +26,7 @@ import numpy.typing as npt
 import trio
 import trio.testing
 
-from stage_runtime.config import CacheMode, CachePayload, KvCacheConfig, StageConfig
+from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
 from stage_runtime.sim.blocks import BlockTokenizer
@@ -71,6 +71,22 @@ def _optional_at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], 
     return optional
 
 
+def _to_index(value: object) -> CacheIndex:
+    if isinstance(value, CacheIndex):
+        return value
+    try:
+        return CacheIndex(str(value))
+    except ValueError:
+        msg = f"index must be 'ladder' or 'paged', got {value!r}"
+        raise ConfigError(msg) from None
+
+
+def _eviction(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("lru", "reuse"):
+        msg = f"page_eviction must be 'lru' or 'reuse', got {value!r}"
+        raise ConfigError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class SimConfig:
     """Everything a replay depends on besides the requests (the CLI's flags)."""
@@ -113,6 +129,15 @@ class SimConfig:
 
     model_id: str = "sim/model"
     """Model id in every stage's configuration (identity only)."""
+
+    index: CacheIndex = attrs.field(default=CacheIndex.LADDER, converter=_to_index)
+    """Cache index: ``ladder`` (upstream) or ``paged`` (shared pages)."""
+
+    page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
+    """Tokens per page in paged mode; ``None``: the stride."""
+
+    page_eviction: str = attrs.field(default="lru", validator=_eviction)
+    """Paged mode's eviction: ``lru`` or ``reuse``."""
 
     def __attrs_post_init__(self) -> None:
         per_stage = len(self.cost.stage_prefill_s_per_token)
@@ -164,14 +189,17 @@ class SimConfig:
             "layers_per_stage": self.layers_per_stage,
             "ctx_size": self.ctx_size,
             "model_id": self.model_id,
+            "index": str(self.index),
+            "page_tokens": self.page_tokens if self.page_tokens is not None else self.stride,
+            "page_eviction": self.page_eviction,
         }
 
 
 def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) -> KvCacheConfig:
     """The cache configuration every simulated stage gets.
 
-    This is the one place that turns simulation settings into cache settings; an index choice
-    (ladder or paged) plugs in here.
+    This is the one place that turns simulation settings into cache settings, including the
+    index (ladder or paged).
 
     Args:
         config: The simulation settings.
@@ -191,6 +219,9 @@ def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) ->
         min_tokens=config.min_prefix_tokens,
         shared_prefix_stride_tokens=config.stride,
         shared_prefix_record_limit=config.record_limit,
+        index=config.index,
+        page_tokens=config.page_tokens,
+        page_eviction=config.page_eviction,
     )
 
 

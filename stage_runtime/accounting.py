@@ -1,0 +1,288 @@
+"""Cache accounting shared by the ladder and paged index modes.
+
+Three pieces, all synchronous and owned by whoever owns the cache:
+
+- :class:`MissTracker` remembers recently evicted keys (bounded, oldest forgotten first) so that a
+  miss can be told apart as ``never_seen`` or ``evicted``;
+- :class:`PrefixFootprint` measures the bytes that the distinct resident prefixes would need if
+  each were stored exactly once, to compare with the bytes actually resident;
+- :class:`CacheAccounting` is the frozen snapshot both modes report.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from typing import Literal, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "CacheAccounting",
+    "LadderAccounting",
+    "MissReason",
+    "MissTracker",
+    "PrefixFootprint",
+]
+
+MissReason = Literal["never_seen", "evicted", "rejected"]
+"""Why a lookup restored nothing: never cached, evicted since, or refused by validation."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheAccounting:
+    """What one stage's activation cache did and holds, in either index mode."""
+
+    index: str
+    """``"ladder"`` or ``"paged"``."""
+    lookups: int
+    """Restore calls that probed the cache."""
+    hits: int
+    """Restores that returned a prefix."""
+    misses_never_seen: int
+    """Misses where the prefix was never cached (or its eviction was forgotten)."""
+    misses_evicted: int
+    """Misses where the prefix had been cached and was evicted since."""
+    misses_rejected: int
+    """Misses where a cached entry was found but validation refused it."""
+    restored_tokens: int
+    """Tokens handed back by all hits together."""
+    entries: int
+    """Resident entries (ladder entries, or pages + tails + exact entries)."""
+    resident_bytes: int
+    """Payload bytes held by the resident entries."""
+    unique_prefix_bytes: int
+    """Bytes that the distinct resident prefixes need when each token row is stored once."""
+    evictions: int
+    """Entries evicted by the bounds (not counting ``clear``)."""
+    evicted_bytes: int
+    """Payload bytes of those evictions."""
+
+    @property
+    def misses(self) -> int:
+        """All misses, whatever the reason."""
+        return self.misses_never_seen + self.misses_evicted + self.misses_rejected
+
+    @property
+    def residency_ratio(self) -> float:
+        """Resident bytes over unique-prefix bytes (1.0 = no duplication; 0.0 when empty)."""
+        if self.unique_prefix_bytes == 0:
+            return 0.0
+        return self.resident_bytes / self.unique_prefix_bytes
+
+
+@attrs.define(eq=False)
+class MissTracker:
+    """Bounded memory of evicted keys, to classify misses (oldest tombstones dropped first)."""
+
+    capacity: int = 65536
+    """Tombstones kept; older ones are forgotten, so their misses count as ``never_seen``."""
+    _tombstones: OrderedDict[Hashable, None] = attrs.field(factory=OrderedDict, init=False)
+
+    def evicted(self, key: Hashable) -> None:
+        """Remember that ``key`` was evicted."""
+        self._tombstones[key] = None
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > self.capacity:
+            self._tombstones.popitem(last=False)
+
+    def cached(self, key: Hashable) -> None:
+        """Forget ``key``'s tombstone: it is resident again."""
+        self._tombstones.pop(key, None)
+
+    def was_evicted(self, key: Hashable) -> bool:
+        """Whether ``key`` has a tombstone."""
+        return key in self._tombstones
+
+    def __len__(self) -> int:
+        return len(self._tombstones)
+
+
+@attrs.define(eq=False)
+class _Group:
+    """The segments that start right after one parent page (or at the root of a namespace)."""
+
+    segments: dict[bytes, int] = attrs.field(factory=dict)
+    """Token bytes (int32 little-endian) of each distinct segment -> reference count."""
+    bytes_per_token: int = 0
+    unique_tokens: int | None = 0
+    """Cached size of the token trie of ``segments``; ``None`` when it must be recomputed."""
+
+
+def _common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """Whole int32 tokens that two little-endian token byte strings share from the start."""
+    if a[:4] != b[:4]:
+        return 0  # the usual case: segments after one parent differ at their first token
+    m = min(len(a), len(b))
+    left = np.frombuffer(a, dtype=np.uint8, count=m)
+    right = np.frombuffer(b, dtype=np.uint8, count=m)
+    differ = np.flatnonzero(left != right)
+    common = int(differ[0]) if differ.size else m
+    return common // 4
+
+
+def _trie_tokens(segments: list[bytes]) -> int:
+    """Distinct token prefixes among ``segments`` (the size of their token trie)."""
+    if len(segments) == 1:
+        return len(segments[0]) // 4
+    ordered = sorted(segments)
+    total = sum(len(s) for s in ordered) // 4
+    shared = sum(_common_prefix_tokens(a, b) for a, b in itertools.pairwise(ordered))
+    return total - shared
+
+
+@attrs.define(eq=False)
+class PrefixFootprint:
+    """Bytes the distinct resident prefixes need, each token row counted once.
+
+    A prefix is described as segments: each full page of ``page_tokens`` tokens, keyed by the
+    chained key of the page before it (or a namespace root), plus a partial last segment. Equal
+    segments after equal parents are counted once; segments after the same parent that share
+    leading tokens count those tokens once (token-trie size, computed lazily by
+    :meth:`unique_bytes`).
+    """
+
+    _groups: dict[bytes, _Group] = attrs.field(factory=dict, init=False)
+    _owners: dict[Hashable, list[tuple[bytes, bytes]]] = attrs.field(factory=dict, init=False)
+    _dirty: set[bytes] = attrs.field(factory=set, init=False)
+    _clean_tokens_bytes: int = attrs.field(default=0, init=False)
+    """Sum of ``unique_tokens * bytes_per_token`` over groups that are not dirty."""
+
+    def add(
+        self,
+        owner: Hashable,
+        segments: list[tuple[bytes, npt.NDArray[np.int32]]],
+        bytes_per_token: int,
+    ) -> None:
+        """Count ``owner``'s segments ``(parent key, tokens)``; re-adding an owner is a no-op."""
+        if owner in self._owners:
+            return
+        held: list[tuple[bytes, bytes]] = []
+        for parent, tokens in segments:
+            data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+            group = self._groups.get(parent)
+            if group is None:
+                group = _Group(bytes_per_token=bytes_per_token)
+                self._groups[parent] = group
+            count = group.segments.get(data, 0)
+            if count == 0 or bytes_per_token > group.bytes_per_token:
+                self._invalidate(parent, group)
+            group.segments[data] = count + 1
+            group.bytes_per_token = max(group.bytes_per_token, bytes_per_token)
+            held.append((parent, data))
+        self._owners[owner] = held
+
+    def remove(self, owner: Hashable) -> None:
+        """Release what :meth:`add` counted for ``owner`` (unknown owners are ignored)."""
+        held = self._owners.pop(owner, None)
+        if held is None:
+            return
+        for parent, data in held:
+            group = self._groups[parent]
+            count = group.segments[data] - 1
+            if count:
+                group.segments[data] = count
+                continue
+            del group.segments[data]
+            self._invalidate(parent, group)
+            if not group.segments:
+                self._dirty.discard(parent)
+                del self._groups[parent]
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._groups.clear()
+        self._owners.clear()
+        self._dirty.clear()
+        self._clean_tokens_bytes = 0
+
+    def unique_bytes(self) -> int:
+        """Bytes needed to store every distinct resident prefix once."""
+        for parent in self._dirty:
+            group = self._groups[parent]
+            group.unique_tokens = _trie_tokens(list(group.segments))
+            self._clean_tokens_bytes += group.unique_tokens * group.bytes_per_token
+        self._dirty.clear()
+        return self._clean_tokens_bytes
+
+    def _invalidate(self, parent: bytes, group: _Group) -> None:
+        if group.unique_tokens is not None:
+            self._clean_tokens_bytes -= group.unique_tokens * group.bytes_per_token
+            group.unique_tokens = None
+            self._dirty.add(parent)
+
+
+class _Evicted(Protocol):
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
+@attrs.define(eq=False)
+class LadderAccounting:
+    """Hit, miss-reason and footprint bookkeeping for the ladder index (the upstream's cache).
+
+    The ladder's cache keeps plain counters; this adds what the paged index reports too: why
+    each miss happened, how many tokens hits restored, and the unique-prefix footprint of the
+    resident entries.
+    """
+
+    tombstones: int = 65536
+    """Evicted keys remembered to classify misses."""
+    footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint)
+    _misses: MissTracker = attrs.field(init=False)
+    lookups: int = attrs.field(default=0, init=False)
+    hits: int = attrs.field(default=0, init=False)
+    restored_tokens: int = attrs.field(default=0, init=False)
+    miss_counts: dict[str, int] = attrs.field(
+        factory=lambda: {"never_seen": 0, "evicted": 0, "rejected": 0}, init=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        self._misses = MissTracker(capacity=self.tombstones)
+
+    def hit(self, token_count: int) -> None:
+        """Count a restore that returned ``token_count`` tokens."""
+        self.lookups += 1
+        self.hits += 1
+        self.restored_tokens += token_count
+
+    def miss(self, probed: Iterable[str], *, rejected: bool) -> MissReason:
+        """Count a restore that returned nothing and say why.
+
+        Args:
+            probed: keys of every candidate probed.
+            rejected: whether some probed entry was found but refused by validation.
+        """
+        reason: MissReason
+        if rejected:
+            reason = "rejected"
+        elif any(self._misses.was_evicted(key) for key in probed):
+            reason = "evicted"
+        else:
+            reason = "never_seen"
+        self.lookups += 1
+        self.miss_counts[reason] += 1
+        return reason
+
+    def stored(
+        self,
+        key: str,
+        segments: list[tuple[bytes, npt.NDArray[np.int32]]],
+        bytes_per_token: int,
+    ) -> None:
+        """An entry is resident under ``key`` holding the prefix made of ``segments``."""
+        self._misses.cached(key)
+        self.footprint.add(key, segments, bytes_per_token)
+
+    def evicted(self, entries: Iterable[_Evicted]) -> None:
+        """Entries left the cache (``cleared`` ones leave no tombstone)."""
+        for entry in entries:
+            self.footprint.remove(entry.key)
+            if entry.reason != "cleared":
+                self._misses.evicted(entry.key)

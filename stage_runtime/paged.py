@@ -1,0 +1,817 @@
+"""Paged activation index: prompts that share a prefix share its pages.
+
+The ladder index (spec §2.2, §5.2) stores each recorded prefix length as its own entry and can
+hit only at the lengths it recorded. This index cuts a token-major activation into pages of
+``page_tokens`` rows instead. A page's key chains the BLAKE3 identity::
+
+    key(page i) = BLAKE3(domain, namespace, key(page i-1), tokens of page i)
+
+so two prompts that agree on their first ``i`` pages compute the same first ``i`` keys (stored
+once, whoever recorded them), and any difference before a page changes its key and every key after
+it. The last partial page of a prompt is kept as an exact-length *tail* entry chained the same way.
+Frames that are not plain token rows (opaque layout, side-band flags) cannot be cut and are kept
+whole as an *exact* entry for their full length.
+
+Restoring walks the chain from the start: the longest run of cached pages (plus the tail when the
+whole prompt matches) is returned as a :class:`PagedRestore` that hands out the page views (no copy)
+or assembles them (at most one copy). Eviction is least-recently-used over *leaves*: a page is
+never evicted while a longer entry of its chain is cached, so a cached chain never has a gap.
+
+Everything here is synchronous, single-owner and free of trio; the integration layer turns
+activation frames into payloads and back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Literal
+
+import attrs
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.identity import TokenArray, as_token_array
+
+__all__ = [
+    "EntryKind",
+    "EvictionPolicy",
+    "EvictedPage",
+    "PageChain",
+    "PagedActivationIndex",
+    "PagedIndexStats",
+    "PagedLookup",
+    "PagedRecordOutcome",
+    "PagedRestore",
+    "page_chain",
+]
+
+EntryKind = Literal["page", "tail", "exact"]
+"""A full page, the exact-length tail of a prompt, or a whole frame that could not be paged."""
+
+EvictionPolicy = Literal["lru", "reuse"]
+"""Which leaf goes first: least recently used, or least valuable by reuse (see the index)."""
+
+_PAGE_DOMAIN = b"stage-runtime/activation-page-v1"
+_TAIL_DOMAIN = b"stage-runtime/activation-tail-v1"
+_EXACT_DOMAIN = b"stage-runtime/activation-exact-v1"
+_ROOT_DOMAIN = b"stage-runtime/activation-root-v1"
+
+Payload = npt.NDArray[np.uint8]
+
+
+def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
+    """Validated int32 tokens the caller cannot change under us (a read-only private copy).
+
+    A chain is remembered between a restore and the record of the same prompt; if it viewed the
+    caller's buffer, reusing that buffer for the next prompt would silently change it.
+    """
+    ids = as_token_array(tokens)
+    if isinstance(tokens, np.ndarray) and np.may_share_memory(ids, tokens):
+        ids = ids.copy()
+    ids.flags.writeable = False
+    return ids
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PageChain:
+    """The chained keys of one prompt under one namespace (computed once, in one pass)."""
+
+    namespace: bytes
+    """Identity of everything but the tokens (stage, model, width, salt...)."""
+    label: str
+    """Human-readable prefix of entry names in logs and eviction reports."""
+    page_tokens: int
+    """Tokens per page."""
+    tokens: npt.NDArray[np.int32]
+    """The prompt, read-only int32."""
+    root_key: bytes
+    """Parent key of the first page (a digest of the namespace)."""
+    page_keys: tuple[bytes, ...]
+    """Key of each full page, in order."""
+    tail_key: bytes | None
+    """Key of the partial last page, or ``None`` when the prompt ends on a page boundary."""
+    exact_key: bytes
+    """Key of the whole prompt as one exact-length entry (for frames that cannot be paged)."""
+
+    @property
+    def token_count(self) -> int:
+        """Tokens in the prompt."""
+        return int(self.tokens.size)
+
+    def parent_key(self, page_index: int) -> bytes:
+        """Key of the entry before page (or tail) ``page_index``."""
+        return self.root_key if page_index == 0 else self.page_keys[page_index - 1]
+
+    def segments(self, token_count: int) -> list[tuple[bytes, npt.NDArray[np.int32]]]:
+        """``(parent key, tokens)`` of each page segment of the first ``token_count`` tokens."""
+        p = self.page_tokens
+        out = [
+            (self.parent_key(i), self.tokens[i * p : (i + 1) * p]) for i in range(token_count // p)
+        ]
+        if token_count % p:
+            i = token_count // p
+            out.append((self.parent_key(i), self.tokens[i * p : token_count]))
+        return out
+
+
+def page_chain(
+    namespace: bytes,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    page_tokens: int,
+    label: str = "act",
+) -> PageChain:
+    """Compute the chained page keys of ``tokens`` (one BLAKE3 pass over the tokens).
+
+    Args:
+        namespace: identity bytes of everything that is not a token (must differ between stages,
+            widths, tenants...).
+        tokens: integer token ids (any 1-D integer sequence; hashed as int32 little-endian).
+        page_tokens: tokens per page, >= 1.
+        label: prefix of entry names.
+
+    Raises:
+        ConfigError: ``page_tokens`` < 1 or tokens that are not 1-D int32-range integers.
+    """
+    if page_tokens < 1:
+        msg = f"page_tokens must be >= 1, got {page_tokens}"
+        raise ConfigError(msg)
+    ids = _private_tokens(tokens)
+    root = blake3.blake3(_ROOT_DOMAIN)
+    root.update(namespace)
+    root_key = root.digest()
+    raw = ids.data.cast("B")
+    width = 4 * page_tokens
+    keys: list[bytes] = []
+    parent = root_key
+    n = int(ids.size)
+    full = n // page_tokens
+    for i in range(full):
+        h = blake3.blake3(_PAGE_DOMAIN)
+        h.update(parent)
+        h.update(raw[i * width : (i + 1) * width])
+        parent = h.digest()
+        keys.append(parent)
+    tail_key = None
+    if n % page_tokens:
+        h = blake3.blake3(_TAIL_DOMAIN)
+        h.update(parent)
+        h.update(raw[full * width :])
+        tail_key = h.digest()
+    exact = blake3.blake3(_EXACT_DOMAIN)
+    exact.update(parent)
+    exact.update(n.to_bytes(8, "little"))
+    exact.update(raw[full * width :])
+    return PageChain(
+        namespace=namespace,
+        label=label,
+        page_tokens=page_tokens,
+        tokens=ids,
+        root_key=root_key,
+        page_keys=tuple(keys),
+        tail_key=tail_key,
+        exact_key=exact.digest(),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class EvictedPage:
+    """One entry the index evicted (the paged twin of the ladder's ``EvictedEntry``)."""
+
+    key: str
+    """Printable entry name."""
+    kind: EntryKind
+    token_start: int
+    """First token the entry covers."""
+    token_count: int
+    """Tokens the entry covers."""
+    payload_bytes: int
+    reason: Literal["max_entries", "max_bytes", "cleared"]
+
+
+@attrs.frozen(kw_only=True)
+class PagedRecordOutcome:
+    """What one :meth:`PagedActivationIndex.record` call did."""
+
+    stored_entries: int
+    """New entries stored (shared pages already cached are not stored again)."""
+    stored_bytes: int
+    """Payload bytes of those new entries."""
+    reused_entries: int
+    """Entries that were already cached (their recency was refreshed)."""
+    covered_tokens: int
+    """Prompt tokens now covered from the start by cached entries of this prompt."""
+    truncated: bool
+    """The bounds could not fit the whole chain; pages past ``covered_tokens`` were not stored."""
+    evicted: tuple[EvictedPage, ...]
+    last_key: bytes | None
+    """Key of the last entry covering ``covered_tokens`` (None when nothing is covered)."""
+    last_entry: str
+    """Printable name of that entry (``""`` when nothing is covered)."""
+    entries: int
+    """Resident entries after the call."""
+    resident_bytes: int
+    """Resident payload bytes after the call."""
+
+    @property
+    def evicted_bytes(self) -> int:
+        """Payload bytes evicted by this call."""
+        return sum(e.payload_bytes for e in self.evicted)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PagedRestore:
+    """A restored prefix: the page views in order, assembled on demand."""
+
+    token_count: int
+    """Tokens restored (from token 0)."""
+    bytes_per_token: int
+    """Row size; 0 for an exact entry of a frame that is not token-major."""
+    meta: Hashable
+    """What the recorder passed as ``meta`` (the frame description minus token counts)."""
+    pages: tuple[Payload, ...]
+    """Read-only payload views, in token order; together exactly ``payload_bytes``."""
+    page_token_counts: tuple[int, ...]
+    """Tokens in each of ``pages``."""
+    keys: tuple[str, ...]
+    """Printable names of the entries used."""
+    last_key: bytes
+    """Key of the last entry used: the chained identity of the whole restored prefix."""
+    entries: int
+    """Resident entries at restore time."""
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the restored prefix."""
+        return sum(int(p.size) for p in self.pages)
+
+    def iter_pages(self) -> Iterator[tuple[int, Payload]]:
+        """Yield ``(token_start, payload view)`` per page, never copying."""
+        start = 0
+        for count, page in zip(self.page_token_counts, self.pages, strict=True):
+            yield start, page
+            start += count
+
+    def payload(self) -> Payload:
+        """The whole prefix as one read-only 1-D ``uint8`` array (at most one copy).
+
+        A single page is returned as is; virtual pages (zero-stride views) with one fill value
+        give a zero-stride view of the full size, allocating nothing.
+        """
+        if len(self.pages) == 1:
+            return self.pages[0]
+        total = self.payload_bytes
+        if all(_is_virtual(p) for p in self.pages):
+            fill = {int(p[0]) for p in self.pages}
+            if len(fill) == 1:
+                out: Payload = np.broadcast_to(self.pages[0][:1], (total,))
+                return out
+        joined = np.concatenate(self.pages)
+        joined.flags.writeable = False
+        return joined
+
+
+@attrs.frozen(kw_only=True)
+class PagedLookup:
+    """Outcome of one restore: a prefix, or the reason for the miss."""
+
+    restore: PagedRestore | None
+    miss_reason: MissReason | None
+    """Set on a miss; ``None`` on a hit."""
+
+
+@attrs.frozen(kw_only=True)
+class PagedIndexStats:
+    """Counters and residency of a :class:`PagedActivationIndex`."""
+
+    entries: int
+    pages: int
+    tails: int
+    exact_entries: int
+    resident_bytes: int
+    lookups: int
+    hits: int
+    misses_never_seen: int
+    misses_evicted: int
+    misses_rejected: int
+    restored_tokens: int
+    records: int
+    """Entries stored (not counting re-records of cached ones)."""
+    evictions: int
+    """Entries evicted by the bounds (``clear`` not included)."""
+    evicted_bytes: int
+
+    @property
+    def misses(self) -> int:
+        """All misses."""
+        return self.misses_never_seen + self.misses_evicted + self.misses_rejected
+
+
+def _is_virtual(payload: Payload) -> bool:
+    return payload.size > 1 and payload.strides[0] == 0
+
+
+def _stored(segment: Payload) -> Payload:
+    """Own a segment's bytes (so a page never pins the frame it was cut from)."""
+    if _is_virtual(segment):
+        return segment
+    owned = np.array(segment, dtype=np.uint8, copy=True)
+    owned.flags.writeable = False
+    return owned
+
+
+@attrs.define(eq=False)
+class _Entry:
+    key: bytes
+    name: str
+    kind: EntryKind
+    parent: _Entry | None
+    group: bytes
+    """Key of the parent entry or of the namespace root."""
+    token_start: int
+    token_count: int
+    payload: Payload
+    bytes_per_token: int
+    meta: Hashable
+    last_used: int
+    children: int = 0
+    hits: int = 0
+    """Restores that used this entry."""
+    priority: float = 0.0
+    """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+
+
+def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:
+    """Heap item of a leaf: lowest priority first, then least recently used."""
+    return (entry.priority, entry.last_used, id(entry), entry)
+
+
+@attrs.define(eq=False)
+class PagedActivationIndex:
+    """Pages of token-major activation rows, shared across prompts, evicted leaf-first by LRU.
+
+    Bounds are the ladder's: ``max_entries`` entries (pages, tails and exact entries each count
+    one) and ``max_bytes`` payload bytes (``0`` = no byte bound). When the bounds cannot fit the
+    next page of a prompt without evicting that prompt's own chain, recording stops there: the
+    prefix recorded so far stays restorable.
+    """
+
+    page_tokens: int = attrs.field()
+    max_entries: int = attrs.field()
+    max_bytes: int = attrs.field(default=0)
+    min_tokens: int = attrs.field(default=0)
+    """Prompts shorter than this are not recorded; restores shorter than this are misses."""
+    tombstones: int = attrs.field(default=65536)
+    """Evicted keys remembered to classify misses as ``evicted``."""
+    eviction: EvictionPolicy = attrs.field(default="lru")
+    """``lru``: the least recently used leaf goes first. ``reuse``: a GreedyDual-style policy
+    weighing reuse and recompute; each entry's value is ``L + prior + hits``, where ``hits``
+    counts the restores that used it, the prior is 1 for a full page (it saves a page of
+    recompute for any longer prompt) and 0 for tails and exact entries (they save anything only
+    when the very same prompt returns), and ``L`` rises to the value of each evicted entry, so
+    old popularity ages out. Ties go to the least recently used."""
+
+    _entries: dict[bytes, _Entry] = attrs.field(factory=dict, init=False)
+    _leaves: list[tuple[float, int, int, _Entry]] = attrs.field(factory=list, init=False)
+    _inflation: float = attrs.field(default=0.0, init=False)
+    _clock: int = attrs.field(default=0, init=False)
+    _resident_bytes: int = attrs.field(default=0, init=False)
+    _kinds: dict[str, int] = attrs.field(
+        factory=lambda: {"page": 0, "tail": 0, "exact": 0}, init=False
+    )
+    _misses: MissTracker = attrs.field(init=False)
+    _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
+    _lookups: int = attrs.field(default=0, init=False)
+    _hits: int = attrs.field(default=0, init=False)
+    _miss_counts: dict[str, int] = attrs.field(
+        factory=lambda: {"never_seen": 0, "evicted": 0, "rejected": 0}, init=False
+    )
+    _restored_tokens: int = attrs.field(default=0, init=False)
+    _records: int = attrs.field(default=0, init=False)
+    _evictions: int = attrs.field(default=0, init=False)
+    _evicted_bytes: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        for name, value, low in (
+            ("page_tokens", self.page_tokens, 1),
+            ("max_entries", self.max_entries, 1),
+            ("max_bytes", self.max_bytes, 0),
+            ("min_tokens", self.min_tokens, 0),
+            ("tombstones", self.tombstones, 0),
+        ):
+            if value < low:
+                msg = f"{name} must be >= {low}, got {value}"
+                raise ConfigError(msg)
+        self._misses = MissTracker(capacity=self.tombstones)
+        if self.eviction not in ("lru", "reuse"):
+            msg = f"eviction must be 'lru' or 'reuse', got {self.eviction!r}"
+            raise ConfigError(msg)
+
+    # ---------------------------------------------------------------- keys
+
+    def chain(
+        self,
+        namespace: bytes,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        label: str = "act",
+    ) -> PageChain:
+        """The :class:`PageChain` of ``tokens`` with this index's page size."""
+        return page_chain(namespace, tokens, page_tokens=self.page_tokens, label=label)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def resident_bytes(self) -> int:
+        """Payload bytes of the resident entries."""
+        return self._resident_bytes
+
+    # ---------------------------------------------------------------- record
+
+    def record(
+        self,
+        chain: PageChain,
+        payload: Payload,
+        *,
+        meta: Hashable = None,
+        token_major: bool = True,
+    ) -> PagedRecordOutcome:
+        """Store the activation rows of ``chain``'s prompt, page by page.
+
+        Pages already cached (recorded by any prompt with the same prefix) are only refreshed.
+
+        Args:
+            chain: the prompt's keys, from :meth:`chain`.
+            payload: 1-D ``uint8`` payload of the whole prompt's activation (token-major rows when
+                ``token_major``). Real bytes are copied once per new page; zero-stride (virtual)
+                payloads are kept as views and allocate nothing.
+            meta: anything hashable describing the rows besides their count (dtype, layers...);
+                a restore only joins pages whose ``meta`` agree.
+            token_major: ``False`` for payloads that cannot be cut into rows; they are stored
+                whole as one exact-length entry.
+
+        Raises:
+            FrameError: ``payload`` is not a 1-D ``uint8`` array.
+        """
+        if payload.ndim != 1 or payload.dtype != np.uint8:
+            msg = f"payload must be a 1-D uint8 array, got {payload.dtype} shape {payload.shape}"
+            raise FrameError(msg)
+        n = chain.token_count
+        evicted: list[EvictedPage] = []
+        stored = [0, 0, 0]  # entries, bytes, reused
+        if n == 0 or n < self.min_tokens or payload.size == 0:
+            return self._outcome(stored, None, truncated=False, evicted=evicted)
+        if not token_major or payload.size % n:
+            bpt = payload.size // n if payload.size % n == 0 else 0
+            entry = self._put(
+                chain,
+                chain.exact_key,
+                "exact",
+                None,
+                chain.root_key,
+                0,
+                n,
+                payload,
+                bpt,
+                meta,
+                evicted,
+                stored,
+            )
+            return self._outcome(stored, entry, truncated=entry is None, evicted=evicted)
+        bpt = payload.size // n
+        p = chain.page_tokens
+        parent: _Entry | None = None
+        for i, key in enumerate(chain.page_keys):
+            segment = payload[i * p * bpt : (i + 1) * p * bpt]
+            entry = self._put(
+                chain,
+                key,
+                "page",
+                parent,
+                chain.parent_key(i),
+                i * p,
+                p,
+                segment,
+                bpt,
+                meta,
+                evicted,
+                stored,
+            )
+            if entry is None:
+                return self._outcome(stored, parent, truncated=True, evicted=evicted)
+            parent = entry
+        if chain.tail_key is not None:
+            i = len(chain.page_keys)
+            segment = payload[i * p * bpt :]
+            entry = self._put(
+                chain,
+                chain.tail_key,
+                "tail",
+                parent,
+                chain.parent_key(i),
+                i * p,
+                n - i * p,
+                segment,
+                bpt,
+                meta,
+                evicted,
+                stored,
+            )
+            if entry is None:
+                return self._outcome(stored, parent, truncated=True, evicted=evicted)
+            parent = entry
+        return self._outcome(stored, parent, truncated=False, evicted=evicted)
+
+    def _outcome(
+        self,
+        stored: list[int],
+        last: _Entry | None,
+        *,
+        truncated: bool,
+        evicted: list[EvictedPage],
+    ) -> PagedRecordOutcome:
+        return PagedRecordOutcome(
+            stored_entries=stored[0],
+            stored_bytes=stored[1],
+            reused_entries=stored[2],
+            covered_tokens=0 if last is None else last.token_start + last.token_count,
+            truncated=truncated,
+            evicted=tuple(evicted),
+            last_key=None if last is None else last.key,
+            last_entry="" if last is None else last.name,
+            entries=len(self._entries),
+            resident_bytes=self._resident_bytes,
+        )
+
+    def _put(
+        self,
+        chain: PageChain,
+        key: bytes,
+        kind: EntryKind,
+        parent: _Entry | None,
+        group: bytes,
+        token_start: int,
+        token_count: int,
+        segment: Payload,
+        bpt: int,
+        meta: Hashable,
+        evicted: list[EvictedPage],
+        stored: list[int],
+    ) -> _Entry | None:
+        existing = self._entries.get(key)
+        if existing is not None:
+            if (
+                existing.meta != meta
+                or existing.bytes_per_token != bpt
+                or existing.payload.size != segment.size
+            ):
+                # A re-record with different rows replaces them in place; like the ladder's
+                # re-record, this is not an eviction.
+                self._resident_bytes += int(segment.size) - int(existing.payload.size)
+                existing.payload = _stored(segment)
+                existing.meta = meta
+                existing.bytes_per_token = bpt
+            self._touch(existing, hit=False)
+            stored[2] += 1
+            return existing
+        if not self._make_room(int(segment.size), parent, evicted):
+            return None
+        self._clock += 1
+        name = f"{chain.label}:{kind}:{token_start}+{token_count}:{key.hex()[:16]}"
+        entry = _Entry(
+            key=key,
+            name=name,
+            kind=kind,
+            parent=parent,
+            group=group,
+            token_start=token_start,
+            token_count=token_count,
+            payload=_stored(segment),
+            bytes_per_token=bpt,
+            meta=meta,
+            last_used=self._clock,
+        )
+        if self.eviction == "reuse":
+            entry.priority = self._inflation + (1.0 if kind == "page" else 0.0)
+        self._entries[key] = entry
+        self._kinds[kind] += 1
+        self._resident_bytes += int(segment.size)
+        if parent is not None:
+            parent.children += 1
+        heapq.heappush(self._leaves, _leaf_item(entry))
+        self._misses.cached(key)
+        if kind == "exact":
+            segments = chain.segments(token_count)
+        else:
+            segments = [(group, chain.tokens[token_start : token_start + token_count])]
+        self._footprint.add(key, segments, bpt if bpt else max(int(segment.size) // token_count, 1))
+        self._records += 1
+        stored[0] += 1
+        stored[1] += int(segment.size)
+        return entry
+
+    def _make_room(self, size: int, protect: _Entry | None, evicted: list[EvictedPage]) -> bool:
+        held: list[tuple[float, int, int, _Entry]] = []
+        ok = True
+        while True:
+            if len(self._entries) + 1 > self.max_entries:
+                reason: Literal["max_entries", "max_bytes"] = "max_entries"
+            elif self.max_bytes and self._resident_bytes + size > self.max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            victim = self._pop_leaf()
+            if victim is protect and victim is not None:
+                held.append(_leaf_item(victim))
+                victim = self._pop_leaf()
+            if victim is None:
+                ok = False
+                break
+            evicted.append(self._evict(victim, reason))
+        for item in held:
+            heapq.heappush(self._leaves, item)
+        return ok
+
+    def _pop_leaf(self) -> _Entry | None:
+        """The least recently used resident entry with no cached child, removed from the heap."""
+        while self._leaves:
+            priority, stamp, _, entry = heapq.heappop(self._leaves)
+            if (
+                self._entries.get(entry.key) is entry
+                and entry.children == 0
+                and entry.last_used == stamp
+                and entry.priority == priority
+            ):
+                return entry
+        return None
+
+    def _touch(self, entry: _Entry, *, hit: bool) -> None:
+        self._clock += 1
+        entry.last_used = self._clock
+        if hit:
+            entry.hits += 1
+        if self.eviction == "reuse":
+            prior = 1.0 if entry.kind == "page" else 0.0
+            entry.priority = self._inflation + prior + entry.hits
+        if entry.children == 0:
+            heapq.heappush(self._leaves, _leaf_item(entry))
+            if len(self._leaves) > 2 * len(self._entries) + 64:
+                self._compact_leaves()
+
+    def _compact_leaves(self) -> None:
+        self._leaves = [_leaf_item(e) for e in self._entries.values() if e.children == 0]
+        heapq.heapify(self._leaves)
+
+    def _evict(
+        self, entry: _Entry, reason: Literal["max_entries", "max_bytes", "cleared"]
+    ) -> EvictedPage:
+        del self._entries[entry.key]
+        self._kinds[entry.kind] -= 1
+        size = int(entry.payload.size)
+        self._resident_bytes -= size
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0 and self._entries.get(parent.key) is parent:
+                heapq.heappush(self._leaves, _leaf_item(parent))
+        self._footprint.remove(entry.key)
+        if reason != "cleared":
+            self._inflation = max(self._inflation, entry.priority)
+            self._misses.evicted(entry.key)
+            self._evictions += 1
+            self._evicted_bytes += size
+        return EvictedPage(
+            key=entry.name,
+            kind=entry.kind,
+            token_start=entry.token_start,
+            token_count=entry.token_count,
+            payload_bytes=size,
+            reason=reason,
+        )
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self, chain: PageChain) -> PagedLookup:
+        """Find the longest cached run of ``chain``'s pages from token 0.
+
+        The run ends at the first page that is missing or fails validation (row size, token count
+        or ``meta`` disagreeing with the first page); nothing past that point is used. The tail
+        entry joins only when every page matched, making the restore cover the whole prompt. An
+        exact entry (a frame that could not be paged) is used when pages do not cover the whole
+        prompt. A run shorter than ``min_tokens`` is a miss. A hit refreshes the recency of every
+        entry it used, in token order.
+        """
+        self._lookups += 1
+        n = chain.token_count
+        used: list[_Entry] = []
+        reason: MissReason | None = None
+        covered = 0
+        for key in chain.page_keys:
+            entry, reason = self._probe(key, chain.page_tokens, used[0] if used else None)
+            if entry is None:
+                break
+            used.append(entry)
+            covered += chain.page_tokens
+        else:
+            if chain.tail_key is not None:
+                entry, reason = self._probe(chain.tail_key, n - covered, used[0] if used else None)
+                if entry is not None:
+                    used.append(entry)
+                    covered = n
+        if covered < n:
+            exact = self._entries.get(chain.exact_key)
+            if exact is not None:
+                if exact.token_count == n and (
+                    exact.bytes_per_token == 0 or exact.payload.size == n * exact.bytes_per_token
+                ):
+                    used = [exact]
+                    covered = n
+                else:
+                    reason = "rejected"
+        if covered == 0 or covered < self.min_tokens:
+            final: MissReason = reason if reason is not None else "never_seen"
+            self._miss_counts[final] += 1
+            return PagedLookup(restore=None, miss_reason=final)
+        for entry in used:
+            self._touch(entry, hit=True)
+        self._hits += 1
+        self._restored_tokens += covered
+        first = used[0]
+        return PagedLookup(
+            restore=PagedRestore(
+                token_count=covered,
+                bytes_per_token=first.bytes_per_token,
+                meta=first.meta,
+                pages=tuple(e.payload for e in used),
+                page_token_counts=tuple(e.token_count for e in used),
+                keys=tuple(e.name for e in used),
+                last_key=used[-1].key,
+                entries=len(self._entries),
+            ),
+            miss_reason=None,
+        )
+
+    def _probe(
+        self, key: bytes, token_count: int, first: _Entry | None
+    ) -> tuple[_Entry | None, MissReason | None]:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None, ("evicted" if self._misses.was_evicted(key) else "never_seen")
+        valid = (
+            entry.token_count == token_count
+            and entry.bytes_per_token > 0
+            and entry.payload.size == token_count * entry.bytes_per_token
+            and (
+                first is None
+                or (entry.meta == first.meta and entry.bytes_per_token == first.bytes_per_token)
+            )
+        )
+        if not valid:
+            return None, "rejected"
+        return entry, None
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def clear(self) -> tuple[EvictedPage, ...]:
+        """Evict everything (reason ``"cleared"``), leaves first; counters are kept."""
+        out: list[EvictedPage] = []
+        self._compact_leaves()
+        while (victim := self._pop_leaf()) is not None:
+            out.append(self._evict(victim, "cleared"))
+        self._leaves.clear()
+        return tuple(out)
+
+    def unique_prefix_bytes(self) -> int:
+        """Bytes the distinct resident prefixes need, each token row once.
+
+        Tails that are a prefix of a cached page (or of another tail) count once. Computed
+        lazily from what changed since the last call.
+        """
+        return self._footprint.unique_bytes()
+
+    def stats(self) -> PagedIndexStats:
+        """Counters and residency now (cheap; see :meth:`unique_prefix_bytes` for the footprint)."""
+        return PagedIndexStats(
+            entries=len(self._entries),
+            pages=self._kinds["page"],
+            tails=self._kinds["tail"],
+            exact_entries=self._kinds["exact"],
+            resident_bytes=self._resident_bytes,
+            lookups=self._lookups,
+            hits=self._hits,
+            misses_never_seen=self._miss_counts["never_seen"],
+            misses_evicted=self._miss_counts["evicted"],
+            misses_rejected=self._miss_counts["rejected"],
+            restored_tokens=self._restored_tokens,
+            records=self._records,
+            evictions=self._evictions,
+            evicted_bytes=self._evicted_bytes,
+        )

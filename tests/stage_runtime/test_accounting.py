@@ -1,0 +1,84 @@
+"""Tests of the accounting helpers: miss tombstones and the unique-prefix footprint."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.accounting import CacheAccounting, LadderAccounting, MissTracker, PrefixFootprint
+
+
+def tokens(*values: int) -> npt.NDArray[np.int32]:
+    return np.array(values, dtype=np.int32)
+
+
+def test_miss_tracker_forgets_the_oldest_tombstone_first() -> None:
+    """Past its capacity the tracker drops the oldest eviction; a re-cached key loses its own."""
+    tracker = MissTracker(capacity=2)
+    for key in ("a", "b", "c"):
+        tracker.evicted(key)
+    assert not tracker.was_evicted("a")
+    assert tracker.was_evicted("b")
+    tracker.cached("b")
+    assert not tracker.was_evicted("b")
+    assert len(tracker) == 1
+
+
+def test_footprint_counts_shared_leading_tokens_once() -> None:
+    """Two segments after one parent that agree on 2 tokens need 2 + 2 + 1 token rows."""
+    footprint = PrefixFootprint()
+    footprint.add("x", [(b"root", tokens(1, 2, 3, 4))], 10)
+    footprint.add("y", [(b"root", tokens(1, 2, 9))], 10)
+    assert footprint.unique_bytes() == 5 * 10
+    footprint.add("x", [(b"root", tokens(1, 2, 3, 4))], 10)  # re-adding an owner: no change
+    assert footprint.unique_bytes() == 5 * 10
+    footprint.remove("x")
+    assert footprint.unique_bytes() == 3 * 10
+    footprint.remove("y")
+    assert footprint.unique_bytes() == 0
+
+
+def test_footprint_separates_parents() -> None:
+    """Equal tokens after different parents (other prefixes) are different rows."""
+    footprint = PrefixFootprint()
+    footprint.add("x", [(b"p1", tokens(5, 6))], 1)
+    footprint.add("y", [(b"p2", tokens(5, 6))], 1)
+    assert footprint.unique_bytes() == 4
+
+
+def test_ladder_accounting_classifies_misses() -> None:
+    """Rejected beats evicted beats never seen; hits add restored tokens."""
+    acc = LadderAccounting()
+    acc.stored("k", [(b"root", tokens(1, 2))], 4)
+    acc.hit(2)
+
+    class Gone:
+        key = "k"
+        reason = "max_entries"
+
+    acc.evicted([Gone()])
+    assert acc.miss(["k"], rejected=False) == "evicted"
+    assert acc.miss(["other"], rejected=False) == "never_seen"
+    assert acc.miss(["k"], rejected=True) == "rejected"
+    assert (acc.lookups, acc.hits, acc.restored_tokens) == (4, 1, 2)
+    assert acc.footprint.unique_bytes() == 0
+
+
+def test_residency_ratio_of_an_empty_cache_is_zero() -> None:
+    """No unique bytes: the ratio is 0, not a division error."""
+    empty = CacheAccounting(
+        index="paged",
+        lookups=0,
+        hits=0,
+        misses_never_seen=0,
+        misses_evicted=0,
+        misses_rejected=0,
+        restored_tokens=0,
+        entries=0,
+        resident_bytes=0,
+        unique_prefix_bytes=0,
+        evictions=0,
+        evicted_bytes=0,
+    )
+    assert empty.residency_ratio == 0.0
+    assert empty.misses == 0

@@ -1,0 +1,78 @@
+"""Tests of the paged-index settings of KvCacheConfig and the cache salt of MessageBase."""
+
+from __future__ import annotations
+
+import pytest
+
+from stage_runtime import (
+    CacheIndex,
+    ConfigError,
+    KvCacheConfig,
+    KvStageIntegration,
+    MessageBase,
+    PagedStageIntegration,
+    PageEviction,
+    StageConfig,
+)
+
+
+def test_index_defaults_to_the_upstream_ladder_and_pages_to_the_stride() -> None:
+    """Without settings the ladder is used and a page is one stride long."""
+    config = KvCacheConfig(shared_prefix_stride_tokens=512)
+    assert config.index is CacheIndex.LADDER
+    assert config.page_tokens is None
+    assert config.effective_page_tokens == 512
+    assert KvCacheConfig(shared_prefix_stride_tokens=0).effective_page_tokens == 1
+    assert KvCacheConfig(page_tokens=64).effective_page_tokens == 64
+
+
+def test_index_accepts_strings_and_rejects_unknown_modes() -> None:
+    """The index converts from its string value and names bad values."""
+    assert KvCacheConfig.from_mapping({"index": "paged"}).index is CacheIndex.PAGED
+    with pytest.raises(ConfigError, match="index must be one of 'ladder', 'paged', got 'radix'"):
+        KvCacheConfig(index="radix")
+    with pytest.raises(ConfigError, match="page_tokens must be >= 1, got 0"):
+        KvCacheConfig(page_tokens=0)
+
+
+def test_index_and_page_tokens_from_the_environment() -> None:
+    """STAGE_RUNTIME_KV_CACHE_INDEX and _PAGE_TOKENS configure the paged index."""
+    config = KvCacheConfig.from_env(
+        {
+            "STAGE_RUNTIME_KV_CACHE": "on",
+            "STAGE_RUNTIME_KV_CACHE_INDEX": "paged",
+            "STAGE_RUNTIME_KV_CACHE_PAGE_TOKENS": "256",
+        }
+    )
+    assert config is not None
+    assert config.index is CacheIndex.PAGED
+    assert config.page_tokens == 256
+    with pytest.raises(ConfigError, match="index must be one of"):
+        KvCacheConfig.from_env(
+            {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "tree"}
+        )
+
+
+def test_cache_salt_is_optional_and_must_be_a_string() -> None:
+    """No salt by default (upstream sharing); a non-string salt is refused."""
+    assert MessageBase().cache_salt is None
+    assert MessageBase(cache_salt="tenant-a").cache_salt == "tenant-a"
+    with pytest.raises(ConfigError, match="cache_salt must be a string"):
+        MessageBase(cache_salt=3)  # type: ignore[arg-type]
+
+
+def test_page_eviction_reaches_the_paged_index() -> None:
+    """page_eviction = "reuse" selects the reuse-aware policy; unknown values are named."""
+    config = StageConfig(
+        stage_id="s",
+        model_id="m",
+        layer_start=0,
+        layer_end=1,
+        kv_cache=KvCacheConfig(mode="lookup-record", index="paged", page_eviction="reuse"),
+    )
+    kv = KvStageIntegration.from_config(config, environ={})
+    assert isinstance(kv, PagedStageIntegration)
+    assert kv.index.eviction == "reuse"
+    assert KvCacheConfig().page_eviction is PageEviction.LRU
+    with pytest.raises(ConfigError, match="page_eviction must be one of 'lru', 'reuse'"):
+        KvCacheConfig(page_eviction="fifo")

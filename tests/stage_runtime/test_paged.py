@@ -1,0 +1,489 @@
+"""Tests of the paged activation index (hand-built cases and a stateful model check)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.paged import PagedActivationIndex, page_chain
+
+BPT = 4  # bytes per token row in these tests
+
+
+def rows(namespace: bytes, tokens: Sequence[int], bpt: int = BPT) -> npt.NDArray[np.uint8]:
+    """Causal rows: row j depends only on the namespace and tokens[:j+1] (like a causal model)."""
+    out = np.empty(len(tokens) * bpt, dtype=np.uint8)
+    for j in range(len(tokens)):
+        digest = hashlib.blake2b(namespace + bytes(str(list(tokens[: j + 1])), "ascii")).digest()
+        out[j * bpt : (j + 1) * bpt] = np.frombuffer(digest[:bpt], dtype=np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def record(index: PagedActivationIndex, tokens: Sequence[int], ns: bytes = b"ns") -> object:
+    return index.record(index.chain(ns, list(tokens)), rows(ns, tokens))
+
+
+def restored(index: PagedActivationIndex, tokens: Sequence[int], ns: bytes = b"ns") -> int:
+    found = index.restore(index.chain(ns, list(tokens))).restore
+    return 0 if found is None else found.token_count
+
+
+def test_equal_prefixes_share_pages_across_prompts() -> None:
+    """A second prompt with the same first pages stores only its new pages."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    first = record(index, [1, 2, 3, 4, 5, 6])
+    second = index.record(index.chain(b"ns", [1, 2, 3, 4, 9, 9]), rows(b"ns", [1, 2, 3, 4, 9, 9]))
+    assert first.stored_entries == 3  # type: ignore[attr-defined]
+    assert second.stored_entries == 1
+    assert second.reused_entries == 2
+    assert len(index) == 4
+    assert index.resident_bytes == 8 * BPT
+    assert index.unique_prefix_bytes() == 8 * BPT
+
+
+def test_different_token_before_a_page_changes_every_later_key() -> None:
+    """Chained keys: a difference in page 0 changes the key of page 1 with equal tokens."""
+    a = page_chain(b"ns", [1, 2, 3, 4], page_tokens=2)
+    b = page_chain(b"ns", [9, 2, 3, 4], page_tokens=2)
+    c = page_chain(b"other", [1, 2, 3, 4], page_tokens=2)
+    assert a.page_keys[0] != b.page_keys[0]
+    assert a.page_keys[1] != b.page_keys[1]
+    assert a.page_keys[0] != c.page_keys[0]
+    assert a.page_keys == page_chain(b"ns", np.array([1, 2, 3, 4]), page_tokens=2).page_keys
+
+
+def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:
+    """The tail entry restores the exact prompt; an extension or a shorter prompt stops at pages."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4, 5])
+    assert index.stats().tails == 1
+    assert restored(index, [1, 2, 3, 4, 5]) == 5
+    assert restored(index, [1, 2, 3, 4, 5, 6, 7]) == 4
+    assert restored(index, [1, 2, 3]) == 2
+    assert restored(index, [1, 2, 3, 4, 6]) == 4
+
+
+def test_restore_returns_the_recorded_rows() -> None:
+    """The restored payload equals the rows of the prefix, across pages recorded by two prompts."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4])
+    record(index, [1, 2, 3, 4, 5, 6, 7])
+    found = index.restore(index.chain(b"ns", [1, 2, 3, 4, 5, 6, 7])).restore
+    assert found is not None
+    assert found.token_count == 7
+    np.testing.assert_array_equal(found.payload(), rows(b"ns", [1, 2, 3, 4, 5, 6, 7]))
+    assert found.page_token_counts == (2, 2, 2, 1)
+
+
+def test_streaming_pages_are_views_of_the_stored_pages() -> None:
+    """iter_pages hands out the stored arrays themselves; one page is returned without a copy."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4])
+    first = index.restore(index.chain(b"ns", [1, 2, 3, 4])).restore
+    second = index.restore(index.chain(b"ns", [1, 2, 3, 4])).restore
+    assert first is not None
+    assert second is not None
+    for (_, a), (_, b) in zip(first.iter_pages(), second.iter_pages(), strict=True):
+        assert a is b
+        assert not a.flags.writeable
+    assert [start for start, _ in first.iter_pages()] == [0, 2]
+    single = index.restore(index.chain(b"ns", [1, 2, 7])).restore
+    assert single is not None
+    assert single.payload() is single.pages[0]
+
+
+def test_record_copies_real_bytes_so_pages_do_not_pin_the_frame() -> None:
+    """Changing the recorder's buffer afterwards does not change what a restore returns."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    buffer = rows(b"ns", [1, 2, 3, 4]).copy()
+    index.record(index.chain(b"ns", [1, 2, 3, 4]), buffer)
+    buffer[:] = 0
+    found = index.restore(index.chain(b"ns", [1, 2, 3, 4])).restore
+    assert found is not None
+    np.testing.assert_array_equal(found.payload(), rows(b"ns", [1, 2, 3, 4]))
+
+
+def test_leaf_first_eviction_keeps_an_older_inner_page() -> None:
+    """The least recently used page is inner, so its leaf goes first and the chain has no gap."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=2)
+    record(index, [1, 2, 3, 4])  # page0 (older), page1 (leaf)
+    outcome = record(index, [7, 8])
+    evicted = outcome.evicted  # type: ignore[attr-defined]
+    assert [(e.kind, e.token_start, e.token_count, e.reason) for e in evicted] == [
+        ("page", 2, 2, "max_entries")
+    ]
+    assert restored(index, [1, 2, 3, 4]) == 2
+    assert restored(index, [7, 8]) == 2
+
+
+def test_restore_uses_the_run_before_an_evicted_inner_page() -> None:
+    """After the inner page of a chain is evicted, only the pages before it are restored."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=3)
+    record(index, [1, 2, 3, 4, 5, 6])
+    record(index, [7, 8])  # evicts page 2 (the leaf)
+    record(index, [9, 9])  # page 1 is now a leaf and the oldest one: evicted
+    found = index.restore(index.chain(b"ns", [1, 2, 3, 4, 5, 6])).restore
+    assert found is not None
+    assert found.token_count == 2
+    np.testing.assert_array_equal(found.payload(), rows(b"ns", [1, 2]))
+
+
+def test_nothing_past_a_rejected_page_is_used() -> None:
+    """A page whose rows disagree with the first one ends the run; later cached pages go unused."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    index.record(
+        index.chain(b"ns", [1, 2, 3, 4, 5, 6]), rows(b"ns", [1, 2, 3, 4, 5, 6]), meta="f32"
+    )
+    # Same first page recorded with another row format: replaced in place, not evicted.
+    outcome = index.record(index.chain(b"ns", [1, 2]), rows(b"ns", [1, 2], bpt=8), meta="f16")
+    assert outcome.evicted == ()
+    lookup = index.restore(index.chain(b"ns", [1, 2, 3, 4, 5, 6]))
+    assert lookup.restore is not None
+    assert lookup.restore.token_count == 2
+    assert lookup.restore.meta == "f16"
+    assert len(index) == 3  # pages 1 and 2 are still cached, just not usable after the gap
+
+
+def test_miss_reasons_never_seen_evicted_rejected() -> None:
+    """Misses are counted by reason: never cached, evicted since, refused by validation."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=1)
+    assert index.restore(index.chain(b"ns", [1, 2])).miss_reason == "never_seen"
+    record(index, [1, 2])
+    record(index, [3, 4])
+    assert index.restore(index.chain(b"ns", [1, 2])).miss_reason == "evicted"
+    # An exact entry whose size disagrees with its row count is refused.
+    index.record(index.chain(b"ns", [5, 6]), np.zeros(3, dtype=np.uint8), token_major=False)
+    stats = index.stats()
+    assert stats.lookups == 2
+    assert (stats.misses_never_seen, stats.misses_evicted, stats.misses_rejected) == (1, 1, 0)
+    assert stats.evictions == 2
+    assert stats.hits == 0
+
+
+def test_rejected_miss_reason() -> None:
+    """A tail whose rows disagree with the first page is refused: a 'rejected' miss."""
+    index = PagedActivationIndex(page_tokens=4, max_entries=10, min_tokens=5)
+    index.record(index.chain(b"ns", [1, 2, 3, 4, 5]), rows(b"ns", [1, 2, 3, 4, 5]), meta="a")
+    # Page 0 re-recorded in another row format; the tail keeps the old one.
+    index.record(index.chain(b"ns", [1, 2, 3, 4, 6]), rows(b"ns", [1, 2, 3, 4, 6], bpt=8), meta="b")
+    lookup = index.restore(index.chain(b"ns", [1, 2, 3, 4, 5]))
+    assert lookup.restore is None
+    assert lookup.miss_reason == "rejected"
+    assert index.stats().misses_rejected == 1
+
+
+def test_frames_that_cannot_be_paged_are_exact_length_entries() -> None:
+    """Opaque payloads are stored whole and restore only the exact prompt."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=10)
+    payload = np.arange(7, dtype=np.uint8)
+    outcome = index.record(index.chain(b"ns", [1, 2, 3]), payload, token_major=False)
+    assert outcome.stored_entries == 1
+    assert index.stats().exact_entries == 1
+    found = index.restore(index.chain(b"ns", [1, 2, 3])).restore
+    assert found is not None
+    assert found.token_count == 3
+    np.testing.assert_array_equal(found.payload(), payload)
+    assert restored(index, [1, 2, 3, 4]) == 0
+    assert restored(index, [1, 2]) == 0
+
+
+def test_namespaces_never_share() -> None:
+    """Another namespace (another tenant salt, stage or width) cannot hit or probe these pages."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=10)
+    record(index, [1, 2, 3, 4], ns=b"tenant-a")
+    lookup = index.restore(index.chain(b"tenant-b", [1, 2, 3, 4]))
+    assert lookup.restore is None
+    assert lookup.miss_reason == "never_seen"
+    assert restored(index, [1, 2, 3, 4], ns=b"tenant-a") == 4
+
+
+def test_virtual_payloads_allocate_nothing() -> None:
+    """A million virtual 8 KiB rows are recorded, shared and restored as zero-stride views."""
+    index = PagedActivationIndex(page_tokens=512, max_entries=10_000)
+    n, bpt = 1_000_000, 8192
+    virtual = np.broadcast_to(np.zeros(1, dtype=np.uint8), (n * bpt,))
+    tokens = np.arange(n, dtype=np.int32)
+    index.record(index.chain(b"ns", tokens), virtual)
+    assert index.resident_bytes == n * bpt
+    found = index.restore(index.chain(b"ns", tokens)).restore
+    assert found is not None
+    assembled = found.payload()
+    assert assembled.size == n * bpt
+    assert assembled.strides == (0,)
+    assert all(page.strides == (0,) for page in found.pages)
+
+
+def test_bounds_truncate_a_chain_that_does_not_fit() -> None:
+    """When the prompt's own pages fill the bytes bound, recording stops with a usable prefix."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, max_bytes=4 * BPT)
+    outcome = record(index, [1, 2, 3, 4, 5, 6, 7])
+    assert outcome.truncated  # type: ignore[attr-defined]
+    assert outcome.covered_tokens == 4  # type: ignore[attr-defined]
+    assert restored(index, [1, 2, 3, 4, 5, 6, 7]) == 4
+    assert index.resident_bytes <= 4 * BPT
+
+
+def test_min_tokens_gates_records_and_restores() -> None:
+    """Prompts under min_tokens are not recorded; a run under min_tokens is a miss."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, min_tokens=4)
+    assert record(index, [1, 2, 3]).stored_entries == 0  # type: ignore[attr-defined]
+    record(index, [1, 2, 3, 4])
+    assert restored(index, [1, 2, 9, 9]) == 0
+    assert restored(index, [1, 2, 3, 4, 5]) == 4
+
+
+def test_clear_evicts_everything_as_cleared() -> None:
+    """clear() reports every entry with reason 'cleared' and leaves counters of evictions alone."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4, 5])
+    gone = index.clear()
+    assert sorted(e.kind for e in gone) == ["page", "page", "tail"]
+    assert {e.reason for e in gone} == {"cleared"}
+    assert len(index) == 0
+    assert index.resident_bytes == 0
+    assert index.stats().evictions == 0
+    assert index.unique_prefix_bytes() == 0
+
+
+def test_bad_arguments_raise_typed_errors() -> None:
+    """Invalid bounds, tokens and payloads raise ConfigError/FrameError naming the value."""
+    with pytest.raises(ConfigError, match="page_tokens must be >= 1, got 0"):
+        PagedActivationIndex(page_tokens=0, max_entries=1)
+    with pytest.raises(ConfigError, match="max_entries must be >= 1, got 0"):
+        PagedActivationIndex(page_tokens=1, max_entries=0)
+    index = PagedActivationIndex(page_tokens=2, max_entries=4)
+    with pytest.raises(ConfigError, match="int32"):
+        index.chain(b"ns", [2**31])
+    with pytest.raises(ConfigError, match="integers"):
+        index.chain(b"ns", [1.5])  # type: ignore[list-item]
+    with pytest.raises(FrameError, match="uint8"):
+        index.record(index.chain(b"ns", [1, 2]), np.zeros(2, dtype=np.float32))
+    assert len(index) == 0
+
+
+def test_unique_prefix_bytes_counts_overlapping_tails_once() -> None:
+    """A tail that is a prefix of a cached page costs nothing extra in unique-prefix bytes."""
+    index = PagedActivationIndex(page_tokens=4, max_entries=100)
+    record(index, [1, 2, 3, 4])
+    record(index, [1, 2])
+    record(index, [1, 2, 9])
+    assert index.resident_bytes == (4 + 2 + 3) * BPT
+    # distinct prefixes: 1 | 12 | 123 | 1234 | 129
+    assert index.unique_prefix_bytes() == 5 * BPT
+
+
+@pytest.mark.parametrize(("eviction", "survivor"), [("lru", [3, 4]), ("reuse", [1, 2])])
+def test_reuse_eviction_keeps_a_popular_page_over_a_newer_one_off(
+    eviction: str, survivor: list[int]
+) -> None:
+    """LRU evicts the older popular page; reuse-aware eviction evicts the newer one-off page."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=2, eviction=eviction)  # type: ignore[arg-type]
+    record(index, [1, 2])
+    for _ in range(3):
+        assert restored(index, [1, 2]) == 2
+    record(index, [3, 4])
+    record(index, [5, 6])
+    assert restored(index, survivor) == 2
+    assert restored(index, [5, 6]) == 2
+    assert len(index) == 2
+
+
+def test_reuse_eviction_ages_out_old_popularity() -> None:
+    """Each eviction raises the floor, so a once-popular page cannot stay forever."""
+    index = PagedActivationIndex(page_tokens=1, max_entries=2, eviction="reuse")
+    record(index, [1])
+    assert restored(index, [1]) == 1  # value 2
+    for token in range(10, 14):  # each newcomer starts at the last victim's value + 1
+        record(index, [token])
+    assert restored(index, [1]) == 0
+
+
+def test_unknown_eviction_policy_is_refused() -> None:
+    """Only 'lru' and 'reuse' exist."""
+    with pytest.raises(ConfigError, match="eviction must be 'lru' or 'reuse', got 'mru'"):
+        PagedActivationIndex(page_tokens=1, max_entries=1, eviction="mru")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ stateful model check
+
+Key = tuple[bytes, tuple[int, ...]]
+
+
+class ReferenceIndex:
+    """The same policy over a dict of prefix tuples: the simplest thing that could be right."""
+
+    def __init__(
+        self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int, eviction: str
+    ) -> None:
+        self.eviction = eviction
+        self.hits: dict[Key, int] = {}
+        self.value: dict[Key, float] = {}  # the reuse policy's priority
+        self.inflation = 0.0
+        self.p = page_tokens
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self.entries: dict[Key, int] = {}  # prefix -> last_used
+        self.clock = 0
+        self.tombstones: set[Key] = set()
+
+    def parent(self, key: Key) -> Key | None:
+        ns, prefix = key
+        cut = (len(prefix) - 1) // self.p * self.p
+        return (ns, prefix[:cut]) if cut else None
+
+    def nbytes(self) -> int:
+        return sum(len(k[1]) - (len(k[1]) - 1) // self.p * self.p for k in self.entries) * BPT
+
+    def keys_of(self, ns: bytes, tokens: tuple[int, ...]) -> list[Key]:
+        n = len(tokens)
+        keys = [(ns, tokens[: i + self.p]) for i in range(0, n - n % self.p, self.p)]
+        if n % self.p:
+            keys.append((ns, tokens))
+        return keys
+
+    def record(self, ns: bytes, tokens: tuple[int, ...]) -> list[tuple[int, int]]:
+        evicted: list[tuple[int, int]] = []
+        if not tokens or len(tokens) < self.min_tokens:
+            return evicted
+        protect: Key | None = None
+        for key in self.keys_of(ns, tokens):
+            start = (len(key[1]) - 1) // self.p * self.p
+            size = (len(key[1]) - start) * BPT
+            if key in self.entries:
+                self.use(key, hit=False)
+                protect = key
+                continue
+            while len(self.entries) + 1 > self.max_entries or (
+                self.max_bytes and self.nbytes() + size > self.max_bytes
+            ):
+                parents = {self.parent(k) for k in self.entries}
+                leaves = [k for k in self.entries if k not in parents and k != protect]
+                if not leaves:
+                    return evicted
+                victim = min(leaves, key=lambda k: (self.value[k], self.entries[k]))
+                self.inflation = max(self.inflation, self.value[victim])
+                del self.entries[victim]
+                self.tombstones.add(victim)
+                vstart = (len(victim[1]) - 1) // self.p * self.p
+                evicted.append((vstart, len(victim[1]) - vstart))
+            self.clock += 1
+            self.entries[key] = self.clock
+            self.hits[key] = 0
+            self.value[key] = self.inflation + self.prior(key) if self.eviction == "reuse" else 0.0
+            self.tombstones.discard(key)
+            protect = key
+        return evicted
+
+    def restore(self, ns: bytes, tokens: tuple[int, ...]) -> tuple[int, str | None]:
+        used: list[Key] = []
+        reason = "never_seen"
+        for key in self.keys_of(ns, tokens):
+            if key not in self.entries:
+                reason = "evicted" if key in self.tombstones else "never_seen"
+                break
+            used.append(key)
+        k = len(used[-1][1]) if used else 0
+        if k == 0 or k < self.min_tokens:
+            return 0, reason
+        for key in used:
+            self.use(key, hit=True)
+        return k, None
+
+    def prior(self, key: Key) -> float:
+        return 1.0 if len(key[1]) % self.p == 0 else 0.0
+
+    def use(self, key: Key, *, hit: bool) -> None:
+        self.clock += 1
+        self.entries[key] = self.clock
+        self.hits[key] += hit
+        if self.eviction == "reuse":
+            self.value[key] = self.inflation + self.prior(key) + self.hits[key]
+
+    def unique_bytes(self) -> int:
+        prefixes = {
+            (ns, prefix[:j]) for ns, prefix in self.entries for j in range(1, len(prefix) + 1)
+        }
+        return len(prefixes) * BPT
+
+
+tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=9).map(tuple)
+namespace_st = st.sampled_from([b"a", b"b"])
+
+
+class PagedIndexMachine(RuleBasedStateMachine):
+    """The paged index behaves like the dict-of-prefix-tuples reference, step by step."""
+
+    index: PagedActivationIndex
+    ref: ReferenceIndex
+
+    @initialize(
+        page_tokens=st.integers(1, 3),
+        max_entries=st.integers(1, 8),
+        max_bytes=st.sampled_from([0, 6 * BPT, 12 * BPT]),
+        min_tokens=st.integers(0, 3),
+        eviction=st.sampled_from(["lru", "reuse"]),
+    )
+    def setup(
+        self, page_tokens: int, max_entries: int, max_bytes: int, min_tokens: int, eviction: str
+    ) -> None:
+        self.index = PagedActivationIndex(
+            page_tokens=page_tokens,
+            max_entries=max_entries,
+            max_bytes=max_bytes,
+            min_tokens=min_tokens,
+            eviction=eviction,  # type: ignore[arg-type]
+        )
+        self.ref = ReferenceIndex(page_tokens, max_entries, max_bytes, min_tokens, eviction)
+
+    @rule(ns=namespace_st, tokens=tokens_st)
+    def record(self, ns: bytes, tokens: tuple[int, ...]) -> None:
+        outcome = self.index.record(self.index.chain(ns, list(tokens)), rows(ns, tokens))
+        expected = self.ref.record(ns, tokens)
+        assert [(e.token_start, e.token_count) for e in outcome.evicted] == expected
+
+    @rule(ns=namespace_st, tokens=tokens_st)
+    def restore(self, ns: bytes, tokens: tuple[int, ...]) -> None:
+        if not tokens:
+            return
+        lookup = self.index.restore(self.index.chain(ns, list(tokens)))
+        k, reason = self.ref.restore(ns, tokens)
+        if lookup.restore is None:
+            assert k == 0
+            assert lookup.miss_reason == reason
+        else:
+            assert lookup.restore.token_count == k
+            np.testing.assert_array_equal(lookup.restore.payload(), rows(ns, tokens[:k]))
+
+    @rule()
+    def clear(self) -> None:
+        gone = self.index.clear()
+        assert len(gone) == len(self.ref.entries)
+        self.ref.entries.clear()
+
+    @invariant()
+    def same_residency(self) -> None:
+        if not hasattr(self, "ref"):
+            return
+        assert len(self.index) == len(self.ref.entries)
+        assert self.index.resident_bytes == self.ref.nbytes()
+        assert self.index.unique_prefix_bytes() == self.ref.unique_bytes()
+        assert self.index.resident_bytes <= max(self.ref.max_bytes, 0) or not self.ref.max_bytes
+
+
+TestPagedIndexMachine = PagedIndexMachine.TestCase
+TestPagedIndexMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
