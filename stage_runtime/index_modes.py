@@ -56,6 +56,22 @@ __all__ = ["LadderStageIntegration", "PagedActivationRestore", "PagedStageIntegr
 
 
 @attrs.define(eq=False)
+class _PendingPrompt:
+    """A recorded prompt whose page chain (for the footprint) is computed only when asked."""
+
+    namespace: bytes
+    tokens: TokenArray
+    """A private read-only copy."""
+    page_tokens: int
+    _chain: PageChain | None = attrs.field(default=None, init=False)
+
+    def chain(self) -> PageChain:
+        if self._chain is None:
+            self._chain = page_chain(self.namespace, self.tokens, page_tokens=self.page_tokens)
+        return self._chain
+
+
+@attrs.define(eq=False)
 class LadderStageIntegration(KvStageIntegration):
     """The upstream ladder index, unchanged, plus the accounting both modes report.
 
@@ -71,6 +87,19 @@ class LadderStageIntegration(KvStageIntegration):
         factory=set, init=False, repr=False
     )
     """``(start, width)`` and length of every key ever evicted: which candidates need a check."""
+    _pending: dict[str, tuple[_PendingPrompt, int, int]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """Resident keys not yet added to the footprint: (prompt, token count, bytes per token).
+
+    Hashing every recorded prompt into pages for the footprint costs another pass over its
+    tokens; it is only needed when :meth:`accounting` is read, and only for entries still
+    resident then, so records queue their entries here and evictions drop them unhashed."""
+    _namespace_bpt: dict[bytes, int] = attrs.field(factory=dict, init=False, repr=False)
+    """Bytes per token first recorded under each footprint namespace."""
+    _eager_footprint: bool = attrs.field(default=False, init=False, repr=False)
+    """Set once a namespace sees a second bytes-per-token: the footprint's per-group byte width
+    then depends on the order of adds and removes, so entries are added as they are recorded."""
 
     def restore_resident_activation(
         self,
@@ -123,23 +152,48 @@ class LadderStageIntegration(KvStageIntegration):
         if not records:
             return records
         array = as_token_array(tokens)
+        namespace: bytes | None = None
+        prompt: _PendingPrompt | None = None
         for record in records:
             self._evicted(record.evicted)
-            if record.page_id not in self.cache:
+            key = record.page_id
+            if key not in self.cache:
                 continue
-            chain = self._chain(config, base, token_start, array, activation_width)
             bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
-            self._accounting.stored(record.page_id, chain.segments(record.token_count), bpt)
+            if not self._eager_footprint:
+                if namespace is None:
+                    namespace = paged_namespace(config, token_start, base, activation_width)
+                if self._namespace_bpt.setdefault(namespace, bpt) != bpt:
+                    self._flush_footprint()
+                    self._eager_footprint = True
+            if self._eager_footprint:
+                chain = self._chain(config, base, token_start, array, activation_width)
+                self._accounting.stored(key, chain.segments(record.token_count), bpt)
+                continue
+            self._accounting.resident(key)
+            if key not in self._pending:
+                if prompt is None:
+                    assert namespace is not None
+                    private = array.copy()
+                    private.flags.writeable = False
+                    prompt = _PendingPrompt(
+                        namespace=namespace,
+                        tokens=private,
+                        page_tokens=self.cache_config.effective_page_tokens,
+                    )
+                self._pending[key] = (prompt, record.token_count, bpt)
         return records
 
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every cached frame; returns them with reason ``"cleared"``."""
         cleared = super().clear()
+        self._forget_pending(cleared)
         self._accounting.evicted(cleared)
         return cleared
 
     def accounting(self) -> CacheAccounting:
         """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes."""
+        self._flush_footprint()
         acc = self._accounting
         stats = self.cache.stats()
         return CacheAccounting(
@@ -157,7 +211,20 @@ class LadderStageIntegration(KvStageIntegration):
             evicted_bytes=stats.evicted_bytes,
         )
 
+    def _flush_footprint(self) -> None:
+        """Add the queued resident entries to the footprint, in the order they were recorded."""
+        footprint = self._accounting.footprint
+        for key, (prompt, count, bpt) in self._pending.items():
+            footprint.add(key, prompt.chain().segments(count), bpt)
+        self._pending.clear()
+
+    def _forget_pending(self, entries: Sequence[EvictedEntry]) -> None:
+        if self._pending:
+            for entry in entries:
+                self._pending.pop(entry.key, None)
+
     def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
+        self._forget_pending(entries)
         self._accounting.evicted(entries)
         for entry in entries:
             slot = activation_key_slot(entry.key)
