@@ -83,10 +83,11 @@ class LadderStageIntegration(KvStageIntegration):
 
     _accounting: LadderAccounting = attrs.field(factory=LadderAccounting, init=False, repr=False)
     _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
-    _tombstone_slots: set[tuple[tuple[str, str], int]] = attrs.field(
-        factory=set, init=False, repr=False
+    _tombstone_slots: dict[tuple[tuple[str, str], int], set[str]] = attrs.field(
+        factory=dict, init=False, repr=False
     )
-    """``(start, width)`` and length of every key ever evicted: which candidates need a check."""
+    """``(start, width)`` and length of every key ever evicted -> the 16-digit digests evicted
+    there: which candidates need a hash, and which of their keys need a tombstone check."""
     _pending: dict[str, tuple[_PendingPrompt, int, int]] = attrs.field(
         factory=dict, init=False, repr=False
     )
@@ -229,7 +230,8 @@ class LadderStageIntegration(KvStageIntegration):
         for entry in entries:
             slot = activation_key_slot(entry.key)
             if slot is not None and entry.reason != "cleared":
-                self._tombstone_slots.add(slot)
+                digest = entry.key.rsplit(":", 2)[1]
+                self._tombstone_slots.setdefault(slot, set()).add(digest)
 
     def _evicted_candidates(
         self,
@@ -240,20 +242,31 @@ class LadderStageIntegration(KvStageIntegration):
         width: int,
     ) -> list[str]:
         """Keys of the lookup candidates whose (start, width, length) ever lost an entry."""
-        if not self._tombstone_slots:
-            return []
-        group = (str(token_start), f"w{max(width, 0)}")
-        counts = [
-            count
-            for count in self.policy.candidate_token_counts(int(array.size))
-            if (group, count) in self._tombstone_slots
-        ]
+        counts = self._restore_extra_counts(
+            token_start, width, self.policy.candidate_token_counts(int(array.size))
+        )
         if not counts:
             return []
-        hashes = self._hashes(config, base, token_start, array, counts)
+        wanted = counts
+        if self.should_record():  # the record of this prompt comes next: same pass
+            wanted = counts + self.policy.record_candidate_token_counts(int(array.size))
+        hashes = self._hashes(config, base, token_start, array, wanted)
+        slots = self._tombstone_slots
+        group = (str(token_start), f"w{max(width, 0)}")
+        # Only keys whose digest was ever evicted at their slot can have a tombstone.
         return [
-            activation_page_id(page_id(config, token_start, c, hashes[c]), width) for c in counts
+            activation_page_id(page_id(config, token_start, c, hashes[c]), width)
+            for c in counts
+            if _digest16(hashes[c]) in slots[group, c]
         ]
+
+    def _restore_extra_counts(self, token_start: int, width: int, counts: list[int]) -> list[int]:
+        """The candidates whose (start, width, length) ever lost an entry: a miss checks them."""
+        slots = self._tombstone_slots
+        if not slots:
+            return []
+        group = (str(token_start), f"w{max(width, 0)}")
+        return [count for count in counts if (group, count) in slots]
 
     def _chain(
         self,
@@ -275,6 +288,13 @@ class LadderStageIntegration(KvStageIntegration):
         chain = page_chain(namespace, array, page_tokens=self.cache_config.effective_page_tokens)
         self._footprint_chain = chain
         return chain
+
+
+def _digest16(prefix_hash: str) -> str:
+    """The digest part :func:`~stage_runtime.identity.page_id` puts in a key."""
+    if prefix_hash.startswith(("blake3:", "sha256:")):
+        return prefix_hash[7:23]
+    return prefix_hash[:16]
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -445,11 +445,12 @@ class KvStageIntegration:
         # are accounted as the misses they would be without hashing them (same clock, same
         # counters, same recency as probing every candidate).
         if not self.probe_all and self.cache.key_index is activation_key_slot:
-            group = (str(token_start), f"w{width}")
-            probes = sorted(
-                (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
-                reverse=True,
-            )
+            resident = self.cache.indexed_counts((str(token_start), f"w{width}"))
+            if len(resident) < len(counts):
+                is_candidate = self.policy.is_candidate
+                probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
+            else:  # counts is descending: keep its order
+                probes = [c for c in counts if c in resident]
         else:  # a cache built without our index: probe every candidate
             probes = counts
         if not probes:
@@ -459,6 +460,7 @@ class KvStageIntegration:
         if self.should_record():
             # The record of this prompt comes next: hash its lengths in the same pass.
             wanted += self.policy.record_candidate_token_counts(n)
+        wanted += self._restore_extra_counts(token_start, width, counts)
         hashes = self._hashes(config, base, token_start, array, wanted)
         skipped = 0
         remaining = iter(probes)
@@ -608,6 +610,13 @@ class KvStageIntegration:
         """
         msg = "accounting() needs an integration built by KvStageIntegration.from_config"
         raise NotImplementedError(msg)
+
+    def _restore_extra_counts(self, token_start: int, width: int, counts: list[int]) -> list[int]:
+        """More lengths (among the lookup ``counts``) a restore should hash in its single pass.
+
+        For subclasses that look at candidate keys after a restore; none here.
+        """
+        return []
 
     def _hashes(
         self,
