@@ -83,11 +83,17 @@ class LadderStageIntegration(KvStageIntegration):
 
     _accounting: LadderAccounting = attrs.field(factory=LadderAccounting, init=False, repr=False)
     _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
-    _tombstone_slots: dict[tuple[tuple[str, str], int], set[str]] = attrs.field(
+    _tombstones: dict[tuple[str, str], dict[int, set[_Fingerprint | None]]] = attrs.field(
         factory=dict, init=False, repr=False
     )
-    """``(start, width)`` and length of every key ever evicted -> the 16-digit digests evicted
-    there: which candidates need a hash, and which of their keys need a tombstone check."""
+    """``(start, width)`` -> length -> token fingerprints of the keys ever evicted there (None:
+    unknown, always check). A miss hashes and checks only the candidates whose fingerprint is
+    listed: a candidate key with a tombstone has the tokens, hence the fingerprint, of the
+    evicted key."""
+    _resident_fingerprints: dict[str, _Fingerprint] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """Fingerprint of each key recorded through this integration, until it leaves the cache."""
     _pending: dict[str, tuple[_PendingPrompt, int, int]] = attrs.field(
         factory=dict, init=False, repr=False
     )
@@ -155,11 +161,13 @@ class LadderStageIntegration(KvStageIntegration):
         array = as_token_array(tokens)
         namespace: bytes | None = None
         prompt: _PendingPrompt | None = None
+        fingerprints = self._resident_fingerprints
         for record in records:
             self._evicted(record.evicted)
             key = record.page_id
             if key not in self.cache:
                 continue
+            fingerprints[key] = _fingerprints(array, [record.token_count])[0]
             bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
             if not self._eager_footprint:
                 if namespace is None:
@@ -189,6 +197,7 @@ class LadderStageIntegration(KvStageIntegration):
         """Drop every cached frame; returns them with reason ``"cleared"``."""
         cleared = super().clear()
         self._forget_pending(cleared)
+        self._resident_fingerprints.clear()
         self._accounting.evicted(cleared)
         return cleared
 
@@ -227,11 +236,16 @@ class LadderStageIntegration(KvStageIntegration):
     def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
         self._forget_pending(entries)
         self._accounting.evicted(entries)
+        fingerprints = self._resident_fingerprints
         for entry in entries:
+            fingerprint = fingerprints.pop(entry.key, None)
             slot = activation_key_slot(entry.key)
             if slot is not None and entry.reason != "cleared":
-                digest = entry.key.rsplit(":", 2)[1]
-                self._tombstone_slots.setdefault(slot, set()).add(digest)
+                group, count = slot
+                self._tombstones.setdefault(group, {}).setdefault(count, set()).add(fingerprint)
+        if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
+            for key in [key for key in fingerprints if key not in self.cache]:
+                del fingerprints[key]
 
     def _evicted_candidates(
         self,
@@ -243,7 +257,7 @@ class LadderStageIntegration(KvStageIntegration):
     ) -> list[str]:
         """Keys of the lookup candidates whose (start, width, length) ever lost an entry."""
         counts = self._restore_extra_counts(
-            token_start, width, self.policy.candidate_token_counts(int(array.size))
+            token_start, width, array, self.policy.candidate_token_counts(int(array.size))
         )
         if not counts:
             return []
@@ -251,22 +265,30 @@ class LadderStageIntegration(KvStageIntegration):
         if self.should_record():  # the record of this prompt comes next: same pass
             wanted = counts + self.policy.record_candidate_token_counts(int(array.size))
         hashes = self._hashes(config, base, token_start, array, wanted)
-        slots = self._tombstone_slots
-        group = (str(token_start), f"w{max(width, 0)}")
-        # Only keys whose digest was ever evicted at their slot can have a tombstone.
         return [
-            activation_page_id(page_id(config, token_start, c, hashes[c]), width)
-            for c in counts
-            if _digest16(hashes[c]) in slots[group, c]
+            activation_page_id(page_id(config, token_start, c, hashes[c]), width) for c in counts
         ]
 
-    def _restore_extra_counts(self, token_start: int, width: int, counts: list[int]) -> list[int]:
-        """The candidates whose (start, width, length) ever lost an entry: a miss checks them."""
-        slots = self._tombstone_slots
-        if not slots:
+    def _restore_extra_counts(
+        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+    ) -> list[int]:
+        """The candidates that may have a tombstone: a miss checks their keys.
+
+        Those whose (start, width, length) lost an entry with the same token fingerprint (or an
+        unknown one); any other candidate key was never evicted.
+        """
+        by_count = self._tombstones.get((str(token_start), f"w{max(width, 0)}"))
+        if not by_count:
             return []
-        group = (str(token_start), f"w{max(width, 0)}")
-        return [count for count in counts if (group, count) in slots]
+        slotted = [count for count in counts if count in by_count]
+        if not slotted:
+            return []
+        out = []
+        for count, fingerprint in zip(slotted, _fingerprints(array, slotted), strict=True):
+            seen = by_count[count]
+            if fingerprint in seen or None in seen:
+                out.append(count)
+        return out
 
     def _chain(
         self,
@@ -290,11 +312,19 @@ class LadderStageIntegration(KvStageIntegration):
         return chain
 
 
-def _digest16(prefix_hash: str) -> str:
-    """The digest part :func:`~stage_runtime.identity.page_id` puts in a key."""
-    if prefix_hash.startswith(("blake3:", "sha256:")):
-        return prefix_hash[7:23]
-    return prefix_hash[:16]
+_Fingerprint = tuple[int, int, int, int]
+
+
+def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
+    """A cheap fingerprint of each prefix ``array[:count]``: its length and three of its tokens.
+
+    Equal prefixes have equal fingerprints; different ones usually differ (a filter only: a
+    matching fingerprint is confirmed by the prefix's key).
+    """
+    last = np.asarray(counts, dtype=np.int64) - 1
+    picks = array[np.concatenate((last, last // 2, last // 4))].tolist()
+    k = len(counts)
+    return list(zip(counts, picks[:k], picks[k : 2 * k], picks[2 * k :], strict=True))
 
 
 @attrs.frozen(kw_only=True, eq=False)

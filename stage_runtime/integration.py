@@ -460,7 +460,7 @@ class KvStageIntegration:
         if self.should_record():
             # The record of this prompt comes next: hash its lengths in the same pass.
             wanted += self.policy.record_candidate_token_counts(n)
-        wanted += self._restore_extra_counts(token_start, width, counts)
+        wanted += self._restore_extra_counts(token_start, width, array, counts)
         hashes = self._hashes(config, base, token_start, array, wanted)
         skipped = 0
         remaining = iter(probes)
@@ -611,7 +611,9 @@ class KvStageIntegration:
         msg = "accounting() needs an integration built by KvStageIntegration.from_config"
         raise NotImplementedError(msg)
 
-    def _restore_extra_counts(self, token_start: int, width: int, counts: list[int]) -> list[int]:
+    def _restore_extra_counts(
+        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+    ) -> list[int]:
         """More lengths (among the lookup ``counts``) a restore should hash in its single pass.
 
         For subclasses that look at candidate keys after a restore; none here.
