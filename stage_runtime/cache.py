@@ -197,6 +197,11 @@ class ResidentActivationCache:
         """The logical clock: lookups plus stored records so far."""
         return self._clock
 
+    @property
+    def hits(self) -> int:
+        """Lookups that found their key so far (``stats().hits`` without the snapshot)."""
+        return self._hits
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -90,6 +90,8 @@ class LadderStageIntegration(KvStageIntegration):
     unknown, always check). A miss hashes and checks only the candidates whose fingerprint is
     listed: a candidate key with a tombstone has the tokens, hence the fingerprint, of the
     evicted key."""
+    _extra_counts: list[int] | None = attrs.field(default=None, init=False, repr=False)
+    """The candidates the base restore's pass found worth a tombstone check, for its miss path."""
     _resident_fingerprints: dict[str, _Fingerprint] = attrs.field(
         factory=dict, init=False, repr=False
     )
@@ -121,7 +123,8 @@ class LadderStageIntegration(KvStageIntegration):
         Raises:
             ConfigError: a bad argument; the cache is left unchanged.
         """
-        found_before = self.cache.stats().hits
+        found_before = self.cache.hits
+        self._extra_counts = None
         found = super().restore_resident_activation(
             config, base, token_start, tokens, activation_width
         )
@@ -131,7 +134,7 @@ class LadderStageIntegration(KvStageIntegration):
         if found is not None:
             self._accounting.hit(found.token_count)
             return found
-        rejected = self.cache.stats().hits > found_before
+        rejected = self.cache.hits > found_before
         self._accounting.miss(
             self._evicted_candidates(config, base, token_start, array, activation_width),
             rejected=rejected,
@@ -183,11 +186,9 @@ class LadderStageIntegration(KvStageIntegration):
             if key not in self._pending:
                 if prompt is None:
                     assert namespace is not None
-                    private = array.copy()
-                    private.flags.writeable = False
                     prompt = _PendingPrompt(
                         namespace=namespace,
-                        tokens=private,
+                        tokens=self._private_tokens(array),
                         page_tokens=self.cache_config.effective_page_tokens,
                     )
                 self._pending[key] = (prompt, record.token_count, bpt)
@@ -220,6 +221,21 @@ class LadderStageIntegration(KvStageIntegration):
             evictions=stats.evictions,
             evicted_bytes=stats.evicted_bytes,
         )
+
+    def _private_tokens(self, array: TokenArray) -> TokenArray:
+        """A read-only copy of ``array``: the hash memo's when it holds these tokens (it does
+        right after a record hashed them), else a new one."""
+        memo = self._memo
+        if (
+            memo is not None
+            and memo.tokens is not array
+            and memo.tokens.size == array.size
+            and not memo.tokens.flags.writeable
+        ):
+            return memo.tokens
+        private = array.copy()
+        private.flags.writeable = False
+        return private
 
     def _flush_footprint(self) -> None:
         """Add the queued resident entries to the footprint, in the order they were recorded."""
@@ -256,9 +272,12 @@ class LadderStageIntegration(KvStageIntegration):
         width: int,
     ) -> list[str]:
         """Keys of the lookup candidates whose (start, width, length) ever lost an entry."""
-        counts = self._restore_extra_counts(
-            token_start, width, array, self.policy.candidate_token_counts(int(array.size))
-        )
+        counts = self._extra_counts  # what the restore just computed for this prompt
+        self._extra_counts = None
+        if counts is None:
+            counts = self._restore_extra_counts(
+                token_start, width, array, self.policy.candidate_token_counts(int(array.size))
+            )
         if not counts:
             return []
         wanted = counts
@@ -288,6 +307,7 @@ class LadderStageIntegration(KvStageIntegration):
             seen = by_count[count]
             if fingerprint in seen or None in seen:
                 out.append(count)
+        self._extra_counts = out
         return out
 
     def _chain(
@@ -321,9 +341,9 @@ def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
     Equal prefixes have equal fingerprints; different ones usually differ (a filter only: a
     matching fingerprint is confirmed by the prefix's key).
     """
-    last = np.asarray(counts, dtype=np.int64) - 1
-    picks = array[np.concatenate((last, last // 2, last // 4))].tolist()
+    last = np.asarray(counts, dtype=np.intp) - 1
     k = len(counts)
+    picks = array[np.concatenate((last, last >> 1, last >> 2))].tolist()
     return list(zip(counts, picks[:k], picks[k : 2 * k], picks[2 * k :], strict=True))
 
 

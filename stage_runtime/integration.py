@@ -656,11 +656,13 @@ class KvStageIntegration:
                 memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
             return memo.hashes
         hashes = prefix_hashes(config, token_start, array, counts, namespace)
+        private = array.copy()
+        private.flags.writeable = False  # never changes: subclasses may keep it
         self._memo = _HashMemo(
             config=config,
             token_start=token_start,
             namespace=namespace,
-            tokens=array.copy(),
+            tokens=private,
             hashes=hashes,
         )
         return hashes
