@@ -469,8 +469,9 @@ class KvStageIntegration:
             if count != probe:
                 skipped += 1
                 continue
-            self.cache.count_misses(skipped)
-            skipped = 0
+            if skipped:
+                self.cache.count_misses(skipped)
+                skipped = 0
             pid = page_id(config, token_start, count, hashes[count])
             key = activation_page_id(pid, width)
             hit = self.cache.lookup(key)
@@ -552,7 +553,6 @@ class KvStageIntegration:
             candidate = frame._cut(count)
             key = activation_page_id(page_id(config, token_start, count, hashes[count]), width)
             outcome = self.cache.record(key, count, candidate.payload.size, candidate)
-            stats = self.cache.stats()
             records.append(
                 ResidentActivationRecord(
                     page_id=key,
@@ -560,8 +560,8 @@ class KvStageIntegration:
                     payload_bytes=candidate.payload.size,
                     evicted_entries=outcome.evicted_entries,
                     evicted_bytes=outcome.evicted_bytes,
-                    entries=stats.entries,
-                    resident_bytes=stats.resident_bytes,
+                    entries=len(self.cache),
+                    resident_bytes=self.cache.resident_bytes,
                     evicted=outcome.evicted,
                 )
             )
