@@ -165,12 +165,13 @@ class LadderStageIntegration(KvStageIntegration):
         namespace: bytes | None = None
         prompt: _PendingPrompt | None = None
         fingerprints = self._resident_fingerprints
-        for record in records:
+        prints = _fingerprints(array, [record.token_count for record in records])
+        for record, fingerprint in zip(records, prints, strict=True):
             self._evicted(record.evicted)
             key = record.page_id
             if key not in self.cache:
                 continue
-            fingerprints[key] = _fingerprints(array, [record.token_count])[0]
+            fingerprints[key] = fingerprint
             bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
             if not self._eager_footprint:
                 if namespace is None:
