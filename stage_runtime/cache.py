@@ -354,6 +354,13 @@ class ResidentActivationCache:
         """
         return self._index.get(group, {}).keys()
 
+    def indexed_count(self, group: Hashable, count: int) -> int:
+        """Resident keys of ``(group, count)`` under the cache's ``key_index`` (0 without one).
+
+        Does not touch recency or counters.
+        """
+        return self._index.get(group, {}).get(count, 0)
+
     def _unindex(self, entry: _Entry) -> None:
         if entry.slot is None:
             return

@@ -92,6 +92,12 @@ class LadderStageIntegration(KvStageIntegration):
     evicted key."""
     _extra_counts: list[int] | None = attrs.field(default=None, init=False, repr=False)
     """The candidates the base restore's pass found worth a tombstone check, for its miss path."""
+    _slot_keys: dict[tuple[tuple[str, str], int], dict[str, _Fingerprint]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """Keys recorded through this integration at each ``(start, width)`` and length, with their
+    fingerprints, until they are evicted: a restore probes a length only if a resident key there
+    has the prompt's fingerprint (or a key there is unknown)."""
     _resident_fingerprints: dict[str, _Fingerprint] = attrs.field(
         factory=dict, init=False, repr=False
     )
@@ -166,12 +172,14 @@ class LadderStageIntegration(KvStageIntegration):
         prompt: _PendingPrompt | None = None
         fingerprints = self._resident_fingerprints
         prints = _fingerprints(array, [record.token_count for record in records])
+        group = (str(token_start), f"w{max(activation_width, 0)}")
         for record, fingerprint in zip(records, prints, strict=True):
             self._evicted(record.evicted)
             key = record.page_id
             if key not in self.cache:
                 continue
             fingerprints[key] = fingerprint
+            self._slot_keys.setdefault((group, record.token_count), {})[key] = fingerprint
             bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
             if not self._eager_footprint:
                 if namespace is None:
@@ -200,6 +208,7 @@ class LadderStageIntegration(KvStageIntegration):
         cleared = super().clear()
         self._forget_pending(cleared)
         self._resident_fingerprints.clear()
+        self._slot_keys.clear()
         self._accounting.evicted(cleared)
         return cleared
 
@@ -257,12 +266,23 @@ class LadderStageIntegration(KvStageIntegration):
         for entry in entries:
             fingerprint = fingerprints.pop(entry.key, None)
             slot = activation_key_slot(entry.key)
+            if fingerprint is not None and slot is not None:
+                keys = self._slot_keys.get(slot)
+                if keys is not None:
+                    keys.pop(entry.key, None)
+                    if not keys:
+                        del self._slot_keys[slot]
             if slot is not None and entry.reason != "cleared":
                 group, count = slot
                 self._tombstones.setdefault(group, {}).setdefault(count, set()).add(fingerprint)
         if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
             for key in [key for key in fingerprints if key not in self.cache]:
                 del fingerprints[key]
+            for slot, keys in list(self._slot_keys.items()):
+                for key in [key for key in keys if key not in self.cache]:
+                    del keys[key]
+                if not keys:
+                    del self._slot_keys[slot]
 
     def _evicted_candidates(
         self,
@@ -288,6 +308,37 @@ class LadderStageIntegration(KvStageIntegration):
         return [
             activation_page_id(page_id(config, token_start, c, hashes[c]), width) for c in counts
         ]
+
+    def _filter_probes(
+        self, token_start: int, width: int, array: TokenArray, probes: list[int]
+    ) -> list[int]:
+        """Keep the probe lengths where a resident key may be this prompt's.
+
+        A resident key of the prompt's prefix has the prefix's fingerprint; a length whose
+        resident keys are all known (recorded here, still resident) with other fingerprints
+        cannot hit, and is counted as a miss without hashing it.
+        """
+        if not probes:
+            return probes
+        cache, slot_keys = self.cache, self._slot_keys
+        group = (str(token_start), f"w{width}")
+        kept = []
+        for count, fingerprint in zip(probes, _fingerprints(array, probes), strict=True):
+            known = slot_keys.get((group, count))
+            if known is None:
+                kept.append(count)
+                continue
+            live = 0
+            for key, seen in known.items():
+                if key in cache:
+                    if seen == fingerprint:
+                        break
+                    live += 1
+            else:
+                if live >= cache.indexed_count(group, count):
+                    continue  # every resident key there is known and another prefix's
+            kept.append(count)
+        return kept
 
     def _restore_extra_counts(
         self, token_start: int, width: int, array: TokenArray, counts: list[int]

@@ -451,6 +451,7 @@ class KvStageIntegration:
                 probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
             else:  # counts is descending: keep its order
                 probes = [c for c in counts if c in resident]
+            probes = self._filter_probes(token_start, width, array, probes)
         else:  # a cache built without our index: probe every candidate
             probes = counts
         if not probes:
@@ -610,6 +611,16 @@ class KvStageIntegration:
         """
         msg = "accounting() needs an integration built by KvStageIntegration.from_config"
         raise NotImplementedError(msg)
+
+    def _filter_probes(
+        self, token_start: int, width: int, array: TokenArray, probes: list[int]
+    ) -> list[int]:
+        """Drop probe lengths whose key cannot be resident (descending order kept).
+
+        Subclasses that know more about the resident keys than their slots may rule out more;
+        a dropped probe is counted as the miss it would be. None are dropped here.
+        """
+        return probes
 
     def _restore_extra_counts(
         self, token_start: int, width: int, array: TokenArray, counts: list[int]

@@ -122,3 +122,25 @@ def test_same_fingerprint_different_prefix_is_never_seen() -> None:
     miss(kv, config, evicted)
     acc = kv.accounting()
     assert (acc.misses_never_seen, acc.misses_evicted) == (1, 1)
+
+
+def test_restore_finds_a_key_recorded_behind_the_integration() -> None:
+    """A resident key of unknown fingerprint next to a known one at the same length still hits."""
+    kv, config = ladder()
+    record(kv, config, list(range(1, 9)))  # a known key at length 8
+    other = list(range(20, 28))
+    kv.cache.record(key_of(config, other), 8, 8 * 16, frame(8))  # an unknown key at length 8
+    hit = kv.restore_resident_activation(config, BASE, 0, other, WIDTH)
+    assert hit is not None
+    assert hit.token_count == 8
+
+
+def test_restore_skips_lengths_held_only_by_other_prefixes() -> None:
+    """A length whose resident keys belong to other prefixes counts a miss, as a probe would."""
+    kv, config = ladder()
+    record(kv, config, list(range(1, 9)))
+    before = kv.cache.stats()
+    miss(kv, config, list(range(50, 58)))
+    after = kv.cache.stats()
+    assert (after.lookups - before.lookups, after.misses - before.misses) == (2, 2)
+    assert after.hits == before.hits
