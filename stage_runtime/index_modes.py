@@ -393,6 +393,9 @@ def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
     Equal prefixes have equal fingerprints; different ones usually differ (a filter only: a
     matching fingerprint is confirmed by the prefix's key).
     """
+    if len(counts) <= 32:  # a few: index a memoryview (Python ints, no numpy call overhead)
+        tokens = array.data
+        return [(c, tokens[c - 1], tokens[(c - 1) >> 1], tokens[(c - 1) >> 2]) for c in counts]
     last = np.asarray(counts, dtype=np.intp) - 1
     k = len(counts)
     picks = array[np.concatenate((last, last >> 1, last >> 2))].tolist()
