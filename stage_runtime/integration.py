@@ -19,7 +19,7 @@ one pass over the tokens.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -461,8 +461,14 @@ class KvStageIntegration:
         if self.should_record():
             # The record of this prompt comes next: hash its lengths in the same pass.
             wanted += self.policy.record_candidate_token_counts(n)
-        wanted += self._restore_extra_counts(token_start, width, array, counts)
-        hashes = self._hashes(config, base, token_start, array, wanted)
+        hashes = self._hashes(
+            config,
+            base,
+            token_start,
+            array,
+            wanted,
+            more=lambda: self._restore_extra_counts(token_start, width, array, counts),
+        )
         skipped = 0
         remaining = iter(probes)
         probe = next(remaining)
@@ -638,9 +644,15 @@ class KvStageIntegration:
         token_start: int,
         array: TokenArray,
         counts: list[int],
+        *,
+        more: Callable[[], list[int]] | None = None,
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6)."""
-        hashes = self._unsalted_hashes(config, base, token_start, array, counts)
+        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6).
+
+        ``more`` names lengths worth adding to a hashing pass if one is needed anyway (they are
+        not computed, nor hashed, when the memo already holds every one of ``counts``).
+        """
+        hashes = self._unsalted_hashes(config, base, token_start, array, counts, more)
         if base.cache_salt is None:
             return hashes
         return salted_prefix_hashes({c: hashes[c] for c in counts}, base.cache_salt)
@@ -652,6 +664,7 @@ class KvStageIntegration:
         token_start: int,
         array: TokenArray,
         counts: list[int],
+        more: Callable[[], list[int]] | None = None,
     ) -> dict[int, str]:
         """Prefix hashes for ``counts``, reusing those of the previous prompt when it matches.
 
@@ -662,10 +675,15 @@ class KvStageIntegration:
         namespace = base.chat_template_id
         memo = self._memo
         if memo is not None and memo.matches(config, token_start, namespace, array):
-            missing = [count for count in counts if count not in memo.hashes]
+            known = memo.hashes
+            missing = [count for count in counts if count not in known]
             if missing:
-                memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
-            return memo.hashes
+                if more is not None:
+                    missing += [count for count in more() if count not in known]
+                known.update(prefix_hashes(config, token_start, array, missing, namespace))
+            return known
+        if more is not None:
+            counts = counts + more()
         hashes = prefix_hashes(config, token_start, array, counts, namespace)
         private = array.copy()
         private.flags.writeable = False  # never changes: subclasses may keep it
