@@ -319,7 +319,7 @@ class KvCacheConfig:
         ``lookup-record``; an unset or unrecognised value means no configuration (None). The
         bounds come from ``STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES``, ``_MAX_BYTES``, ``_MIN_TOKENS``,
         ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT``, ``_PAYLOAD``, and (paged
-        index) ``_INDEX`` and ``_PAGE_TOKENS``.
+        index) ``_INDEX``, ``_PAGE_TOKENS`` and ``_PAGE_EVICTION`` (``lru`` or ``reuse``).
 
         Raises:
             ConfigError: a bound or payload variable is set but not valid (the upstream ignores
@@ -359,6 +359,9 @@ class KvCacheConfig:
         raw_index = env.get(_ENV_PREFIX + "INDEX")
         if raw_index is not None and raw_index.strip():
             values["index"] = raw_index
+        raw_eviction = env.get(_ENV_PREFIX + "PAGE_EVICTION")
+        if raw_eviction is not None and raw_eviction.strip():
+            values["page_eviction"] = raw_eviction
         try:
             return cls(**values)
         except ConfigError as exc:

@@ -53,6 +53,19 @@ def test_index_and_page_tokens_from_the_environment() -> None:
         )
 
 
+def test_page_eviction_from_the_environment() -> None:
+    """STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION picks the policy; a bad value names the variable."""
+    on = {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "paged"}
+    config = KvCacheConfig.from_env({**on, "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": " Reuse "})
+    assert config is not None
+    assert config.page_eviction is PageEviction.REUSE
+    unset = KvCacheConfig.from_env(on)
+    assert unset is not None
+    assert unset.page_eviction is PageEviction.LRU
+    with pytest.raises(ConfigError, match=r"environment: page_eviction must be one of .*'fifo'"):
+        KvCacheConfig.from_env({**on, "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": "fifo"})
+
+
 def test_cache_salt_is_optional_and_must_be_a_string() -> None:
     """No salt by default (upstream sharing); a non-string salt is refused."""
     assert MessageBase().cache_salt is None
