@@ -13,6 +13,7 @@ from stage_runtime.cache import (
 )
 from stage_runtime.cache_actor import (
     CacheActor,
+    CacheStats,
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
@@ -106,6 +107,7 @@ from stage_runtime.tenancy import paged_namespace, salted_prefix_hash
 
 __all__ = [
     "CacheActor",
+    "CacheStats",
     "CacheStatsRequest",
     "CausalMixModel",
     "ClearCache",

@@ -9,13 +9,14 @@ message                    reply
 =========================  ====================================================================
 :class:`RestoreActivation`  ``ResidentActivationRestore | None`` (longest validated prefix)
 :class:`RecordActivation`   ``list[ResidentActivationRecord]`` (one per ladder rung recorded)
-:class:`CacheStatsRequest`  ``ResidentCacheStats | None`` (None when caching is disabled)
+:class:`CacheStatsRequest`  :class:`CacheStats` ``| None`` (None when caching is disabled)
 :class:`ClearCache`         ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``)
 =========================  ====================================================================
 
 Each record, restore, miss and eviction is a structlog event; run the actor inside a task that
 bound ``stage=`` with :func:`structlog.contextvars.bound_contextvars` (a stage does) and every
-event carries it.
+event carries it. ``activation_missed`` carries the miss's ``reason`` (``never_seen``,
+``evicted`` or ``rejected``) in both index modes.
 
 A malformed message (wrong field types, a token array that is not integers, a frame that is not
 an :class:`~stage_runtime.frames.ActivationFrame`) raises a typed error in the caller's ``ask``
@@ -34,6 +35,7 @@ import numpy.typing as npt
 import structlog
 
 from actors import Actor
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
@@ -48,6 +50,7 @@ from stage_runtime.integration import (
 __all__ = [
     "CacheActor",
     "CacheMessage",
+    "CacheStats",
     "CacheStatsRequest",
     "ClearCache",
     "RecordActivation",
@@ -102,7 +105,20 @@ class RecordActivation:
 
 @attrs.frozen(kw_only=True)
 class CacheStatsRequest:
-    """Ask for the cache's counters; replies ``ResidentCacheStats`` or None when disabled."""
+    """Ask for the cache's counters; replies :class:`CacheStats` or None when disabled."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheStats(ResidentCacheStats):
+    """A stage cache's counters plus its accounting (the reply to :class:`CacheStatsRequest`).
+
+    The inherited fields are the store's own counters, as before; in ladder mode ``lookups``,
+    ``hits`` and ``misses`` count candidate probes (several per restore), in paged mode restore
+    calls. ``accounting`` counts restore calls in both modes, with misses by reason.
+    """
+
+    accounting: CacheAccounting
+    """Lookups, hits, misses by reason, restored tokens, resident vs unique-prefix bytes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -188,6 +204,7 @@ class CacheActor(Actor[CacheMessage, Any]):
                 requested_tokens=requested,
                 candidates_tried=len(integration.policy.candidate_token_counts(requested)),
                 decision=DECISION_MISS,
+                reason=integration.last_miss_reason or "never_seen",
             )
             return None
         log.debug(
@@ -232,8 +249,11 @@ class CacheActor(Actor[CacheMessage, Any]):
             entries, resident_bytes = record.entries, record.resident_bytes
         return records
 
-    def _stats(self) -> ResidentCacheStats | None:
-        return None if self._integration is None else self._integration.stats()
+    def _stats(self) -> CacheStats | None:
+        if self._integration is None:
+            return None
+        counters = attrs.asdict(self._integration.stats(), recurse=False)
+        return CacheStats(**counters, accounting=self._integration.accounting())
 
     def _clear(self) -> tuple[EvictedEntry, ...]:
         if self._integration is None:

@@ -93,10 +93,11 @@ class LadderStageIntegration(KvStageIntegration):
         if not self.should_lookup() or array.size == 0:
             return found
         if found is not None:
+            self.last_miss_reason = None
             self._accounting.hit(found.token_count)
             return found
         rejected = self.cache.stats().hits > found_before
-        self._accounting.miss(
+        self.last_miss_reason = self._accounting.miss(
             self._evicted_candidates(config, base, token_start, array, activation_width),
             rejected=rejected,
         )
@@ -331,6 +332,7 @@ class PagedStageIntegration(KvStageIntegration):
             return None
         chain = self._chain(config, base, token_start, array, width)
         lookup = self.index.restore(chain)
+        self.last_miss_reason = lookup.miss_reason
         found = lookup.restore
         if found is None:
             return None

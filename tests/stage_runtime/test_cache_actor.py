@@ -14,9 +14,11 @@ import trio
 
 from actors import ActorRef, open_actor
 from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.cache import ResidentCacheStats
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
+    CacheStats,
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
@@ -47,6 +49,7 @@ def seed_config(**cache: Any) -> StageConfig:
         min_tokens=cache.pop("min_tokens", 256),
         shared_prefix_stride_tokens=cache.pop("stride", 128),
         shared_prefix_record_limit=2,
+        index=cache.pop("index", "ladder"),
     )
     assert not cache
     return StageConfig(
@@ -223,6 +226,82 @@ async def test_stats_count_records_lookups_hits_and_misses() -> None:
     assert (stats.entries, stats.records) == (2, 2)
     assert stats.hits == 1
     assert stats.misses >= 1
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_misses_name_their_reason_never_seen_then_evicted(
+    logs: list[LogEvent], index: str
+) -> None:
+    """activation_missed says never_seen before a record, evicted once the bound pushed it out."""
+    # Ladder: 2 entries per 300-token prompt; paged: 2 pages of 128 + a tail.
+    config = seed_config(index=index, max_entries=2 if index == "ladder" else 3)
+    other = tokens(300, start=10_000)
+    async with cache_actor(config) as ref:
+        assert await ref.ask(restore(tokens(300))) is None
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        hit = await ref.ask(restore(tokens(300)))
+        await ref.ask(record(other, seed_frame(300, 1200)))  # evicts every entry of the first
+        assert await ref.ask(restore(tokens(300))) is None
+        stats = await ref.ask(CacheStatsRequest())
+    assert hit is not None
+    assert hit.token_count == 300
+    missed = events_named(logs, "activation_missed")
+    assert [e["reason"] for e in missed] == ["never_seen", "evicted"]
+    assert all(e["decision"] == "activation_resident_miss" for e in missed)
+    acc = stats.accounting
+    assert acc.index == index
+    assert (acc.lookups, acc.hits, acc.restored_tokens) == (3, 1, 300)
+    assert (acc.misses_never_seen, acc.misses_evicted, acc.misses_rejected) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_stats_reply_keeps_the_counters_and_adds_the_accounting(index: str) -> None:
+    """CacheStatsRequest replies CacheStats: the old counters plus resident vs unique bytes."""
+    async with cache_actor(seed_config(index=index)) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        stats = await ref.ask(CacheStatsRequest())
+    assert isinstance(stats, CacheStats)
+    assert isinstance(stats, ResidentCacheStats)  # code written for the old reply still works
+    assert stats.resident_bytes == stats.accounting.resident_bytes
+    assert stats.entries == stats.accounting.entries
+    assert stats.accounting.unique_prefix_bytes == 1200  # 300 distinct tokens x 4 bytes
+    if index == "ladder":  # the 300 and 256 rungs are two full copies
+        assert stats.resident_bytes == 1200 + 1024
+    else:  # pages are stored once
+        assert stats.resident_bytes == 1200
+    assert stats.accounting.residency_ratio == pytest.approx(stats.resident_bytes / 1200)
+
+
+async def test_ladder_miss_on_a_refused_entry_is_rejected(logs: list[LogEvent]) -> None:
+    """A ladder entry that fails validation (token count disagrees) is a 'rejected' miss."""
+    actor = CacheActor(seed_config())
+    with structlog.contextvars.bound_contextvars(stage="stage-0"):
+        async with open_actor(actor, name="cache") as ref:
+            await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+            # Corrupt both rungs behind the actor's back: each now holds a 299-token frame.
+            cache = actor._integration.cache  # type: ignore[union-attr]
+            bad = seed_frame(299, 1196)
+            for key in list(cache.keys()):
+                cache.record(key, 299, bad.payload.size, bad)
+            assert await ref.ask(restore(tokens(300))) is None
+            stats = await ref.ask(CacheStatsRequest())
+    (event,) = events_named(logs, "activation_missed")
+    assert event["reason"] == "rejected"
+    assert stats.accounting.misses_rejected == 1
+
+
+async def test_paged_miss_on_a_refused_tail_is_rejected(logs: list[LogEvent]) -> None:
+    """Pages re-recorded in another row size make the old tail invalid: a 'rejected' miss."""
+    config = seed_config(index="paged", min_tokens=300)
+    sibling = np.concatenate([tokens(256), tokens(44, start=50_000)])
+    async with cache_actor(config) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))  # 4 bytes per token
+        await ref.ask(record(sibling, seed_frame(300, 2400)))  # same pages, 8 bytes per token
+        assert await ref.ask(restore(tokens(300))) is None
+        stats = await ref.ask(CacheStatsRequest())
+    (event,) = events_named(logs, "activation_missed")
+    assert event["reason"] == "rejected"
+    assert stats.accounting.misses_rejected == 1
 
 
 async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
