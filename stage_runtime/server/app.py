@@ -10,7 +10,8 @@ Routes:
     ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "..."}`` →
     ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``.
 ``GET /v1/stats``
-    Per-stage cache and mailbox statistics, plus the server's own counters.
+    Per-stage cache and mailbox statistics (the cache's ``accounting``: misses by reason,
+    restored tokens, resident vs unique-prefix bytes), plus the server's own counters.
 ``GET /healthz``
     Liveness: the process answers.
 ``GET /readyz``
@@ -48,6 +49,7 @@ from stage_runtime.server.requests import (
 from stage_runtime.server.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
+    from stage_runtime.cache_actor import CacheStats
     from stage_runtime.config import StageConfig
     from stage_runtime.pipeline import PipelineStats, PrefillResult
 
@@ -455,7 +457,7 @@ class PipelineApp:
         stages = [
             {
                 "stage_id": stage.stage_id,
-                "cache": None if stage.cache is None else attrs.asdict(stage.cache),
+                "cache": None if stage.cache is None else _cache_document(stage.cache),
                 "mailbox": attrs.asdict(stage.mailbox),
             }
             for stage in stats.stages
@@ -488,6 +490,7 @@ class PipelineApp:
             ]
             name = f"stage_runtime_cache_{field}" + ("_total" if kind == "counter" else "")
             families.append(MetricFamily(name=name, help=text, type=kind, samples=samples))
+        families += _accounting_families(stats)
         for field, kind, text in _MAILBOX_METRICS:
             samples = [
                 Sample(value=getattr(stage.mailbox, field), labels=(("stage_id", stage.stage_id),))
@@ -588,6 +591,75 @@ _CACHE_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
     ("evictions", "counter", "Entries evicted from a stage's cache."),
     ("evicted_bytes", "counter", "Payload bytes evicted from a stage's cache."),
 )
+
+_MISS_REASONS: Final = ("never_seen", "evicted", "rejected")
+
+
+def _cache_document(cache: CacheStats) -> dict[str, Any]:
+    """A stage's cache statistics as JSON; the accounting also gets its miss total and ratio."""
+    document: dict[str, Any] = attrs.asdict(cache)
+    document["accounting"]["misses"] = cache.accounting.misses
+    document["accounting"]["residency_ratio"] = cache.accounting.residency_ratio
+    return document
+
+
+def _accounting_families(stats: PipelineStats) -> list[MetricFamily]:
+    """The caches' accounting (both index modes): restores by outcome, miss reasons, footprint."""
+    accounted = [(s.stage_id, s.cache.accounting) for s in stats.stages if s.cache is not None]
+
+    def per_stage(field: str) -> list[Sample]:
+        return [
+            Sample(value=getattr(acc, field), labels=(("stage_id", stage_id),))
+            for stage_id, acc in accounted
+        ]
+
+    misses = [
+        Sample(
+            value=getattr(acc, f"misses_{reason}"),
+            labels=(("stage_id", stage_id), ("reason", reason)),
+        )
+        for stage_id, acc in accounted
+        for reason in _MISS_REASONS
+    ]
+    return [
+        MetricFamily(
+            name="stage_runtime_cache_restore_lookups_total",
+            help="Restores that probed a stage's cache (one per restore, both index modes).",
+            type="counter",
+            samples=per_stage("lookups"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restore_hits_total",
+            help="Restores that returned a cached prefix.",
+            type="counter",
+            samples=per_stage("hits"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restore_misses_total",
+            help=(
+                "Restores that returned nothing, by reason: never_seen, evicted (pushed out by "
+                "a bound since it was cached) or rejected (a cached entry failed validation)."
+            ),
+            type="counter",
+            samples=misses,
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restored_tokens_total",
+            help="Tokens handed back by a stage cache's hits.",
+            type="counter",
+            samples=per_stage("restored_tokens"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_unique_prefix_bytes",
+            help=(
+                "Bytes the distinct resident prefixes of a stage's cache would need if each "
+                "token row were stored once (compare with stage_runtime_cache_resident_bytes)."
+            ),
+            type="gauge",
+            samples=per_stage("unique_prefix_bytes"),
+        ),
+    ]
+
 
 _MAILBOX_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
     ("mailbox_size", "gauge", "Capacity of a stage's cache-actor mailbox."),

@@ -683,6 +683,55 @@ async def test_metrics_are_valid_prometheus_text_matching_stats() -> None:
     assert samples["stage_runtime_ready"] == 1
 
 
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_stats_and_metrics_expose_misses_by_reason_and_the_footprint(index: str) -> None:
+    """/v1/stats and /metrics show misses by reason, restored tokens, resident vs unique bytes."""
+    # 40-token prompts: ladder rungs 40 and 32 (2 entries), or 2 pages of 16 and a tail (3).
+    cache = KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD,
+        min_tokens=8,
+        shared_prefix_stride_tokens=16,
+        max_entries=2 if index == "ladder" else 3,
+        index=index,
+    )
+    stages = [attrs.evolve(config, kv_cache=cache) for config in four_stages()]
+    first = {"tokens": prompt(40), "session_id": "a"}
+    other = {"tokens": prompt(40, offset=500), "session_id": "b"}
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(stages=stages) as h:
+            for body in (first, first, other, first):  # hit, then evicted by the other prompt
+                assert (await h.client.post("/v1/prefill", json=body)).status_code == 200
+            text = (await h.client.get("/metrics")).text
+            stats = (await h.client.get("/v1/stats")).json()
+
+    help_lines = {line.split()[2]: line for line in text.splitlines() if line.startswith("# HELP")}
+    assert "by reason" in help_lines["stage_runtime_cache_restore_misses_total"]
+    assert "# TYPE stage_runtime_cache_restore_misses_total counter" in text
+    assert "# TYPE stage_runtime_cache_unique_prefix_bytes gauge" in text
+    for stage in stats["stages"]:
+        acc = stage["cache"]["accounting"]
+        assert acc["index"] == index
+        assert (acc["lookups"], acc["hits"], acc["restored_tokens"]) == (4, 1, 40)
+        assert (acc["misses_never_seen"], acc["misses_evicted"], acc["misses_rejected"]) == (
+            2,
+            1,
+            0,
+        )
+        assert acc["misses"] == 3
+        assert acc["resident_bytes"] == stage["cache"]["resident_bytes"]
+        rows = 40 + 32 if index == "ladder" else 40  # the ladder keeps a copy per rung
+        assert acc["resident_bytes"] == acc["unique_prefix_bytes"] * rows // 40
+        assert acc["residency_ratio"] == pytest.approx(rows / 40)
+        label = f'stage_id="{stage["stage_id"]}"'
+        for reason, count in (("never_seen", 2), ("evicted", 1), ("rejected", 0)):
+            line = f'stage_runtime_cache_restore_misses_total{{{label},reason="{reason}"}} {count}'
+            assert line in text.splitlines()
+        assert f"stage_runtime_cache_restored_tokens_total{{{label}}} 40" in text
+        assert f"stage_runtime_cache_restore_hits_total{{{label}}} 1" in text
+        unique = acc["unique_prefix_bytes"]
+        assert f"stage_runtime_cache_unique_prefix_bytes{{{label}}} {unique}" in text
+
+
 async def test_each_request_logs_one_request_served_event(capture_stage_logs: LogEvents) -> None:
     """Every request logs request_served once, prefills with tokens and restored tokens."""
     with trio.fail_after(TIMEOUT_S):
