@@ -9,8 +9,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.driver import ReplayResult
+from stage_runtime.sim.driver import ReplayResult, StageSummary
 
 __all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
 
@@ -29,9 +30,12 @@ def result_to_json(
         A JSON-ready dict: ``requests``, ``prompt_tokens``, ``restored_tokens`` (stage 0),
         ``token_hit_ratio``, ``theoretical_max_hit_ratio``, ``stages`` (``stage_id``,
         ``restored_tokens``, ``computed_tokens``, ``records``, ``evictions``,
-        ``resident_bytes_max`` and a few more), ``ttft_s`` (``p50``/``p90``/``p99``, each
-        ``cached`` and ``uncached``), ``wall_s``, ``tokens_per_s`` and ``config`` (every setting
-        used), plus ``virtual_s`` and ``theoretical_max_hit_tokens``.
+        ``resident_bytes_max`` and a few more, among them ``misses`` by reason
+        (``never_seen``/``evicted``/``rejected``), ``resident_bytes`` and
+        ``unique_prefix_bytes`` at the end, and their ``residency_ratio``), ``ttft_s``
+        (``p50``/``p90``/``p99``, each ``cached`` and ``uncached``), ``wall_s``,
+        ``tokens_per_s`` and ``config`` (every setting used), plus ``virtual_s`` and
+        ``theoretical_max_hit_tokens``.
     """
     config = result.config.as_dict(result.capacity_tokens)
     if source is not None:
@@ -61,6 +65,7 @@ def result_to_json(
                 "evictions": stage.evictions,
                 "evicted_bytes": stage.evicted_bytes,
                 "resident_bytes_max": stage.resident_bytes_max,
+                **_accounting_json(stage.accounting),
             }
             for stage in result.stages
         ],
@@ -70,6 +75,48 @@ def result_to_json(
         "virtual_s": result.virtual_s,
         "config": config,
     }
+
+
+def _accounting_json(accounting: CacheAccounting | None) -> dict[str, object]:
+    """A stage's end-of-replay accounting keys (null values when the stage has no cache)."""
+    if accounting is None:
+        return dict.fromkeys(
+            ("misses", "resident_bytes", "unique_prefix_bytes", "residency_ratio"), None
+        )
+    return {
+        "misses": {
+            "never_seen": accounting.misses_never_seen,
+            "evicted": accounting.misses_evicted,
+            "rejected": accounting.misses_rejected,
+        },
+        "resident_bytes": accounting.resident_bytes,
+        "unique_prefix_bytes": accounting.unique_prefix_bytes,
+        "residency_ratio": accounting.residency_ratio,
+    }
+
+
+def _misses(stage: StageSummary) -> str:
+    acc = stage.accounting
+    if acc is None:
+        return "-"
+    return f"{acc.misses_never_seen:,}/{acc.misses_evicted:,}/{acc.misses_rejected:,}"
+
+
+def _footprint(stage: StageSummary) -> str:
+    acc = stage.accounting
+    if acc is None:
+        return "-"
+    if acc.unique_prefix_bytes == 0:
+        return f"{_bytes(acc.resident_bytes)} / {_bytes(0)}"
+    return (
+        f"{_bytes(acc.resident_bytes)} / {_bytes(acc.unique_prefix_bytes)} "
+        f"({acc.residency_ratio:.2f}x)"
+    )
+
+
+def _residency(stage: StageSummary) -> str:
+    acc = stage.accounting
+    return "-" if acc is None else f"{acc.residency_ratio:.2f}x"
 
 
 def _bytes(value: float) -> str:
@@ -128,10 +175,19 @@ def render_report(
     totals.add_row("simulated time (virtual clock)", _seconds(result.virtual_s))
     console.print(totals)
 
-    stages = Table(title="per stage", box=box.SIMPLE_HEAD)
+    stages = Table(
+        title="per stage",
+        box=box.SIMPLE_HEAD,
+        caption=(
+            "misses: never seen/evicted/rejected (validation refused a cached entry); "
+            "resident / unique: bytes held vs bytes the distinct prefixes need, at the end"
+        ),
+    )
     for name in ("stage", "restored", "computed", "hit ratio", "hits", "records", "evictions"):
         stages.add_column(name, justify="left" if name == "stage" else "right")
     stages.add_column("peak resident", justify="right")
+    stages.add_column("misses", justify="right")
+    stages.add_column("resident / unique", justify="right")
     for stage in result.stages:
         stages.add_row(
             stage.stage_id,
@@ -142,6 +198,8 @@ def render_report(
             f"{stage.records:,}",
             f"{stage.evictions:,}",
             _bytes(stage.resident_bytes_max),
+            _misses(stage),
+            _footprint(stage),
         )
     console.print(stages)
 
@@ -179,6 +237,7 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
         "hit ratio",
         "evictions",
         "peak resident",
+        "resident / unique",
         "TTFT p50",
         "TTFT p90",
         "wall",
@@ -193,6 +252,7 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
             f"{result.token_hit_ratio:.1%}",
             f"{sum(stage.evictions for stage in result.stages):,}",
             _bytes(max(stage.resident_bytes_max for stage in result.stages)),
+            _residency(result.stages[0]),
             _seconds(result.ttft_cached.p50),
             _seconds(result.ttft_cached.p90),
             _seconds(result.wall_s),
