@@ -127,11 +127,7 @@ def test_report_shows_misses_by_reason_and_resident_vs_unique_bytes(index: str) 
     text = console.export_text()
     assert "misses: never seen/evicted/rejected" in text
     assert "2/1/0" in text
-    assert f"{_bytes_text(rows * 2)} / 80 B ({rows / 40:.2f}x)" in text
-
-
-def _bytes_text(value: int) -> str:
-    return f"{value} B"
+    assert f"{rows * 2} B / 80 B ({rows / 40:.2f}x)" in text
 
 
 def test_sweep_report_has_a_row_per_capacity() -> None:
