@@ -7,8 +7,10 @@ up while its prefill runs, and answering readiness while the server drains.
 Routes:
 
 ``POST /v1/prefill``
-    ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "..."}`` →
-    ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``.
+    ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "...",
+    "cache_salt": "..."}`` (``request_id`` and ``cache_salt`` optional) →
+    ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``. Without a
+    ``request_id`` the server generates ``http-<n>``, so every log line names the request.
 ``GET /v1/stats``
     Per-stage cache and mailbox statistics (the cache's ``accounting``: misses by reason,
     restored tokens, resident vs unique-prefix bytes), plus the server's own counters.
@@ -22,9 +24,10 @@ Routes:
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -43,7 +46,7 @@ from stage_runtime.server.metrics import (
 )
 from stage_runtime.server.requests import (
     InvalidRequestError,
-    PrefillRequest,
+    PrefillBody,
     parse_prefill_request,
 )
 from stage_runtime.server.tokenizer import ByteTokenizer
@@ -87,6 +90,7 @@ class ServedPipeline(Protocol):
         *,
         session_id: str,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillResult:
         """Run one prompt through every stage."""
         ...
@@ -177,6 +181,7 @@ class PipelineApp:
     _inflight: int = attrs.field(default=0, init=False)
     _responses: Counter[tuple[str, int]] = attrs.field(factory=Counter, init=False)
     _rejected: Counter[str] = attrs.field(factory=Counter, init=False)
+    _request_ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
     _prefill_count: int = attrs.field(default=0, init=False)
     _prefill_seconds: float = attrs.field(default=0.0, init=False)
     _prefill_tokens: int = attrs.field(default=0, init=False)
@@ -207,7 +212,7 @@ class PipelineApp:
         """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""
         if not self._draining:
             self._draining = True
-            log.info("server_draining", inflight=self._inflight)
+            log.info("server_drain_started", inflight=self._inflight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
@@ -354,8 +359,11 @@ class PipelineApp:
         finally:
             self._inflight -= 1
 
-    async def _run_prefill(self, request: PrefillRequest, receive: Receive) -> _Response:
+    async def _run_prefill(self, request: PrefillBody, receive: Receive) -> _Response:
         started = trio.current_time()
+        if request.request_id is None:
+            # Named here, not by the pipeline, so a cancelled or failed request logs its id too.
+            request = attrs.evolve(request, request_id=f"http-{next(self._request_ids)}")
         result: PrefillResult | None = None
 
         async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
@@ -374,7 +382,10 @@ class PipelineApp:
             nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
             try:
                 result = await self.pipeline.prefill(
-                    request.tokens, session_id=request.session_id, request_id=request.request_id
+                    request.tokens,
+                    session_id=request.session_id,
+                    request_id=request.request_id,
+                    cache_salt=request.cache_salt,
                 )
             except Exception as exc:
                 # Kept out of the nursery, which would wrap it in an exception group.
@@ -420,7 +431,7 @@ class PipelineApp:
             ),
         )
 
-    def _prefill_error(self, error: Exception, request: PrefillRequest) -> _Response:
+    def _prefill_error(self, error: Exception, request: PrefillBody) -> _Response:
         if isinstance(error, ConfigError):
             return _error(400, "invalid_field", str(error), field=request.source)
         if isinstance(error, trio.ClosedResourceError):
