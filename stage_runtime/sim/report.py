@@ -13,7 +13,7 @@ from stage_runtime.accounting import CacheAccounting
 from stage_runtime.errors import ConfigError
 from stage_runtime.sim.driver import ReplayResult, StageSummary
 
-__all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
+__all__ = ["render_report", "render_sweep", "result_to_json", "sweep_order", "write_plot"]
 
 
 def result_to_json(
@@ -220,8 +220,17 @@ def render_report(
     )
 
 
+def sweep_order(results: Sequence[ReplayResult]) -> list[ReplayResult]:
+    """A sweep's results by increasing capacity, the unbounded one (capacity 0) last."""
+    return sorted(results, key=lambda r: (r.capacity_tokens == 0, r.capacity_tokens))
+
+
 def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: str) -> None:
-    """Print a capacity sweep as one table (a row per capacity)."""
+    """Print a capacity sweep as one table: a row per capacity, smallest first, unbounded last.
+
+    The capacity bounds each stage's cache; the hit ratio and resident/unique columns are stage
+    0's, evictions are listed stage by stage, and peak resident is the largest stage's.
+    """
     console.print(f"[bold]{title}[/bold]")
     if not results:
         return
@@ -230,27 +239,32 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
         f"{first.requests:,} requests, {first.prompt_tokens:,} prompt tokens, theoretical max "
         f"{first.theoretical.ratio:.1%} (infinite cache, per block)"
     )
-    table = Table(title="capacity sweep (per stage)", box=box.SIMPLE_HEAD)
+    stage_ids = " / ".join(stage.stage_id for stage in first.stages)
+    table = Table(
+        title="capacity sweep (capacity and max bytes bound each stage's cache)",
+        box=box.SIMPLE_HEAD,
+        caption=f"evictions per stage: {stage_ids}",
+    )
     for name in (
         "capacity",
         "max bytes",
-        "hit ratio",
-        "evictions",
-        "peak resident",
-        "resident / unique",
+        "hit ratio (stage 0)",
+        "evictions per stage",
+        "peak resident (largest stage)",
+        "resident / unique (stage 0)",
         "TTFT p50",
         "TTFT p90",
         "wall",
     ):
         table.add_column(name, justify="right")
-    for result in results:
+    for result in sweep_order(results):
         table.add_row(
             _capacity(result.capacity_tokens),
             _bytes(result.config.max_bytes(result.capacity_tokens))
             if result.capacity_tokens
             else "unbounded",
             f"{result.token_hit_ratio:.1%}",
-            f"{sum(stage.evictions for stage in result.stages):,}",
+            " / ".join(f"{stage.evictions:,}" for stage in result.stages),
             _bytes(max(stage.resident_bytes_max for stage in result.stages)),
             _residency(result.stages[0]),
             _seconds(result.ttft_cached.p50),
@@ -279,13 +293,30 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
     if len(results) > 1:
-        labels = [
-            "unbounded" if r.capacity_tokens == 0 else f"{r.capacity_tokens:,}" for r in results
-        ]
-        positions = list(range(len(results)))
-        axes.plot(
-            positions, [r.token_hit_ratio for r in results], marker="o", label="token hit ratio"
-        )
+        # Increasing capacity left to right; unbounded is not a capacity on that axis, so it
+        # stands apart at the right with its own marker, not joined to the line.
+        ordered = sweep_order(results)
+        bounded = [r for r in ordered if r.capacity_tokens > 0]
+        unbounded = [r for r in ordered if r.capacity_tokens == 0]
+        labels = [f"{r.capacity_tokens:,}" for r in bounded] + ["unbounded"] * len(unbounded)
+        positions = list(range(len(ordered)))
+        if bounded:
+            axes.plot(
+                positions[: len(bounded)],
+                [r.token_hit_ratio for r in bounded],
+                marker="o",
+                label="token hit ratio",
+            )
+        if unbounded:
+            axes.plot(
+                positions[len(bounded) :],
+                [r.token_hit_ratio for r in unbounded],
+                marker="*",
+                markersize=12,
+                linestyle="none",
+                color="tab:green",
+                label="unbounded cache",
+            )
         axes.axhline(
             results[0].theoretical.ratio,
             linestyle="--",

@@ -19,6 +19,7 @@ from stage_runtime.sim import (
     result_to_json,
     run_replay,
     run_sweep,
+    sweep_order,
     write_plot,
 )
 
@@ -133,12 +134,28 @@ def test_report_shows_misses_by_reason_and_resident_vs_unique_bytes(index: str) 
 def test_sweep_report_has_a_row_per_capacity() -> None:
     """The sweep table lists each capacity, unbounded included."""
     results = run_sweep(TRACE, CONFIG, [8, 0])
-    console = Console(record=True, width=140)
+    console = Console(record=True, width=200)
     render_sweep(console, results, title="sweep")
     text = console.export_text()
     assert "8 tokens" in text
     assert "unbounded" in text
     assert "resident / unique" in text
+
+
+def test_sweep_report_sorts_capacities_and_lists_evictions_stage_by_stage() -> None:
+    """Rows go by increasing capacity with unbounded last; evictions are per stage, not summed."""
+    results = run_sweep(TRACE, CONFIG, [0, 40, 8])
+    assert [r.capacity_tokens for r in sweep_order(results)] == [8, 40, 0]
+    console = Console(record=True, width=200)
+    render_sweep(console, results, title="sweep")
+    text = console.export_text()
+    rows = [line.split() for line in text.splitlines()]
+    rows = [row for row in rows if row and (row[0] == "unbounded" or row[1:2] == ["tokens"])]
+    assert [row[0] for row in rows] == ["8", "40", "unbounded"]
+    smallest = sweep_order(results)[0]
+    per_stage = " / ".join(f"{stage.evictions:,}" for stage in smallest.stages)
+    assert sum(stage.evictions for stage in smallest.stages) > 0
+    assert per_stage in " ".join(rows[0])
 
 
 def test_plots_are_png_files(tmp_path: Path, result: ReplayResult) -> None:
