@@ -242,10 +242,11 @@ class PipelineApp:
         except _ClientDisconnectedError as exc:
             response = None
             fields = dict(exc.log_fields)
-        except Exception as exc:
-            # Bugs must not take the server down; the client gets a 500 and the log a traceback.
+        except Exception:
+            # Bugs must not take the server down; the client gets a 500 and the log a traceback
+            # (the exception's text stays in the log: it may show internals).
             log.exception("request_failed", method=method, path=path)
-            response = _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+            response = _error(500, "internal_error", "internal server error: see the server log")
         if response is not None:
             fields = dict(response.log_fields)
         if response is not None:

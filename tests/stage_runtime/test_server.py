@@ -1005,3 +1005,41 @@ async def test_http_server_example_main_restores_the_repeated_prompt() -> None:
     assert all(stage["restored_tokens"] == 0 for stage in result["first"]["stages"])
     assert all(stage["restored_tokens"] > 0 for stage in result["second"]["stages"])
     assert len(result["stats"]["stages"]) == 4
+
+
+@attrs.define(eq=False)
+class BrokenStatsPipeline:
+    """A served pipeline whose statistics raise: a bug inside the server's own route."""
+
+    stage_configs: Sequence[StageConfig] = attrs.field(factory=four_stages)
+    draining: bool = False
+
+    async def prefill(
+        self,
+        tokens: npt.NDArray[np.int32],
+        *,
+        session_id: str,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PrefillResult:
+        """Never called by the test."""
+        raise AssertionError
+
+    async def stats(self) -> PipelineStats:
+        """Fail with a message a client must not see."""
+        raise RuntimeError("secret internal detail")
+
+
+async def test_a_bug_answers_500_without_leaking_the_exception_text(
+    capture_stage_logs: LogEvents,
+) -> None:
+    """An unexpected exception is a JSON 500 with a generic message; the log keeps the details."""
+    app = create_app(BrokenStatsPipeline())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        answer = await client.get("/v1/stats")
+    assert answer.status_code == 500
+    assert answer.json()["error"] == "internal_error"
+    assert "secret" not in answer.text
+    [failed] = [e for e in capture_stage_logs if e["event"] == "request_failed"]
+    assert failed["path"] == "/v1/stats"
