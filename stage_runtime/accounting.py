@@ -270,6 +270,10 @@ class LadderAccounting:
         self.miss_counts[reason] += 1
         return reason
 
+    def resident(self, key: str) -> None:
+        """``key`` is resident again: forget its tombstone (the footprint is updated separately)."""
+        self._misses.cached(key)
+
     def stored(
         self,
         key: str,

@@ -197,6 +197,16 @@ class ResidentActivationCache:
         """The logical clock: lookups plus stored records so far."""
         return self._clock
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes resident now (``stats().resident_bytes`` without the snapshot)."""
+        return self._resident_bytes
+
+    @property
+    def hits(self) -> int:
+        """Lookups that found their key so far (``stats().hits`` without the snapshot)."""
+        return self._hits
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -405,12 +405,11 @@ def page_id(config: StageConfig, token_start: int, token_count: int, prefix_hash
     The ``"blake3:"`` (or legacy ``"sha256:"``) prefix is stripped before taking the first 16
     hex digits; a shorter digest is used whole.
     """
-    digest = prefix_hash
-    for scheme in ("blake3:", "sha256:"):
-        if digest.startswith(scheme):
-            digest = digest[len(scheme) :]
-            break
-    return f"{config.stage_id}:{token_start}:{token_count}:{config.layer_start}:{digest[:16]}"
+    if prefix_hash.startswith(("blake3:", "sha256:")):  # both schemes are 7 characters
+        digest = prefix_hash[7:23]
+    else:
+        digest = prefix_hash[:16]
+    return f"{config.stage_id}:{token_start}:{token_count}:{config.layer_start}:{digest}"
 
 
 def activation_page_id(page_id: str, width: int) -> str:
