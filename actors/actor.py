@@ -253,18 +253,23 @@ class _Cell:
                 self.processed += 1
                 self.failed += 1
                 if reply is None:
+                    # A told message crashes the actor: nobody else sees the traceback.
                     log.error(
                         "actor_message_failed",
                         message_type=type(message).__name__,
                         crashed=True,
+                        error_type=type(exc).__name__,
+                        error=str(exc),
                         exc_info=exc,
                     )
                     raise
+                # The asker gets the exception itself; a traceback here would only repeat it.
                 log.warning(
                     "actor_message_failed",
                     message_type=type(message).__name__,
                     crashed=False,
-                    exc_info=exc,
+                    error_type=type(exc).__name__,
+                    error=str(exc),
                 )
                 reply.fail(exc)
                 self.current = None

@@ -359,7 +359,10 @@ async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
         before.resident_bytes,
         before.records,
     )
-    assert len(events_named(logs, "actor_message_failed")) == 1
+    [failed] = events_named(logs, "actor_message_failed")
+    assert (failed["log_level"], failed["error_type"]) == ("warning", error.__name__)
+    assert match in failed["error"]
+    assert "exc_info" not in failed  # the caller has the exception: no traceback in the log
 
 
 async def test_cancelled_restore_does_not_kill_the_actor() -> None:
