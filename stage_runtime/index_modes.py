@@ -400,6 +400,8 @@ def _evicted_entry(page: EvictedPage) -> EvictedEntry:
         token_count=page.token_count,
         payload_bytes=page.payload_bytes,
         reason=page.reason,
+        entries_after=page.entries_after,
+        resident_bytes_after=page.resident_bytes_after,
     )
 
 
