@@ -121,8 +121,8 @@ class Pipeline:
             The final frame and, per stage, the restored/computed tokens, records and evictions.
 
         Raises:
-            ConfigError: ``tokens`` is empty, not integers, or outside int32; or ``session_id``
-                or ``request_id`` is not a string.
+            ConfigError: ``tokens`` is not a sequence, empty, not integers, or outside int32; or
+                ``session_id`` or ``request_id`` is not a string.
             trio.ClosedResourceError: the pipeline is draining or stopped.
             StageRuntimeError: the pipeline stopped (a stage crashed) before the request finished.
             Exception: whatever the model raised for this input (only this caller sees it).

@@ -388,6 +388,11 @@ async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
             ConfigError,
             "base must be a MessageBase, got str",
         ),
+        (
+            RestoreActivation(base=BASE, tokens=None, activation_width=WIDTH),  # type: ignore[arg-type]
+            ConfigError,
+            "tokens must be a sequence of integers, got NoneType",
+        ),
         ("hello", ConfigError, "message must be RestoreActivation"),
     ],
 )

@@ -213,6 +213,8 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill([], session_id="s")
         with pytest.raises(ConfigError, match="tokens must be integers"):
             await pipeline.prefill(["a", "b"], session_id="s")  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="tokens must be a sequence of integers, got None"):
+            await pipeline.prefill(None, session_id="s")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="int32 range"):
             await pipeline.prefill(np.array([1, 2**40]), session_id="s")
         with pytest.raises(ConfigError, match="session_id must be a string"):
