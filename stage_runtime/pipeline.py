@@ -376,6 +376,7 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
         if position + 1 < len(tables):
             merged.setdefault("downstream", ids[position + 1])
         label = repr(ids[position]) if ids[position] is not None else f"#{position}"
-        configs.append(StageConfig.from_mapping(merged, source=f"{source} (stage {label})"))
+        # One format for every topology error: "file: stage 'id': field ..."
+        configs.append(StageConfig.from_mapping(merged, source=f"{source}: stage {label}"))
     validate_topology(configs, source=source)
     return configs

@@ -467,11 +467,15 @@ max_entries = 1
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml \(stage #1\): missing required field stage_id",
+            r"topology.toml: stage #1: missing required field stage_id",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
-            r"topology.toml \(stage 'a'\): layer_end must be an integer, got 'x'",
+            r"topology.toml: stage 'a': layer_end must be an integer, got 'x'",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 3\n',
+            r"topology.toml: stage 'a': layer_end must be > layer_start \(3\), got 3",
         ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
