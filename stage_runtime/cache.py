@@ -10,7 +10,7 @@ most recently used, so finding the victim is O(1) and equals the upstream's "sma
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import attrs
 
@@ -395,16 +395,4 @@ class ResidentActivationCache:
             records=self._records,
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
-        )
-
-    def _snapshot(self) -> tuple[Any, ...]:
-        """Everything observable, for tests that assert a rejected call changed nothing."""
-        return (
-            self._clock,
-            [
-                (k, e.token_count, e.byte_size, e.last_used, id(e.frame))
-                for k, e in self._entries.items()
-            ],
-            self.stats(),
-            {group: dict(counts) for group, counts in self._index.items()},
         )

@@ -21,6 +21,8 @@ from stage_runtime import (
 )
 from stage_runtime.integration import activation_key_slot
 
+from ._seed import cache_state
+
 
 def frame(tokens: int = 4, nbytes: int = 16) -> ActivationFrame:
     """A virtual frame: the cache never looks inside payloads."""
@@ -213,13 +215,13 @@ def test_bad_record_leaves_cache_unchanged(
     cache = ResidentActivationCache(max_entries=2)
     cache.record("a", 4, 16, frame())
     cache.lookup("a")
-    before = cache._snapshot()
+    before = cache_state(cache)
     with pytest.raises(error, match=message):
         cache.record(*args)
-    assert cache._snapshot() == before
+    assert cache_state(cache) == before
     with pytest.raises(ConfigError, match="key must be a string, got None"):
         cache.lookup(None)  # type: ignore[arg-type]
-    assert cache._snapshot() == before
+    assert cache_state(cache) == before
 
 
 # --- stateful: the cache against a dict + counter reference model ---------------------------
