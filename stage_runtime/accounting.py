@@ -20,12 +20,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+# MissTracker and PrefixFootprint are building blocks of the two indexes, not public API.
 __all__ = [
     "CacheAccounting",
     "LadderAccounting",
     "MissReason",
-    "MissTracker",
-    "PrefixFootprint",
 ]
 
 MissReason = Literal["never_seen", "evicted", "rejected"]
@@ -269,6 +268,10 @@ class LadderAccounting:
         self.lookups += 1
         self.miss_counts[reason] += 1
         return reason
+
+    def resident(self, key: str) -> None:
+        """``key`` is resident again: forget its tombstone (the footprint is updated separately)."""
+        self._misses.cached(key)
 
     def stored(
         self,

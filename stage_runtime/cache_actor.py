@@ -225,7 +225,6 @@ class CacheActor(Actor[CacheMessage, Any]):
         integration = self._integration
         if integration is None or not integration.should_record():
             return []
-        before = integration.stats()
         records = integration.record_resident_activation(
             self._config,
             message.base,
@@ -234,9 +233,8 @@ class CacheActor(Actor[CacheMessage, Any]):
             message.activation_width,
             message.frame,
         )
-        entries, resident_bytes = before.entries, before.resident_bytes
         for record in records:
-            _log_record_evictions(record, entries, resident_bytes)
+            _log_evictions(record.evicted)
             log.debug(
                 "activation_recorded",
                 page_id=record.page_id,
@@ -246,7 +244,6 @@ class CacheActor(Actor[CacheMessage, Any]):
                 resident_bytes=record.resident_bytes,
                 decision=DECISION_RECORD,
             )
-            entries, resident_bytes = record.entries, record.resident_bytes
         return records
 
     def _stats(self) -> CacheStats | None:
@@ -258,42 +255,25 @@ class CacheActor(Actor[CacheMessage, Any]):
     def _clear(self) -> tuple[EvictedEntry, ...]:
         if self._integration is None:
             return ()
-        before = self._integration.stats()
         evicted = self._integration.clear()
-        _log_evictions(evicted, before.entries, before.resident_bytes)
+        _log_evictions(evicted)
         return evicted
 
 
-def _log_record_evictions(
-    record: ResidentActivationRecord, entries_before: int, bytes_before: int
-) -> None:
-    """Log the evictions one record call made, each with the cache size right after it.
+def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
+    """One ``activation_evicted`` event per entry, with the cache's size right after it left.
 
-    The cache reports only its size after the whole call, so the size after each eviction is
-    reconstructed: a re-record of an existing key first drops the old entry (not an eviction),
-    then victims leave one by one, then the new entry is inserted.
+    The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
+    record stores several pages and may evict between them, so it cannot be reconstructed from
+    the sizes before and after the call.
     """
-    if not record.evicted:
-        return
-    evicted_bytes = sum(entry.payload_bytes for entry in record.evicted)
-    # after = before - replaced - evictions + 1 (the inserted entry); solve for the replaced one.
-    replaced_entries = entries_before - len(record.evicted) + 1 - record.entries
-    replaced_bytes = bytes_before - evicted_bytes + record.payload_bytes - record.resident_bytes
-    if replaced_entries not in (0, 1):  # a cache that refused the insert: nothing to undo
-        replaced_entries, replaced_bytes = 0, 0
-    _log_evictions(record.evicted, entries_before - replaced_entries, bytes_before - replaced_bytes)
-
-
-def _log_evictions(evicted: Sequence[EvictedEntry], entries: int, resident_bytes: int) -> None:
     for entry in evicted:
-        entries -= 1
-        resident_bytes -= entry.payload_bytes
         log.info(
             "activation_evicted",
             page_id=entry.key,
             token_count=entry.token_count,
             payload_bytes=entry.payload_bytes,
             reason=entry.reason,
-            entries=entries,
-            resident_bytes=resident_bytes,
+            entries=entry.entries_after,
+            resident_bytes=entry.resident_bytes_after,
         )

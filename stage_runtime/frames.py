@@ -62,6 +62,8 @@ def _int_in(low: int, high: int) -> Any:
     """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``, else FrameError."""
 
     def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is int and low <= value <= high:  # the usual case, decided at once
+            return
         if not isinstance(value, int | np.integer) or isinstance(value, bool):
             msg = f"{attribute.name} must be an integer, got {value!r}"
             raise FrameError(msg)
@@ -73,6 +75,8 @@ def _int_in(low: int, high: int) -> Any:
 
 
 def _to_dtype(value: object) -> ActivationDType:
+    if type(value) is ActivationDType:
+        return value
     try:
         return ActivationDType(value)  # type: ignore[arg-type]
     except (ValueError, TypeError):
@@ -81,6 +85,8 @@ def _to_dtype(value: object) -> ActivationDType:
 
 
 def _to_layout(value: object) -> ActivationLayout:
+    if type(value) is ActivationLayout:
+        return value
     try:
         return ActivationLayout(value)  # type: ignore[arg-type]
     except (ValueError, TypeError):
@@ -123,6 +129,20 @@ class ActivationDesc:
     """Side-band bits; a non-zero value means the payload is not plain token rows."""
 
 
+_DESC_FIELDS: Final = tuple(field.name for field in attrs.fields(ActivationDesc))
+
+
+def _desc_with_counts(desc: ActivationDesc, token_count: int, payload_bytes: int) -> ActivationDesc:
+    """``attrs.evolve(desc, token_count=..., payload_bytes=...)`` without the validators, for
+    internal callers whose counts are valid by construction."""
+    new: ActivationDesc = object.__new__(ActivationDesc)
+    for name in _DESC_FIELDS:
+        object.__setattr__(new, name, getattr(desc, name))
+    object.__setattr__(new, "token_count", token_count)
+    object.__setattr__(new, "payload_bytes", payload_bytes)
+    return new
+
+
 def _readonly_payload(value: object) -> npt.NDArray[np.uint8]:
     """Check a payload and return a read-only view of it (never a copy)."""
     if not isinstance(value, np.ndarray):
@@ -145,14 +165,17 @@ def _is_zero_stride(payload: npt.NDArray[np.uint8]) -> bool:
     return payload.size > 0 and payload.strides[0] == 0
 
 
-# One shared zero byte backs every virtual payload: broadcasting it costs no memory.
-_ZERO_BYTE: Final = np.zeros(1, dtype=np.uint8)
-_ZERO_BYTE.flags.writeable = False
+# One shared read-only byte per fill value backs every virtual payload: a zero-stride view of
+# it costs no memory.
+_FILL_BYTES: Final = [np.full(1, fill, dtype=np.uint8) for fill in range(256)]
+for _byte in _FILL_BYTES:
+    _byte.flags.writeable = False
 
 
 def _virtual_payload(size: int, fill: int = 0) -> npt.NDArray[np.uint8]:
-    base = _ZERO_BYTE if fill == 0 else np.full(1, fill, dtype=np.uint8)
-    return np.broadcast_to(base, (size,))
+    # What np.broadcast_to(byte, (size,)) returns (read-only, stride 0), built directly: the
+    # ndarray constructor costs a fraction of broadcast_to's argument handling.
+    return np.ndarray((size,), dtype=np.uint8, buffer=_FILL_BYTES[fill], strides=(0,))
 
 
 def _broadcast_payload(rows: npt.NDArray[Any]) -> npt.NDArray[np.uint8] | None:
@@ -402,8 +425,13 @@ class ActivationFrame:
         if token_count == self.desc.token_count:
             return self
         payload_bytes = self.payload.size // self.desc.token_count * token_count
-        desc = attrs.evolve(self.desc, token_count=token_count, payload_bytes=payload_bytes)
-        return ActivationFrame(desc=desc, payload=self.payload[:payload_bytes])
+        # Both counts shrink from valid values and the slice of a read-only payload is a
+        # read-only view of the right size: build the objects without re-running validators.
+        desc = _desc_with_counts(self.desc, token_count, payload_bytes)
+        frame: ActivationFrame = object.__new__(ActivationFrame)
+        object.__setattr__(frame, "desc", desc)
+        object.__setattr__(frame, "payload", self.payload[:payload_bytes])
+        return frame
 
     @staticmethod
     def concat(first: ActivationFrame, second: ActivationFrame) -> ActivationFrame:

@@ -17,7 +17,7 @@ import functools
 import platform as _platform
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, Final
 
 import attrs
@@ -134,16 +134,22 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[in
     converted once.
 
     Args:
-        tokens: Any sequence of Python ints or a 1-D integer numpy array.
+        tokens: Any sequence (or iterator) of Python ints or a 1-D integer numpy array; not a
+            string, set or mapping.
 
     Raises:
-        ConfigError: tokens are not 1-D, not integers, or outside the int32 range; the message
-            names the first offending index and value.
+        ConfigError: tokens are not a sequence, not 1-D, not integers, or outside the int32
+            range; the message names the first offending index and value.
     """
     original: Sequence[object] | None = None
     if isinstance(tokens, np.ndarray):
         array: npt.NDArray[Any] = tokens
     else:
+        if isinstance(tokens, str | bytes | bytearray | Set | Mapping) or not isinstance(
+            tokens, Iterable
+        ):
+            msg = f"tokens must be a sequence of integers, got {type(tokens).__name__}"
+            raise ConfigError(msg)
         if not isinstance(tokens, Sequence):
             tokens = list(tokens)
         if len(tokens) == 0:
@@ -405,12 +411,11 @@ def page_id(config: StageConfig, token_start: int, token_count: int, prefix_hash
     The ``"blake3:"`` (or legacy ``"sha256:"``) prefix is stripped before taking the first 16
     hex digits; a shorter digest is used whole.
     """
-    digest = prefix_hash
-    for scheme in ("blake3:", "sha256:"):
-        if digest.startswith(scheme):
-            digest = digest[len(scheme) :]
-            break
-    return f"{config.stage_id}:{token_start}:{token_count}:{config.layer_start}:{digest[:16]}"
+    if prefix_hash.startswith(("blake3:", "sha256:")):  # both schemes are 7 characters
+        digest = prefix_hash[7:23]
+    else:
+        digest = prefix_hash[:16]
+    return f"{config.stage_id}:{token_start}:{token_count}:{config.layer_start}:{digest}"
 
 
 def activation_page_id(page_id: str, width: int) -> str:

@@ -56,6 +56,22 @@ __all__ = ["LadderStageIntegration", "PagedActivationRestore", "PagedStageIntegr
 
 
 @attrs.define(eq=False)
+class _PendingPrompt:
+    """A recorded prompt whose page chain (for the footprint) is computed only when asked."""
+
+    namespace: bytes
+    tokens: TokenArray
+    """A private read-only copy."""
+    page_tokens: int
+    _chain: PageChain | None = attrs.field(default=None, init=False)
+
+    def chain(self) -> PageChain:
+        if self._chain is None:
+            self._chain = page_chain(self.namespace, self.tokens, page_tokens=self.page_tokens)
+        return self._chain
+
+
+@attrs.define(eq=False)
 class LadderStageIntegration(KvStageIntegration):
     """The upstream ladder index, unchanged, plus the accounting both modes report.
 
@@ -67,10 +83,32 @@ class LadderStageIntegration(KvStageIntegration):
 
     _accounting: LadderAccounting = attrs.field(factory=LadderAccounting, init=False, repr=False)
     _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
-    _tombstone_slots: set[tuple[tuple[str, str], int]] = attrs.field(
-        factory=set, init=False, repr=False
+    _tombstones: dict[tuple[str, str], dict[int, set[_Fingerprint | None]]] = attrs.field(
+        factory=dict, init=False, repr=False
     )
-    """``(start, width)`` and length of every key ever evicted: which candidates need a check."""
+    """``(start, width)`` -> length -> token fingerprints of the keys ever evicted there (None:
+    unknown, always check). A miss hashes and checks only the candidates whose fingerprint is
+    listed: a candidate key with a tombstone has the tokens, hence the fingerprint, of the
+    evicted key."""
+    _extra_counts: list[int] | None = attrs.field(default=None, init=False, repr=False)
+    """The candidates the base restore's pass found worth a tombstone check, for its miss path."""
+    _resident_fingerprints: dict[str, _Fingerprint] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """Fingerprint of each key recorded through this integration, until it leaves the cache."""
+    _pending: dict[str, tuple[_PendingPrompt, int, int]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """Resident keys not yet added to the footprint: (prompt, token count, bytes per token).
+
+    Hashing every recorded prompt into pages for the footprint costs another pass over its
+    tokens; it is only needed when :meth:`accounting` is read, and only for entries still
+    resident then, so records queue their entries here and evictions drop them unhashed."""
+    _namespace_bpt: dict[bytes, int] = attrs.field(factory=dict, init=False, repr=False)
+    """Bytes per token first recorded under each footprint namespace."""
+    _eager_footprint: bool = attrs.field(default=False, init=False, repr=False)
+    """Set once a namespace sees a second bytes-per-token: the footprint's per-group byte width
+    then depends on the order of adds and removes, so entries are added as they are recorded."""
 
     def restore_resident_activation(
         self,
@@ -85,7 +123,8 @@ class LadderStageIntegration(KvStageIntegration):
         Raises:
             ConfigError: a bad argument; the cache is left unchanged.
         """
-        found_before = self.cache.stats().hits
+        found_before = self.cache.hits
+        self._extra_counts = None
         found = super().restore_resident_activation(
             config, base, token_start, tokens, activation_width
         )
@@ -96,7 +135,7 @@ class LadderStageIntegration(KvStageIntegration):
             self.last_miss_reason = None
             self._accounting.hit(found.token_count)
             return found
-        rejected = self.cache.stats().hits > found_before
+        rejected = self.cache.hits > found_before
         self.last_miss_reason = self._accounting.miss(
             self._evicted_candidates(config, base, token_start, array, activation_width),
             rejected=rejected,
@@ -124,23 +163,50 @@ class LadderStageIntegration(KvStageIntegration):
         if not records:
             return records
         array = as_token_array(tokens)
-        for record in records:
+        namespace: bytes | None = None
+        prompt: _PendingPrompt | None = None
+        fingerprints = self._resident_fingerprints
+        prints = _fingerprints(array, [record.token_count for record in records])
+        for record, fingerprint in zip(records, prints, strict=True):
             self._evicted(record.evicted)
-            if record.page_id not in self.cache:
+            key = record.page_id
+            if key not in self.cache:
                 continue
-            chain = self._chain(config, base, token_start, array, activation_width)
+            fingerprints[key] = fingerprint
             bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
-            self._accounting.stored(record.page_id, chain.segments(record.token_count), bpt)
+            if not self._eager_footprint:
+                if namespace is None:
+                    namespace = paged_namespace(config, token_start, base, activation_width)
+                if self._namespace_bpt.setdefault(namespace, bpt) != bpt:
+                    self._flush_footprint()
+                    self._eager_footprint = True
+            if self._eager_footprint:
+                chain = self._chain(config, base, token_start, array, activation_width)
+                self._accounting.stored(key, chain.segments(record.token_count), bpt)
+                continue
+            self._accounting.resident(key)
+            if key not in self._pending:
+                if prompt is None:
+                    assert namespace is not None
+                    prompt = _PendingPrompt(
+                        namespace=namespace,
+                        tokens=self._private_tokens(array),
+                        page_tokens=self.cache_config.effective_page_tokens,
+                    )
+                self._pending[key] = (prompt, record.token_count, bpt)
         return records
 
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every cached frame; returns them with reason ``"cleared"``."""
         cleared = super().clear()
+        self._forget_pending(cleared)
+        self._resident_fingerprints.clear()
         self._accounting.evicted(cleared)
         return cleared
 
     def accounting(self) -> CacheAccounting:
         """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes."""
+        self._flush_footprint()
         acc = self._accounting
         stats = self.cache.stats()
         return CacheAccounting(
@@ -158,12 +224,46 @@ class LadderStageIntegration(KvStageIntegration):
             evicted_bytes=stats.evicted_bytes,
         )
 
+    def _private_tokens(self, array: TokenArray) -> TokenArray:
+        """A read-only copy of ``array``: the hash memo's when it holds these tokens (it does
+        right after a record hashed them), else a new one."""
+        memo = self._memo
+        if (
+            memo is not None
+            and memo.tokens is not array
+            and memo.tokens.size == array.size
+            and not memo.tokens.flags.writeable
+        ):
+            return memo.tokens
+        private = array.copy()
+        private.flags.writeable = False
+        return private
+
+    def _flush_footprint(self) -> None:
+        """Add the queued resident entries to the footprint, in the order they were recorded."""
+        footprint = self._accounting.footprint
+        for key, (prompt, count, bpt) in self._pending.items():
+            footprint.add(key, prompt.chain().segments(count), bpt)
+        self._pending.clear()
+
+    def _forget_pending(self, entries: Sequence[EvictedEntry]) -> None:
+        if self._pending:
+            for entry in entries:
+                self._pending.pop(entry.key, None)
+
     def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
+        self._forget_pending(entries)
         self._accounting.evicted(entries)
+        fingerprints = self._resident_fingerprints
         for entry in entries:
+            fingerprint = fingerprints.pop(entry.key, None)
             slot = activation_key_slot(entry.key)
             if slot is not None and entry.reason != "cleared":
-                self._tombstone_slots.add(slot)
+                group, count = slot
+                self._tombstones.setdefault(group, {}).setdefault(count, set()).add(fingerprint)
+        if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
+            for key in [key for key in fingerprints if key not in self.cache]:
+                del fingerprints[key]
 
     def _evicted_candidates(
         self,
@@ -174,20 +274,43 @@ class LadderStageIntegration(KvStageIntegration):
         width: int,
     ) -> list[str]:
         """Keys of the lookup candidates whose (start, width, length) ever lost an entry."""
-        if not self._tombstone_slots:
-            return []
-        group = (str(token_start), f"w{max(width, 0)}")
-        counts = [
-            count
-            for count in self.policy.candidate_token_counts(int(array.size))
-            if (group, count) in self._tombstone_slots
-        ]
+        counts = self._extra_counts  # what the restore just computed for this prompt
+        self._extra_counts = None
+        if counts is None:
+            counts = self._restore_extra_counts(
+                token_start, width, array, self.policy.candidate_token_counts(int(array.size))
+            )
         if not counts:
             return []
-        hashes = self._hashes(config, base, token_start, array, counts)
+        wanted = counts
+        if self.should_record():  # the record of this prompt comes next: same pass
+            wanted = counts + self.policy.record_candidate_token_counts(int(array.size))
+        hashes = self._hashes(config, base, token_start, array, wanted)
         return [
             activation_page_id(page_id(config, token_start, c, hashes[c]), width) for c in counts
         ]
+
+    def _restore_extra_counts(
+        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+    ) -> list[int]:
+        """The candidates that may have a tombstone: a miss checks their keys.
+
+        Those whose (start, width, length) lost an entry with the same token fingerprint (or an
+        unknown one); any other candidate key was never evicted.
+        """
+        by_count = self._tombstones.get((str(token_start), f"w{max(width, 0)}"))
+        if not by_count:
+            return []
+        slotted = [count for count in counts if count in by_count]
+        if not slotted:
+            return []
+        out = []
+        for count, fingerprint in zip(slotted, _fingerprints(array, slotted), strict=True):
+            seen = by_count[count]
+            if fingerprint in seen or None in seen:
+                out.append(count)
+        self._extra_counts = out
+        return out
 
     def _chain(
         self,
@@ -209,6 +332,21 @@ class LadderStageIntegration(KvStageIntegration):
         chain = page_chain(namespace, array, page_tokens=self.cache_config.effective_page_tokens)
         self._footprint_chain = chain
         return chain
+
+
+_Fingerprint = tuple[int, int, int, int]
+
+
+def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
+    """A cheap fingerprint of each prefix ``array[:count]``: its length and three of its tokens.
+
+    Equal prefixes have equal fingerprints; different ones usually differ (a filter only: a
+    matching fingerprint is confirmed by the prefix's key).
+    """
+    last = np.asarray(counts, dtype=np.intp) - 1
+    k = len(counts)
+    picks = array[np.concatenate((last, last >> 1, last >> 2))].tolist()
+    return list(zip(counts, picks[:k], picks[k : 2 * k], picks[2 * k :], strict=True))
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -262,6 +400,8 @@ def _evicted_entry(page: EvictedPage) -> EvictedEntry:
         token_count=page.token_count,
         payload_bytes=page.payload_bytes,
         reason=page.reason,
+        entries_after=page.entries_after,
+        resident_bytes_after=page.resident_bytes_after,
     )
 
 

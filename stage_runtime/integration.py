@@ -450,11 +450,12 @@ class KvStageIntegration:
         # are accounted as the misses they would be without hashing them (same clock, same
         # counters, same recency as probing every candidate).
         if not self.probe_all and self.cache.key_index is activation_key_slot:
-            group = (str(token_start), f"w{width}")
-            probes = sorted(
-                (c for c in self.cache.indexed_counts(group) if self.policy.is_candidate(n, c)),
-                reverse=True,
-            )
+            resident = self.cache.indexed_counts((str(token_start), f"w{width}"))
+            if len(resident) < len(counts):
+                is_candidate = self.policy.is_candidate
+                probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
+            else:  # counts is descending: keep its order
+                probes = [c for c in counts if c in resident]
         else:  # a cache built without our index: probe every candidate
             probes = counts
         if not probes:
@@ -464,6 +465,7 @@ class KvStageIntegration:
         if self.should_record():
             # The record of this prompt comes next: hash its lengths in the same pass.
             wanted += self.policy.record_candidate_token_counts(n)
+        wanted += self._restore_extra_counts(token_start, width, array, counts)
         hashes = self._hashes(config, base, token_start, array, wanted)
         skipped = 0
         remaining = iter(probes)
@@ -472,8 +474,9 @@ class KvStageIntegration:
             if count != probe:
                 skipped += 1
                 continue
-            self.cache.count_misses(skipped)
-            skipped = 0
+            if skipped:
+                self.cache.count_misses(skipped)
+                skipped = 0
             pid = page_id(config, token_start, count, hashes[count])
             key = activation_page_id(pid, width)
             hit = self.cache.lookup(key)
@@ -555,7 +558,6 @@ class KvStageIntegration:
             candidate = frame._cut(count)
             key = activation_page_id(page_id(config, token_start, count, hashes[count]), width)
             outcome = self.cache.record(key, count, candidate.payload.size, candidate)
-            stats = self.cache.stats()
             records.append(
                 ResidentActivationRecord(
                     page_id=key,
@@ -563,8 +565,8 @@ class KvStageIntegration:
                     payload_bytes=candidate.payload.size,
                     evicted_entries=outcome.evicted_entries,
                     evicted_bytes=outcome.evicted_bytes,
-                    entries=stats.entries,
-                    resident_bytes=stats.resident_bytes,
+                    entries=len(self.cache),
+                    resident_bytes=self.cache.resident_bytes,
                     evicted=outcome.evicted,
                 )
             )
@@ -614,6 +616,15 @@ class KvStageIntegration:
         msg = "accounting() needs an integration built by KvStageIntegration.from_config"
         raise NotImplementedError(msg)
 
+    def _restore_extra_counts(
+        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+    ) -> list[int]:
+        """More lengths (among the lookup ``counts``) a restore should hash in its single pass.
+
+        For subclasses that look at candidate keys after a restore; none here.
+        """
+        return []
+
     def _hashes(
         self,
         config: StageConfig,
@@ -650,11 +661,13 @@ class KvStageIntegration:
                 memo.hashes.update(prefix_hashes(config, token_start, array, missing, namespace))
             return memo.hashes
         hashes = prefix_hashes(config, token_start, array, counts, namespace)
+        private = array.copy()
+        private.flags.writeable = False  # never changes: subclasses may keep it
         self._memo = _HashMemo(
             config=config,
             token_start=token_start,
             namespace=namespace,
-            tokens=array.copy(),
+            tokens=private,
             hashes=hashes,
         )
         return hashes

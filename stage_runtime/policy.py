@@ -72,6 +72,13 @@ class CandidatePolicy:
     max_resident_tokens_hint: int = attrs.field(default=0, validator=_count)
     """Token budget of the geometric rungs (limits above 2); 0 means no budget."""
 
+    _stride: int = attrs.field(init=False, repr=False, eq=False)
+    """:attr:`effective_stride`, computed once (the policy is frozen)."""
+
+    def __attrs_post_init__(self) -> None:
+        stride = min(max(self.stride_tokens, 1), max(self.page_size_tokens, 1))
+        object.__setattr__(self, "_stride", stride)
+
     @classmethod
     def from_cache_config(cls, cfg: KvCacheConfig) -> CandidatePolicy:
         """The policy of a cache configuration, with no token budget (hint 0)."""
@@ -85,7 +92,7 @@ class CandidatePolicy:
     @property
     def effective_stride(self) -> int:
         """The grid spacing actually used: the stride capped at the page size, at least 1."""
-        return min(max(self.stride_tokens, 1), max(self.page_size_tokens, 1))
+        return self._stride
 
     def candidate_token_counts(self, token_count: int) -> list[int]:
         """Prefix lengths to look up for an N-token prompt, longest first (spec §2.1).
@@ -102,7 +109,7 @@ class CandidatePolicy:
             return []
         if low == 0 or n <= low:
             return [n]
-        stride = self.effective_stride
+        stride = self._stride
         top = n - n % stride
         if top == n:
             top = n - stride
@@ -121,7 +128,7 @@ class CandidatePolicy:
             return False
         if count == low:
             return True
-        stride = self.effective_stride
+        stride = self._stride
         top = n - n % stride
         if top == n:
             top = n - stride

@@ -54,9 +54,9 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
+# Stage and PrefillRequest are the pipeline's internals (open_pipeline builds and feeds them);
+# only the reports are public, re-exported from the package.
 __all__ = [
-    "PrefillRequest",
-    "Stage",
     "StagePrefillReport",
     "StageStats",
 ]

@@ -202,6 +202,54 @@ async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
     assert (b[1].entries, b[1].resident_bytes) == (3, 80)
 
 
+@pytest.mark.parametrize(
+    ("index", "expected", "final"),
+    [
+        # Rungs 10 (40 B) and 8 (32 B) per prompt: each rung of prompts 2 and 3 past the third
+        # entry evicts the oldest rung, leaving 2 entries (72 B) before it is stored.
+        (
+            "ladder",
+            [
+                (10, 40, "max_entries", 2, 72),
+                (8, 32, "max_entries", 2, 72),
+                (10, 40, "max_entries", 2, 72),
+            ],
+            (3, 104),
+        ),
+        # Pages 0+4, 4+4 (16 B each) and tail 8+2 (8 B) per prompt: one record stores three
+        # entries and evicts one before each, leaves first (tail, then pages from the end).
+        (
+            "paged",
+            [
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+            ],
+            (3, 40),
+        ),
+    ],
+)
+async def test_eviction_events_carry_the_cache_size_after_each_eviction(
+    logs: list[LogEvent], index: str, expected: list[tuple[Any, ...]], final: tuple[int, int]
+) -> None:
+    """activation_evicted reports the true entries/resident_bytes after each eviction."""
+    config = seed_config(index=index, max_entries=3, min_tokens=4, stride=4)
+    async with cache_actor(config) as ref:
+        replies = [
+            await ref.ask(record(tokens(10, start=1000 * i), seed_frame(10, 40))) for i in range(3)
+        ]
+        stats = await ref.ask(CacheStatsRequest())
+    evicted = events_named(logs, "activation_evicted")
+    names = ("token_count", "payload_bytes", "reason", "entries", "resident_bytes")
+    assert [fields(e, *names) for e in evicted] == expected
+    keys = [entry.key for reply in replies for rec in reply for entry in rec.evicted]
+    assert [e["page_id"] for e in evicted] == keys
+    assert (stats.entries, stats.resident_bytes) == final
+
+
 async def test_clear_logs_every_entry_as_cleared(logs: list[LogEvent]) -> None:
     """ClearCache evicts everything, one 'cleared' event per entry, sizes counting down."""
     async with cache_actor(seed_config()) as ref:
@@ -340,6 +388,11 @@ async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
             ConfigError,
             "base must be a MessageBase, got str",
         ),
+        (
+            RestoreActivation(base=BASE, tokens=None, activation_width=WIDTH),  # type: ignore[arg-type]
+            ConfigError,
+            "tokens must be a sequence of integers, got NoneType",
+        ),
         ("hello", ConfigError, "message must be RestoreActivation"),
     ],
 )
@@ -359,7 +412,10 @@ async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
         before.resident_bytes,
         before.records,
     )
-    assert len(events_named(logs, "actor_message_failed")) == 1
+    [failed] = events_named(logs, "actor_message_failed")
+    assert (failed["log_level"], failed["error_type"]) == ("warning", error.__name__)
+    assert match in failed["error"]
+    assert "exc_info" not in failed  # the caller has the exception: no traceback in the log
 
 
 async def test_cancelled_restore_does_not_kill_the_actor() -> None:
