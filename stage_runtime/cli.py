@@ -231,33 +231,10 @@ def _serve_unavailable(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    # run_serve checks for the server extra itself, before starting anything.
     from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
 
-    try:
-        return int(command.run_serve(args))
-    except Exception as exc:
-        missing = _missing_server_module(exc)
-        if missing is None:
-            raise
-        print(
-            f"{PROG} serve: error: the server needs the 'server' extra "
-            f"({missing} is missing): pip install 'stage-runtime[server]'",
-            file=sys.stderr,
-        )
-        return 2
-
-
-def _missing_server_module(exc: BaseException) -> str | None:
-    """The server dependency whose absence caused ``exc`` (maybe inside a group), if any."""
-    if isinstance(exc, ModuleNotFoundError):
-        name = exc.name or ""
-        return name if name.split(".")[0] in {"hypercorn", "starlette"} else None
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _missing_server_module(inner)
-            if found is not None:
-                return found
-    return None
+    return int(command.run_serve(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -238,24 +238,16 @@ def test_simulate_writes_a_plot_and_a_report(tmp_path: Path) -> None:
 def test_serve_without_the_server_extra_names_the_missing_package(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A missing hypercorn, even inside an exception group, becomes a one-line install hint."""
-    from stage_runtime import cli
-
-    def run_serve(args: object) -> int:
-        missing = ModuleNotFoundError("No module named 'hypercorn'", name="hypercorn")
-        raise ExceptionGroup("serving failed", [missing])
-
-    fake = type(sys)("stage_runtime.server.command")
-    fake.add_serve_arguments = lambda parser: None  # type: ignore[attr-defined]
-    fake.run_serve = run_serve  # type: ignore[attr-defined]
-    package = type(sys)("stage_runtime.server")
-    package.command = fake  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "stage_runtime.server", package)
-    monkeypatch.setitem(sys.modules, "stage_runtime.server.command", fake)
-    assert cli.main(["serve"]) == 2
-    err = capsys.readouterr().err
-    assert "pip install 'stage-runtime[server]'" in err
-    assert "hypercorn" in err
+    """Without hypercorn, serve exits 2 with a one-line install hint, before any stage starts."""
+    monkeypatch.setitem(sys.modules, "hypercorn", None)
+    topology = Path(__file__).resolve().parents[2] / "examples" / "topology.toml"
+    assert main(["serve", "--topology", str(topology)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "stage-runtime serve: error: the server needs the 'server' extra (hypercorn is "
+        "missing): pip install 'stage-runtime[server]'"
+    ]
 
 
 def test_plot_without_matplotlib_is_refused_before_replaying(
