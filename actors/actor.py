@@ -253,18 +253,23 @@ class _Cell:
                 self.processed += 1
                 self.failed += 1
                 if reply is None:
+                    # A told message crashes the actor: nobody else sees the traceback.
                     log.error(
                         "actor_message_failed",
                         message_type=type(message).__name__,
                         crashed=True,
+                        error_type=type(exc).__name__,
+                        error=str(exc),
                         exc_info=exc,
                     )
                     raise
+                # The asker gets the exception itself; a traceback here would only repeat it.
                 log.warning(
                     "actor_message_failed",
                     message_type=type(message).__name__,
                     crashed=False,
-                    exc_info=exc,
+                    error_type=type(exc).__name__,
+                    error=str(exc),
                 )
                 reply.fail(exc)
                 self.current = None
@@ -497,9 +502,21 @@ def _new_cell(
     mailbox_size: int,
     restart: RestartPolicy | None,
 ) -> _Cell:
+    if not isinstance(name, str):
+        msg = f"name must be a string, got {name!r}"
+        raise TypeError(msg)
+    if not name:
+        msg = "name must be a non-empty string, got ''"
+        raise ValueError(msg)
+    if not isinstance(mailbox_size, int) or isinstance(mailbox_size, bool):
+        msg = f"mailbox_size must be an integer, got {mailbox_size!r}"
+        raise TypeError(msg)
     if mailbox_size < 0:
         msg = f"mailbox_size must be >= 0, got {mailbox_size!r}"
         raise ValueError(msg)
+    if restart is not None and not isinstance(restart, RestartPolicy):
+        msg = f"restart must be a RestartPolicy or None, got {restart!r}"
+        raise TypeError(msg)
     factory = _factory_of(actor_or_factory, restart)
     send, receive = trio.open_memory_channel[_Envelope](mailbox_size)
     return _Cell(
@@ -537,7 +554,10 @@ async def spawn(
         The ref through which the actor is reached.
 
     Raises:
-        ValueError: ``mailbox_size`` is negative, or ``restart`` was given with an instance.
+        TypeError: ``name`` is not a string, ``mailbox_size`` not an integer, ``restart`` not a
+            ``RestartPolicy``, or ``actor_or_factory`` neither an ``Actor`` nor callable.
+        ValueError: ``name`` is empty, ``mailbox_size`` is negative, or ``restart`` was given
+            with an instance.
     """
     return await _start(nursery, _new_cell(actor_or_factory, name, mailbox_size, restart))
 

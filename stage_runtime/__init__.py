@@ -8,11 +8,14 @@ from stage_runtime.cache import (
     CacheRecordOutcome,
     EvictedEntry,
     EvictionReason,
+    KeyIndex,
     ResidentActivationCache,
     ResidentCacheStats,
 )
 from stage_runtime.cache_actor import (
     CacheActor,
+    CacheMessage,
+    CacheStats,
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
@@ -67,6 +70,7 @@ from stage_runtime.integration import (
     PrefillKvIdentity,
     ResidentActivationRecord,
     ResidentActivationRestore,
+    activation_key_slot,
     effective_cache_payload,
     summarize_records,
 )
@@ -79,7 +83,9 @@ from stage_runtime.models import (
     virtual_model_factory,
 )
 from stage_runtime.paged import (
+    EntryKind,
     EvictedPage,
+    EvictionPolicy,
     PageChain,
     PagedActivationIndex,
     PagedIndexStats,
@@ -102,10 +108,12 @@ from stage_runtime.policy import (
     round_half_away_from_zero,
 )
 from stage_runtime.stage import StagePrefillReport, StageStats
-from stage_runtime.tenancy import paged_namespace, salted_prefix_hash
+from stage_runtime.tenancy import paged_namespace, salted_prefix_hash, salted_prefix_hashes
 
 __all__ = [
     "CacheActor",
+    "CacheMessage",
+    "CacheStats",
     "CacheStatsRequest",
     "CausalMixModel",
     "ClearCache",
@@ -140,6 +148,7 @@ __all__ = [
     "EvictedEntry",
     "EvictionReason",
     "FlashAttention",
+    "KeyIndex",
     "FrameError",
     "KvCacheConfig",
     "KvStageIntegration",
@@ -157,6 +166,7 @@ __all__ = [
     "StageRuntimeError",
     "TokenArray",
     "TraceFormatError",
+    "activation_key_slot",
     "activation_page_id",
     "as_token_array",
     "derive_max_resident_tokens",
@@ -170,7 +180,9 @@ __all__ = [
     # paged index (issue 6)
     "CacheAccounting",
     "CacheIndex",
+    "EntryKind",
     "EvictedPage",
+    "EvictionPolicy",
     "PageEviction",
     "MissReason",
     "PageChain",
@@ -186,5 +198,6 @@ __all__ = [
     "PagedStageIntegration",
     "paged_namespace",
     "salted_prefix_hash",
+    "salted_prefix_hashes",
     "summarize_records",
 ]

@@ -20,12 +20,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+# MissTracker and PrefixFootprint are building blocks of the two indexes, not public API.
 __all__ = [
     "CacheAccounting",
     "LadderAccounting",
     "MissReason",
-    "MissTracker",
-    "PrefixFootprint",
 ]
 
 MissReason = Literal["never_seen", "evicted", "rejected"]

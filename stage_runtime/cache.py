@@ -10,7 +10,7 @@ most recently used, so finding the victim is O(1) and equals the upstream's "sma
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import attrs
 
@@ -56,6 +56,13 @@ class EvictedEntry:
 
     reason: EvictionReason
     """``"max_entries"``, ``"max_bytes"`` or ``"cleared"``."""
+
+    entries_after: int | None = None
+    """Entries resident right after this one left (before the record that evicted it stores its
+    own entry); None when whoever built the record did not say."""
+
+    resident_bytes_after: int | None = None
+    """Bytes resident right after this one left, as ``entries_after``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -294,6 +301,8 @@ class ResidentActivationCache:
                     token_count=victim.token_count,
                     payload_bytes=victim.byte_size,
                     reason=reason,
+                    entries_after=len(self._entries),
+                    resident_bytes_after=self._resident_bytes,
                 )
             )
         if slot is not None:
@@ -323,16 +332,25 @@ class ResidentActivationCache:
 
         Counters other than ``entries`` and ``resident_bytes`` are kept.
         """
-        cleared = tuple(
-            EvictedEntry(
-                key=key, token_count=e.token_count, payload_bytes=e.byte_size, reason="cleared"
+        entries, resident_bytes = len(self._entries), self._resident_bytes
+        cleared: list[EvictedEntry] = []
+        for key, e in self._entries.items():
+            entries -= 1
+            resident_bytes -= e.byte_size
+            cleared.append(
+                EvictedEntry(
+                    key=key,
+                    token_count=e.token_count,
+                    payload_bytes=e.byte_size,
+                    reason="cleared",
+                    entries_after=entries,
+                    resident_bytes_after=resident_bytes,
+                )
             )
-            for key, e in self._entries.items()
-        )
         self._entries.clear()
         self._index.clear()
         self._resident_bytes = 0
-        return cleared
+        return tuple(cleared)
 
     def count_misses(self, count: int) -> None:
         """Account for ``count`` lookups known to miss, exactly as that many missed
@@ -384,16 +402,4 @@ class ResidentActivationCache:
             records=self._records,
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
-        )
-
-    def _snapshot(self) -> tuple[Any, ...]:
-        """Everything observable, for tests that assert a rejected call changed nothing."""
-        return (
-            self._clock,
-            [
-                (k, e.token_count, e.byte_size, e.last_used, id(e.frame))
-                for k, e in self._entries.items()
-            ],
-            self.stats(),
-            {group: dict(counts) for group, counts in self._index.items()},
         )

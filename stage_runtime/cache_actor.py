@@ -9,13 +9,14 @@ message                    reply
 =========================  ====================================================================
 :class:`RestoreActivation`  ``ResidentActivationRestore | None`` (longest validated prefix)
 :class:`RecordActivation`   ``list[ResidentActivationRecord]`` (one per ladder rung recorded)
-:class:`CacheStatsRequest`  ``ResidentCacheStats | None`` (None when caching is disabled)
+:class:`CacheStatsRequest`  :class:`CacheStats` ``| None`` (None when caching is disabled)
 :class:`ClearCache`         ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``)
 =========================  ====================================================================
 
 Each record, restore, miss and eviction is a structlog event; run the actor inside a task that
 bound ``stage=`` with :func:`structlog.contextvars.bound_contextvars` (a stage does) and every
-event carries it.
+event carries it. ``activation_missed`` carries the miss's ``reason`` (``never_seen``,
+``evicted`` or ``rejected``) in both index modes.
 
 A malformed message (wrong field types, a token array that is not integers, a frame that is not
 an :class:`~stage_runtime.frames.ActivationFrame`) raises a typed error in the caller's ``ask``
@@ -34,6 +35,7 @@ import numpy.typing as npt
 import structlog
 
 from actors import Actor
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
@@ -48,6 +50,7 @@ from stage_runtime.integration import (
 __all__ = [
     "CacheActor",
     "CacheMessage",
+    "CacheStats",
     "CacheStatsRequest",
     "ClearCache",
     "RecordActivation",
@@ -102,7 +105,20 @@ class RecordActivation:
 
 @attrs.frozen(kw_only=True)
 class CacheStatsRequest:
-    """Ask for the cache's counters; replies ``ResidentCacheStats`` or None when disabled."""
+    """Ask for the cache's counters; replies :class:`CacheStats` or None when disabled."""
+
+
+@attrs.frozen(kw_only=True)
+class CacheStats(ResidentCacheStats):
+    """A stage cache's counters plus its accounting (the reply to :class:`CacheStatsRequest`).
+
+    The inherited fields are the store's own counters, as before; in ladder mode ``lookups``,
+    ``hits`` and ``misses`` count candidate probes (several per restore), in paged mode restore
+    calls. ``accounting`` counts restore calls in both modes, with misses by reason.
+    """
+
+    accounting: CacheAccounting
+    """Lookups, hits, misses by reason, restored tokens, resident vs unique-prefix bytes."""
 
 
 @attrs.frozen(kw_only=True)
@@ -188,6 +204,7 @@ class CacheActor(Actor[CacheMessage, Any]):
                 requested_tokens=requested,
                 candidates_tried=len(integration.policy.candidate_token_counts(requested)),
                 decision=DECISION_MISS,
+                reason=integration.last_miss_reason or "never_seen",
             )
             return None
         log.debug(
@@ -208,7 +225,6 @@ class CacheActor(Actor[CacheMessage, Any]):
         integration = self._integration
         if integration is None or not integration.should_record():
             return []
-        before = integration.stats()
         records = integration.record_resident_activation(
             self._config,
             message.base,
@@ -217,9 +233,8 @@ class CacheActor(Actor[CacheMessage, Any]):
             message.activation_width,
             message.frame,
         )
-        entries, resident_bytes = before.entries, before.resident_bytes
         for record in records:
-            _log_record_evictions(record, entries, resident_bytes)
+            _log_evictions(record.evicted)
             log.debug(
                 "activation_recorded",
                 page_id=record.page_id,
@@ -229,51 +244,36 @@ class CacheActor(Actor[CacheMessage, Any]):
                 resident_bytes=record.resident_bytes,
                 decision=DECISION_RECORD,
             )
-            entries, resident_bytes = record.entries, record.resident_bytes
         return records
 
-    def _stats(self) -> ResidentCacheStats | None:
-        return None if self._integration is None else self._integration.stats()
+    def _stats(self) -> CacheStats | None:
+        if self._integration is None:
+            return None
+        counters = attrs.asdict(self._integration.stats(), recurse=False)
+        return CacheStats(**counters, accounting=self._integration.accounting())
 
     def _clear(self) -> tuple[EvictedEntry, ...]:
         if self._integration is None:
             return ()
-        before = self._integration.stats()
         evicted = self._integration.clear()
-        _log_evictions(evicted, before.entries, before.resident_bytes)
+        _log_evictions(evicted)
         return evicted
 
 
-def _log_record_evictions(
-    record: ResidentActivationRecord, entries_before: int, bytes_before: int
-) -> None:
-    """Log the evictions one record call made, each with the cache size right after it.
+def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
+    """One ``activation_evicted`` event per entry, with the cache's size right after it left.
 
-    The cache reports only its size after the whole call, so the size after each eviction is
-    reconstructed: a re-record of an existing key first drops the old entry (not an eviction),
-    then victims leave one by one, then the new entry is inserted.
+    The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
+    record stores several pages and may evict between them, so it cannot be reconstructed from
+    the sizes before and after the call.
     """
-    if not record.evicted:
-        return
-    evicted_bytes = sum(entry.payload_bytes for entry in record.evicted)
-    # after = before - replaced - evictions + 1 (the inserted entry); solve for the replaced one.
-    replaced_entries = entries_before - len(record.evicted) + 1 - record.entries
-    replaced_bytes = bytes_before - evicted_bytes + record.payload_bytes - record.resident_bytes
-    if replaced_entries not in (0, 1):  # a cache that refused the insert: nothing to undo
-        replaced_entries, replaced_bytes = 0, 0
-    _log_evictions(record.evicted, entries_before - replaced_entries, bytes_before - replaced_bytes)
-
-
-def _log_evictions(evicted: Sequence[EvictedEntry], entries: int, resident_bytes: int) -> None:
     for entry in evicted:
-        entries -= 1
-        resident_bytes -= entry.payload_bytes
         log.info(
             "activation_evicted",
             page_id=entry.key,
             token_count=entry.token_count,
             payload_bytes=entry.payload_bytes,
             reason=entry.reason,
-            entries=entries,
-            resident_bytes=resident_bytes,
+            entries=entry.entries_after,
+            resident_bytes=entry.resident_bytes_after,
         )

@@ -11,15 +11,21 @@ Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file);
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
-import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-import structlog
-
+from stage_runtime._cli_support import (
+    configure_logging,
+    int_at_least,
+    non_negative_float,
+    positive_float,
+)
 from stage_runtime.errors import ConfigError, TraceFormatError
 
 if TYPE_CHECKING:
@@ -41,45 +47,13 @@ class _UsageError(Exception):
     """A setting the parser could not check alone (exit code 2)."""
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            msg = f"must be an integer, got {text!r}"
-            raise argparse.ArgumentTypeError(msg) from None
-        if value < minimum:
-            msg = f"must be >= {minimum}, got {value}"
-            raise argparse.ArgumentTypeError(msg)
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        msg = f"must be a number, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-    if not value >= 0 or value == float("inf"):
-        msg = f"must be a finite number >= 0, got {text}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        msg = f"must be > 0, got {text}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+class _FileError(Exception):
+    """A file the command must read or write is unusable (exit code 1)."""
 
 
 def _costs(text: str) -> list[float]:
     try:
-        return [_non_negative_float(part.strip()) for part in text.split(",")]
+        return [non_negative_float(part.strip()) for part in text.split(",")]
     except argparse.ArgumentTypeError as exc:
         msg = f"every cost {exc}"
         raise argparse.ArgumentTypeError(msg) from None
@@ -90,7 +64,7 @@ def _capacities(text: str) -> list[int]:
     if not text.strip() or any(not part for part in parts):
         msg = f"must be a comma-separated list of token counts like 0,65536,262144, got {text!r}"
         raise argparse.ArgumentTypeError(msg)
-    parse = _int_at_least(0)
+    parse = int_at_least(0)
     try:
         return [parse(part) for part in parts]
     except argparse.ArgumentTypeError as exc:
@@ -98,8 +72,8 @@ def _capacities(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
-_POSITIVE = _int_at_least(1)
-_NON_NEGATIVE = _int_at_least(0)
+_POSITIVE = int_at_least(1)
+_NON_NEGATIVE = int_at_least(0)
 
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +185,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--restore-ns-per-byte",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.05,
         metavar="NS",
         help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
@@ -227,8 +201,10 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument(
         "-v",
         "--verbose",
-        action="store_true",
-        help="log cache events (records, evictions) to stderr",
+        action="count",
+        default=0,
+        help="log to stderr: -v lifecycle and evictions (info), -vv also every restore, miss "
+        "and record (debug; very verbose); warnings only without it",
     )
 
 
@@ -255,33 +231,10 @@ def _serve_unavailable(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    # run_serve checks for the server extra itself, before starting anything.
     from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
 
-    try:
-        return int(command.run_serve(args))
-    except Exception as exc:
-        missing = _missing_server_module(exc)
-        if missing is None:
-            raise
-        print(
-            f"{PROG} serve: error: the server needs the 'server' extra "
-            f"({missing} is missing): pip install 'stage-runtime[server]'",
-            file=sys.stderr,
-        )
-        return 2
-
-
-def _missing_server_module(exc: BaseException) -> str | None:
-    """The server dependency whose absence caused ``exc`` (maybe inside a group), if any."""
-    if isinstance(exc, ModuleNotFoundError):
-        name = exc.name or ""
-        return name if name.split(".")[0] in {"hypercorn", "starlette"} else None
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _missing_server_module(inner)
-            if found is not None:
-                return found
-    return None
+    return int(command.run_serve(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel LLM inference on trio with per-stage activation caches: "
         "replay request traces through a simulated pipeline and see what the cache buys.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = subcommands.add_parser(
@@ -366,13 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workload.add_argument(
         "--rate",
-        type=_positive_float,
+        type=positive_float,
         default=4.0,
         metavar="PER_S",
         help="mean arrivals per second (4)",
     )
     workload.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="seed of order and arrivals (0)"
+        "--seed", type=_NON_NEGATIVE, default=0, metavar="N", help="seed of order and arrivals (0)"
     )
     _add_simulation_arguments(simulate)
     simulate.set_defaults(run=_run_simulation)
@@ -381,26 +335,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(verbose: bool) -> None:
-    """Log to stderr (never stdout: it may carry JSON), warnings only unless ``--verbose``."""
-    renderer: structlog.typing.Processor
-    if sys.stderr.isatty():
-        renderer = structlog.dev.ConsoleRenderer()
-    else:
-        renderer = structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.INFO if verbose else logging.WARNING
-        ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+def _version() -> str:
+    try:
+        return importlib.metadata.version("stage-runtime")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "unknown"
+
+
+_VERBOSITY = ("warning", "info", "debug")
+"""Log level by number of ``-v``."""
+
+
+def _check_output(path: str | None, what: str) -> None:
+    """Refuse an output path that cannot be written, before any replay work is done."""
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        msg = f"cannot write {what} to {path}: it is a directory"
+        raise _FileError(msg)
+    if not folder.is_dir():
+        msg = f"cannot write {what} to {path}: directory {folder} does not exist"
+        raise _FileError(msg)
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        msg = f"cannot write {what} to {path}: permission denied"
+        raise _FileError(msg)
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """Check the trace to read and the outputs to write before replaying anything."""
+    trace: str | None = getattr(args, "trace", None)
+    if trace is not None:
+        if not Path(trace).is_file():
+            reason = "it is a directory" if Path(trace).is_dir() else "no such file"
+            msg = f"cannot read trace {trace}: {reason}"
+            raise _FileError(msg)
+        if not os.access(trace, os.R_OK):
+            msg = f"cannot read trace {trace}: permission denied"
+            raise _FileError(msg)
+    _check_output(args.json, "JSON")
+    _check_output(args.plot, "plot")
 
 
 def _check_usage(args: argparse.Namespace) -> None:
@@ -492,12 +467,16 @@ def _run_simulation(args: argparse.Namespace) -> int:
         if args.command == "demo":
             trace = sim.read_demo_trace(block_size=config.block_size, limit=args.limit_requests)
         else:
-            trace = sim.read_trace(
-                args.trace,
-                block_size=config.block_size,
-                skip_bad_lines=args.skip_bad_lines,
-                limit=args.limit_requests,
-            )
+            try:
+                trace = sim.read_trace(
+                    args.trace,
+                    block_size=config.block_size,
+                    skip_bad_lines=args.skip_bad_lines,
+                    limit=args.limit_requests,
+                )
+            except OSError as exc:
+                msg = f"cannot read trace {args.trace}: {exc.strerror or exc}"
+                raise _FileError(msg) from exc
         requests = list(trace.requests)
         skipped = trace.skipped_lines
         first_error = trace.first_error
@@ -553,9 +532,17 @@ def _run_simulation(args: argparse.Namespace) -> int:
         if skipped:
             console.print(f"skipped {skipped:,} bad line(s); the first: {first_error}")
     if args.json is not None:
-        _write_json(payload, args.json, sys.stdout)
+        try:
+            _write_json(payload, args.json, sys.stdout)
+        except OSError as exc:
+            msg = f"cannot write JSON to {args.json}: {exc.strerror or exc}"
+            raise _FileError(msg) from exc
     if args.plot is not None:
-        sim.write_plot(results, args.plot)
+        try:
+            sim.write_plot(results, args.plot)
+        except OSError as exc:
+            msg = f"cannot write plot to {args.plot}: {exc.strerror or exc}"
+            raise _FileError(msg) from exc
         if not json_to_stdout:
             console.print(f"plot written to {args.plot}")
     return 0
@@ -595,17 +582,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if run is _run_simulation:
             _check_usage(args)
-            _configure_logging(args.verbose)
+            _check_files(args)
+            configure_logging(level=_VERBOSITY[min(args.verbose, 2)])
         return run(args)
     except (_UsageError, ConfigError) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 2
-    except TraceFormatError as exc:
+    except (TraceFormatError, _FileError) as exc:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        name = f" {exc.filename}" if exc.filename else ""
-        print(f"{prefix} cannot read or write{name}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # one not anticipated above: still one line, exit code 1
+        print(f"{prefix} {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prefix} interrupted", file=sys.stderr)

@@ -319,7 +319,7 @@ class KvCacheConfig:
         ``lookup-record``; an unset or unrecognised value means no configuration (None). The
         bounds come from ``STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES``, ``_MAX_BYTES``, ``_MIN_TOKENS``,
         ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT``, ``_PAYLOAD``, and (paged
-        index) ``_INDEX`` and ``_PAGE_TOKENS``.
+        index) ``_INDEX``, ``_PAGE_TOKENS`` and ``_PAGE_EVICTION`` (``lru`` or ``reuse``).
 
         Raises:
             ConfigError: a bound or payload variable is set but not valid (the upstream ignores
@@ -330,6 +330,7 @@ class KvCacheConfig:
         if mode is None:
             return None
         values: dict[str, Any] = {"mode": mode}
+        variables: dict[str, str] = {}  # field -> the variable it came from, for errors
         numbers = {
             "MAX_ENTRIES": "max_entries",
             "MAX_BYTES": "max_bytes",
@@ -343,6 +344,7 @@ class KvCacheConfig:
             raw = env.get(name)
             if raw is None or not raw.strip():
                 continue
+            variables[field] = name
             try:
                 values[field] = int(raw.strip())
             except ValueError:
@@ -359,10 +361,23 @@ class KvCacheConfig:
         raw_index = env.get(_ENV_PREFIX + "INDEX")
         if raw_index is not None and raw_index.strip():
             values["index"] = raw_index
+            variables["index"] = _ENV_PREFIX + "INDEX"
+        raw_eviction = env.get(_ENV_PREFIX + "PAGE_EVICTION")
+        if raw_eviction is not None and raw_eviction.strip():
+            values["page_eviction"] = raw_eviction
+            variables["page_eviction"] = _ENV_PREFIX + "PAGE_EVICTION"
         try:
             return cls(**values)
         except ConfigError as exc:
-            msg = f"environment: {exc}"
+            # Validators name the field first ("max_entries must be >= 1, got 0"): name the
+            # variable the user set instead.
+            text = str(exc)
+            for field, name in variables.items():
+                if text.startswith(f"{field} "):
+                    msg = f"{name}{text[len(field) :]}"
+                    break
+            else:
+                msg = f"environment: {text}"
             raise ConfigError(msg) from None
 
 
@@ -388,7 +403,7 @@ class StageConfig:
     """First layer this stage runs (identity)."""
 
     layer_end: int = attrs.field(validator=_int_in(0, _U32_MAX))
-    """One past the last layer this stage runs (identity); must be >= ``layer_start``."""
+    """One past the last layer this stage runs (identity); must be > ``layer_start``."""
 
     stage_index: int = attrs.field(default=0, validator=_int_in(0, _U32_MAX))
     """Position of the stage in the pipeline (identity)."""
@@ -450,8 +465,8 @@ class StageConfig:
     """Id of the next stage, or None for the last."""
 
     def __attrs_post_init__(self) -> None:
-        if self.layer_end < self.layer_start:
-            msg = f"layer_end must be >= layer_start ({self.layer_start}), got {self.layer_end}"
+        if self.layer_end <= self.layer_start:  # a stage runs at least one layer
+            msg = f"layer_end must be > layer_start ({self.layer_start}), got {self.layer_end}"
             raise ConfigError(msg)
 
     @classmethod

@@ -17,7 +17,7 @@ import functools
 import platform as _platform
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, Final
 
 import attrs
@@ -134,16 +134,22 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[in
     converted once.
 
     Args:
-        tokens: Any sequence of Python ints or a 1-D integer numpy array.
+        tokens: Any sequence (or iterator) of Python ints or a 1-D integer numpy array; not a
+            string, set or mapping.
 
     Raises:
-        ConfigError: tokens are not 1-D, not integers, or outside the int32 range; the message
-            names the first offending index and value.
+        ConfigError: tokens are not a sequence, not 1-D, not integers, or outside the int32
+            range; the message names the first offending index and value.
     """
     original: Sequence[object] | None = None
     if isinstance(tokens, np.ndarray):
         array: npt.NDArray[Any] = tokens
     else:
+        if isinstance(tokens, str | bytes | bytearray | Set | Mapping) or not isinstance(
+            tokens, Iterable
+        ):
+            msg = f"tokens must be a sequence of integers, got {type(tokens).__name__}"
+            raise ConfigError(msg)
         if not isinstance(tokens, Sequence):
             tokens = list(tokens)
         if len(tokens) == 0:

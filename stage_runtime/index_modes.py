@@ -138,10 +138,11 @@ class LadderStageIntegration(KvStageIntegration):
         if not self.should_lookup() or array.size == 0:
             return found
         if found is not None:
+            self.last_miss_reason = None
             self._accounting.hit(found.token_count)
             return found
         rejected = self.cache.hits > found_before
-        self._accounting.miss(
+        self.last_miss_reason = self._accounting.miss(
             self._evicted_candidates(config, base, token_start, array, activation_width),
             rejected=rejected,
         )
@@ -453,6 +454,8 @@ def _evicted_entry(page: EvictedPage) -> EvictedEntry:
         token_count=page.token_count,
         payload_bytes=page.payload_bytes,
         reason=page.reason,
+        entries_after=page.entries_after,
+        resident_bytes_after=page.resident_bytes_after,
     )
 
 
@@ -523,6 +526,7 @@ class PagedStageIntegration(KvStageIntegration):
             return None
         chain = self._chain(config, base, token_start, array, width)
         lookup = self.index.restore(chain)
+        self.last_miss_reason = lookup.miss_reason
         found = lookup.restore
         if found is None:
             return None

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.accounting import CacheAccounting
+from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.cache import (
     EvictedEntry,
     ResidentActivationCache,
@@ -285,6 +285,11 @@ class KvStageIntegration:
     """Hash and look up every candidate on restore, as the spec reads literally. By default only
     candidate lengths with a resident key are hashed (same results, clock and counters); set this
     when something must see the key of every candidate (e.g. miss-reason tracking)."""
+
+    last_miss_reason: MissReason | None = attrs.field(default=None, init=False)
+    """Why the latest restore that looked something up restored nothing (``never_seen``,
+    ``evicted`` or ``rejected``); None after a hit. Set by both index modes (the cache actor
+    logs it on ``activation_missed``)."""
 
     _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
 

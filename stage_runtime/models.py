@@ -16,7 +16,7 @@ Two reference models ship with the library:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -82,6 +82,11 @@ class StageModel(Protocol):
 ModelFactory = Callable[[StageConfig], StageModel]
 """Builds the model of one stage from its configuration (called once per stage, at start)."""
 
+THREAD_THRESHOLD_MACS: Final = 1 << 24
+"""Default :attr:`CausalMixModel.thread_threshold_macs`: about 16.8M multiply-adds, a few ms of
+numpy. A 4-stage pipeline at width 64 computes prompts up to 4,096 tokens inline; at width 2,048,
+prompts longer than 4 tokens go to a worker thread."""
+
 
 def _check_forward_arguments(
     inputs: ActivationFrame, start: int, restored: ActivationFrame | None
@@ -113,12 +118,20 @@ class CausalMixModel:
 
     Stage 0 embeds token ids with seeded sinusoids, so any ``int32`` token id has an embedding.
 
+    A forward costs ``rows x width x width`` multiply-adds. Up to ``thread_threshold_macs`` it
+    runs inline on the event loop (cheap, and deterministic under trio's virtual clock, where a
+    thread would let time jump); above it, it runs in a worker thread
+    (``trio.to_thread.run_sync``), so a large forward does not freeze the other tasks (an HTTP
+    server keeps answering its probes). numpy releases the GIL in the matrix product.
+
     Args:
         width: Activation width (columns per token row); at least 1.
-        seed: Seed of the mixing matrix and embedding frequencies.
+        seed: Seed of the mixing matrix and embedding frequencies; at least 0.
         stage_index: Written into produced frames as ``producer_stage_index``.
         layer_start: Written into produced frames.
         layer_end: Written into produced frames.
+        thread_threshold_macs: Forwards of more multiply-adds than this run in a worker thread;
+            ``0`` sends every forward to a thread.
     """
 
     width: int = attrs.field(default=64)
@@ -126,6 +139,7 @@ class CausalMixModel:
     stage_index: int = attrs.field(default=0)
     layer_start: int = attrs.field(default=0)
     layer_end: int = attrs.field(default=0)
+    thread_threshold_macs: int = attrs.field(default=THREAD_THRESHOLD_MACS)
     _mix: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
     _frequencies: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
     _phases: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
@@ -134,6 +148,12 @@ class CausalMixModel:
         if self.width < 1:
             msg = f"width must be >= 1, got {self.width}"
             raise ConfigError(msg)
+        if self.seed < 0:
+            msg = f"seed must be >= 0, got {self.seed}"
+            raise ConfigError(msg)
+        if self.thread_threshold_macs < 0:
+            msg = f"thread_threshold_macs must be >= 0, got {self.thread_threshold_macs}"
+            raise ConfigError(msg)
         rng = np.random.default_rng(self.seed)
         # Scaled so mixed rows stay O(1) whatever the width.
         self._mix = rng.standard_normal((self.width, self.width)) / np.sqrt(self.width)
@@ -141,7 +161,14 @@ class CausalMixModel:
         self._phases = rng.uniform(0.0, 2.0 * np.pi, self.width)
 
     @classmethod
-    def for_stage(cls, config: StageConfig, *, width: int = 64, seed: int = 0) -> CausalMixModel:
+    def for_stage(
+        cls,
+        config: StageConfig,
+        *,
+        width: int = 64,
+        seed: int = 0,
+        thread_threshold_macs: int = THREAD_THRESHOLD_MACS,
+    ) -> CausalMixModel:
         """Build the model of one stage, seeded by ``seed + config.stage_index``."""
         return cls(
             width=width,
@@ -149,6 +176,7 @@ class CausalMixModel:
             stage_index=config.stage_index,
             layer_start=config.layer_start,
             layer_end=config.layer_end,
+            thread_threshold_macs=thread_threshold_macs,
         )
 
     @property
@@ -172,12 +200,26 @@ class CausalMixModel:
         if x.shape[1] != self.width:
             msg = f"inputs width must be {self.width}, got {x.shape[1]}"
             raise FrameError(msg)
+        last = None if restored is None else restored.rows()[-1]
+        if x.shape[0] * self.width * self.width > self.thread_threshold_macs:
+            rows = await trio.to_thread.run_sync(self._continue, x, start, last)
+        else:
+            rows = self._continue(x, start, last)
+        return self._frame(rows)
+
+    def _continue(
+        self,
+        x: npt.NDArray[np.floating],
+        start: int,
+        last: npt.NDArray[np.floating] | None,
+    ) -> npt.NDArray[np.float32]:
+        """The output rows for inputs ``x`` (tokens ``start..``), after ``last`` (row start-1)."""
         sums = np.cumsum(np.tanh(x.astype(np.float64)) @ self._mix, axis=0)
-        if restored is not None:
+        if last is not None:
             # The running sum up to token start-1 is the last restored mean times its count.
-            sums += restored.rows()[-1].astype(np.float64) * start
-        counts = np.arange(start + 1, inputs.token_count + 1, dtype=np.float64)
-        return self._frame((sums / counts[:, None]).astype(np.float32))
+            sums += last.astype(np.float64) * start
+        counts = np.arange(start + 1, start + x.shape[0] + 1, dtype=np.float64)
+        return (sums / counts[:, None]).astype(np.float32)
 
     def _frame(self, rows: npt.NDArray[np.float32]) -> ActivationFrame:
         return ActivationFrame.from_array(
@@ -267,12 +309,16 @@ class VirtualStageModel:
         return frame
 
 
-def reference_model_factory(*, width: int = 64, seed: int = 0) -> ModelFactory:
+def reference_model_factory(
+    *, width: int = 64, seed: int = 0, thread_threshold_macs: int = THREAD_THRESHOLD_MACS
+) -> ModelFactory:
     """A factory building one :class:`CausalMixModel` per stage, seeded ``seed + stage_index``.
 
     Args:
         width: Activation width of every stage.
-        seed: Base seed.
+        seed: Base seed; at least 0.
+        thread_threshold_macs: Forwards of more multiply-adds (``rows x width x width``) than
+            this run in a worker thread (see :class:`CausalMixModel`).
 
     Returns:
         A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
@@ -280,9 +326,14 @@ def reference_model_factory(*, width: int = 64, seed: int = 0) -> ModelFactory:
     if width < 1:
         msg = f"width must be >= 1, got {width}"
         raise ConfigError(msg)
+    if seed < 0:
+        msg = f"seed must be >= 0, got {seed}"
+        raise ConfigError(msg)
 
     def build(config: StageConfig) -> StageModel:
-        return CausalMixModel.for_stage(config, width=width, seed=seed)
+        return CausalMixModel.for_stage(
+            config, width=width, seed=seed, thread_threshold_macs=thread_threshold_macs
+        )
 
     return build
 

@@ -191,6 +191,10 @@ class EvictedPage:
     """Tokens the entry covers."""
     payload_bytes: int
     reason: Literal["max_entries", "max_bytes", "cleared"]
+    entries_after: int
+    """Entries resident right after this one left."""
+    resident_bytes_after: int
+    """Payload bytes resident right after this one left."""
 
 
 @attrs.frozen(kw_only=True)
@@ -695,6 +699,8 @@ class PagedActivationIndex:
             token_count=entry.token_count,
             payload_bytes=size,
             reason=reason,
+            entries_after=len(self._entries),
+            resident_bytes_after=self._resident_bytes,
         )
 
     # ---------------------------------------------------------------- restore

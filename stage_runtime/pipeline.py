@@ -121,8 +121,8 @@ class Pipeline:
             The final frame and, per stage, the restored/computed tokens, records and evictions.
 
         Raises:
-            ConfigError: ``tokens`` is empty, not integers, or outside int32; or ``session_id``
-                or ``request_id`` is not a string.
+            ConfigError: ``tokens`` is not a sequence, empty, not integers, or outside int32; or
+                ``session_id`` or ``request_id`` is not a string.
             trio.ClosedResourceError: the pipeline is draining or stopped.
             StageRuntimeError: the pipeline stopped (a stage crashed) before the request finished.
             Exception: whatever the model raised for this input (only this caller sees it).
@@ -376,6 +376,7 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
         if position + 1 < len(tables):
             merged.setdefault("downstream", ids[position + 1])
         label = repr(ids[position]) if ids[position] is not None else f"#{position}"
-        configs.append(StageConfig.from_mapping(merged, source=f"{source} (stage {label})"))
+        # One format for every topology error: "file: stage 'id': field ..."
+        configs.append(StageConfig.from_mapping(merged, source=f"{source}: stage {label}"))
     validate_topology(configs, source=source)
     return configs

@@ -37,10 +37,12 @@ import structlog
 import trio
 
 from actors import ActorRef, ActorStatistics, spawn
-from stage_runtime.cache import EvictedEntry, ResidentCacheStats
+from stage_runtime.accounting import CacheAccounting
+from stage_runtime.cache import EvictedEntry
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
+    CacheStats,
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
@@ -52,9 +54,9 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
+# Stage and PrefillRequest are the pipeline's internals (open_pipeline builds and feeds them);
+# only the reports are public, re-exported from the package.
 __all__ = [
-    "PrefillRequest",
-    "Stage",
     "StagePrefillReport",
     "StageStats",
 ]
@@ -98,11 +100,16 @@ class StageStats:
     stage_id: str
     """The stage's id."""
 
-    cache: ResidentCacheStats | None
-    """Cache counters; None when the stage's cache is disabled."""
+    cache: CacheStats | None
+    """Cache counters and accounting; None when the stage's cache is disabled."""
 
     mailbox: ActorStatistics
     """Statistics of the cache actor's mailbox."""
+
+    @property
+    def accounting(self) -> CacheAccounting | None:
+        """The cache's accounting (misses by reason, unique-prefix bytes); None when disabled."""
+        return None if self.cache is None else self.cache.accounting
 
 
 @attrs.define(eq=False)

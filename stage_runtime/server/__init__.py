@@ -11,7 +11,7 @@ from stage_runtime.server.app import PipelineApp, ServedPipeline, ServerSettings
 from stage_runtime.server.metrics import MetricFamily, Sample, render_metrics
 from stage_runtime.server.requests import (
     InvalidRequestError,
-    PrefillRequest,
+    PrefillBody,
     parse_prefill_request,
 )
 from stage_runtime.server.serve import RunningServer, open_server, serve
@@ -22,7 +22,7 @@ __all__ = [
     "InvalidRequestError",
     "MetricFamily",
     "PipelineApp",
-    "PrefillRequest",
+    "PrefillBody",
     "RunningServer",
     "Sample",
     "ServedPipeline",

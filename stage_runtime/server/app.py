@@ -7,10 +7,13 @@ up while its prefill runs, and answering readiness while the server drains.
 Routes:
 
 ``POST /v1/prefill``
-    ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "..."}`` →
-    ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``.
+    ``{"tokens": [...] | "text": "...", "session_id": "...", "request_id": "...",
+    "cache_salt": "..."}`` (``request_id`` and ``cache_salt`` optional) →
+    ``{"request_id", "session_id", "tokens", "stages": [...], "elapsed_s"}``. Without a
+    ``request_id`` the server generates ``http-<n>``, so every log line names the request.
 ``GET /v1/stats``
-    Per-stage cache and mailbox statistics, plus the server's own counters.
+    Per-stage cache and mailbox statistics (the cache's ``accounting``: misses by reason,
+    restored tokens, resident vs unique-prefix bytes), plus the server's own counters.
 ``GET /healthz``
     Liveness: the process answers.
 ``GET /readyz``
@@ -21,9 +24,10 @@ Routes:
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -42,12 +46,13 @@ from stage_runtime.server.metrics import (
 )
 from stage_runtime.server.requests import (
     InvalidRequestError,
-    PrefillRequest,
+    PrefillBody,
     parse_prefill_request,
 )
 from stage_runtime.server.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
+    from stage_runtime.cache_actor import CacheStats
     from stage_runtime.config import StageConfig
     from stage_runtime.pipeline import PipelineStats, PrefillResult
 
@@ -85,6 +90,7 @@ class ServedPipeline(Protocol):
         *,
         session_id: str,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillResult:
         """Run one prompt through every stage."""
         ...
@@ -175,6 +181,7 @@ class PipelineApp:
     _inflight: int = attrs.field(default=0, init=False)
     _responses: Counter[tuple[str, int]] = attrs.field(factory=Counter, init=False)
     _rejected: Counter[str] = attrs.field(factory=Counter, init=False)
+    _request_ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
     _prefill_count: int = attrs.field(default=0, init=False)
     _prefill_seconds: float = attrs.field(default=0.0, init=False)
     _prefill_tokens: int = attrs.field(default=0, init=False)
@@ -205,7 +212,7 @@ class PipelineApp:
         """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""
         if not self._draining:
             self._draining = True
-            log.info("server_draining", inflight=self._inflight)
+            log.info("server_drain_started", inflight=self._inflight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
@@ -235,10 +242,11 @@ class PipelineApp:
         except _ClientDisconnectedError as exc:
             response = None
             fields = dict(exc.log_fields)
-        except Exception as exc:
-            # Bugs must not take the server down; the client gets a 500 and the log a traceback.
+        except Exception:
+            # Bugs must not take the server down; the client gets a 500 and the log a traceback
+            # (the exception's text stays in the log: it may show internals).
             log.exception("request_failed", method=method, path=path)
-            response = _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+            response = _error(500, "internal_error", "internal server error: see the server log")
         if response is not None:
             fields = dict(response.log_fields)
         if response is not None:
@@ -352,8 +360,11 @@ class PipelineApp:
         finally:
             self._inflight -= 1
 
-    async def _run_prefill(self, request: PrefillRequest, receive: Receive) -> _Response:
+    async def _run_prefill(self, request: PrefillBody, receive: Receive) -> _Response:
         started = trio.current_time()
+        if request.request_id is None:
+            # Named here, not by the pipeline, so a cancelled or failed request logs its id too.
+            request = attrs.evolve(request, request_id=f"http-{next(self._request_ids)}")
         result: PrefillResult | None = None
 
         async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
@@ -372,7 +383,10 @@ class PipelineApp:
             nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
             try:
                 result = await self.pipeline.prefill(
-                    request.tokens, session_id=request.session_id, request_id=request.request_id
+                    request.tokens,
+                    session_id=request.session_id,
+                    request_id=request.request_id,
+                    cache_salt=request.cache_salt,
                 )
             except Exception as exc:
                 # Kept out of the nursery, which would wrap it in an exception group.
@@ -418,7 +432,7 @@ class PipelineApp:
             ),
         )
 
-    def _prefill_error(self, error: Exception, request: PrefillRequest) -> _Response:
+    def _prefill_error(self, error: Exception, request: PrefillBody) -> _Response:
         if isinstance(error, ConfigError):
             return _error(400, "invalid_field", str(error), field=request.source)
         if isinstance(error, trio.ClosedResourceError):
@@ -455,7 +469,7 @@ class PipelineApp:
         stages = [
             {
                 "stage_id": stage.stage_id,
-                "cache": None if stage.cache is None else attrs.asdict(stage.cache),
+                "cache": None if stage.cache is None else _cache_document(stage.cache),
                 "mailbox": attrs.asdict(stage.mailbox),
             }
             for stage in stats.stages
@@ -488,6 +502,7 @@ class PipelineApp:
             ]
             name = f"stage_runtime_cache_{field}" + ("_total" if kind == "counter" else "")
             families.append(MetricFamily(name=name, help=text, type=kind, samples=samples))
+        families += _accounting_families(stats)
         for field, kind, text in _MAILBOX_METRICS:
             samples = [
                 Sample(value=getattr(stage.mailbox, field), labels=(("stage_id", stage.stage_id),))
@@ -588,6 +603,75 @@ _CACHE_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
     ("evictions", "counter", "Entries evicted from a stage's cache."),
     ("evicted_bytes", "counter", "Payload bytes evicted from a stage's cache."),
 )
+
+_MISS_REASONS: Final = ("never_seen", "evicted", "rejected")
+
+
+def _cache_document(cache: CacheStats) -> dict[str, Any]:
+    """A stage's cache statistics as JSON; the accounting also gets its miss total and ratio."""
+    document: dict[str, Any] = attrs.asdict(cache)
+    document["accounting"]["misses"] = cache.accounting.misses
+    document["accounting"]["residency_ratio"] = cache.accounting.residency_ratio
+    return document
+
+
+def _accounting_families(stats: PipelineStats) -> list[MetricFamily]:
+    """The caches' accounting (both index modes): restores by outcome, miss reasons, footprint."""
+    accounted = [(s.stage_id, s.cache.accounting) for s in stats.stages if s.cache is not None]
+
+    def per_stage(field: str) -> list[Sample]:
+        return [
+            Sample(value=getattr(acc, field), labels=(("stage_id", stage_id),))
+            for stage_id, acc in accounted
+        ]
+
+    misses = [
+        Sample(
+            value=getattr(acc, f"misses_{reason}"),
+            labels=(("stage_id", stage_id), ("reason", reason)),
+        )
+        for stage_id, acc in accounted
+        for reason in _MISS_REASONS
+    ]
+    return [
+        MetricFamily(
+            name="stage_runtime_cache_restore_lookups_total",
+            help="Restores that probed a stage's cache (one per restore, both index modes).",
+            type="counter",
+            samples=per_stage("lookups"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restore_hits_total",
+            help="Restores that returned a cached prefix.",
+            type="counter",
+            samples=per_stage("hits"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restore_misses_total",
+            help=(
+                "Restores that returned nothing, by reason: never_seen, evicted (pushed out by "
+                "a bound since it was cached) or rejected (a cached entry failed validation)."
+            ),
+            type="counter",
+            samples=misses,
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_restored_tokens_total",
+            help="Tokens handed back by a stage cache's hits.",
+            type="counter",
+            samples=per_stage("restored_tokens"),
+        ),
+        MetricFamily(
+            name="stage_runtime_cache_unique_prefix_bytes",
+            help=(
+                "Bytes the distinct resident prefixes of a stage's cache would need if each "
+                "token row were stored once (compare with stage_runtime_cache_resident_bytes)."
+            ),
+            type="gauge",
+            samples=per_stage("unique_prefix_bytes"),
+        ),
+    ]
+
 
 _MAILBOX_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
     ("mailbox_size", "gauge", "Capacity of a stage's cache-actor mailbox."),

@@ -8,48 +8,30 @@ a clear error) without the ``server`` extra.
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib
 import sys
 from pathlib import Path
 
 import structlog
 import trio
 
+from stage_runtime._cli_support import (
+    LOG_LEVELS,
+    configure_logging,
+    int_at_least,
+    non_negative_float,
+    positive_float,
+)
 from stage_runtime.errors import ConfigError
 
 __all__ = ["add_serve_arguments", "configure_logging", "run_serve"]
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        msg = f"must be an integer, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-    if value < 1:
-        msg = f"must be >= 1, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+SERVER_MODULES = ("hypercorn", "hypercorn.trio")
+"""What serving imports beyond the base install (the ``server`` extra)."""
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        msg = f"must be a number, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-    if not value >= 0:  # also rejects nan
-        msg = f"must be >= 0, got {text}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        msg = f"must be > 0, got {text}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _bind(text: str) -> str:
@@ -99,14 +81,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         metavar="SECONDS",
         help="on shutdown, how long in-flight requests may still run (default: %(default)s)",
     )
     parser.add_argument(
         "--drain-grace",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.0,
         metavar="SECONDS",
         help="on shutdown, how long /readyz reports draining before the listener closes "
@@ -121,9 +103,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed",
-        type=int,
+        type=_non_negative_int,
         default=0,
-        help="seed of the reference model's weights (default: %(default)s)",
+        metavar="N",
+        help="seed of the reference model's weights; stage i uses N + i (default: %(default)s)",
     )
     parser.add_argument(
         "--channel-size",
@@ -134,7 +117,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level",
-        choices=("debug", "info", "warning", "error"),
+        choices=LOG_LEVELS,
         default="info",
         help="lowest level logged (default: %(default)s)",
     )
@@ -143,41 +126,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "json", "console"),
         default="auto",
         help="auto: coloured console on a terminal, JSON lines otherwise (default: %(default)s)",
-    )
-
-
-def configure_logging(*, level: str = "info", log_format: str = "auto") -> None:
-    """Configure structlog (and stdlib logging, for hypercorn) for a server process.
-
-    Args:
-        level: Lowest level logged: ``debug``, ``info``, ``warning`` or ``error``.
-        log_format: ``json``, ``console``, or ``auto`` (console on a terminal, JSON otherwise).
-    """
-    use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if use_json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    processors: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    if use_json:
-        processors.append(structlog.processors.dict_tracebacks)
-    processors.append(renderer)
-    numeric_level = logging.getLevelName(level.upper())
-    structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-    logging.basicConfig(
-        level=max(numeric_level, logging.WARNING),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
 
 
@@ -213,9 +161,20 @@ def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``stage-runtime serve`` with parsed ``args``; returns the process exit status.
 
-    ``0`` after a graceful shutdown, ``2`` for a bad topology or option, ``1`` when the address
-    cannot be bound.
+    ``0`` after a graceful shutdown, ``2`` for a bad topology or option or a missing ``server``
+    extra, ``1`` when the address cannot be bound.
     """
+    # Before anything starts: without the extra, fail in one line, not after the pipeline ran.
+    for module in SERVER_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            print(
+                f"stage-runtime serve: error: the server needs the 'server' extra "
+                f"({exc.name or module} is missing): pip install 'stage-runtime[server]'",
+                file=sys.stderr,
+            )
+            return 2
     configure_logging(level=args.log_level, log_format=args.log_format)
     log = structlog.get_logger(__name__)
     status = 0

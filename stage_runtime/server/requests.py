@@ -18,14 +18,18 @@ import numpy.typing as npt
 from stage_runtime.errors import ConfigError
 from stage_runtime.server.tokenizer import ByteTokenizer
 
-__all__ = ["InvalidRequestError", "PrefillRequest", "parse_prefill_request"]
+__all__ = ["InvalidRequestError", "PrefillBody", "parse_prefill_request"]
 
 INT32_MIN: Final = -(2**31)
 INT32_MAX: Final = 2**31 - 1
 MAX_ID_CHARS: Final = 256
 """Longest accepted ``session_id`` / ``request_id``: they end up in every log line."""
 
-_FIELDS: Final = frozenset({"tokens", "text", "session_id", "request_id"})
+MAX_INTEGER_DIGITS: Final = 20
+"""Longest integer literal parsed as a number; longer ones are refused without converting them
+(an int32 token has at most 10 digits, and Python refuses to convert more than 4300)."""
+
+_FIELDS: Final = frozenset({"tokens", "text", "session_id", "request_id", "cache_salt"})
 
 
 class InvalidRequestError(ConfigError):
@@ -43,8 +47,9 @@ class InvalidRequestError(ConfigError):
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class PrefillRequest:
-    """A validated prefill request."""
+class PrefillBody:
+    """A validated ``POST /v1/prefill`` body (the pipeline's own message is
+    :class:`stage_runtime.stage.PrefillRequest`)."""
 
     tokens: npt.NDArray[np.int32]
     """The prompt's token ids (non-empty, int32)."""
@@ -57,6 +62,23 @@ class PrefillRequest:
 
     source: str
     """``"tokens"`` or ``"text"``: which field the prompt came from."""
+
+    cache_salt: str | None = None
+    """The tenant's cache salt, or ``None`` to share cached prefixes with every request."""
+
+
+@attrs.frozen
+class _OversizedInteger:
+    """An integer literal too long to be any valid value; kept unconverted."""
+
+    digits: int
+
+
+def _parse_int(text: str) -> int | _OversizedInteger:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INTEGER_DIGITS:
+        return _OversizedInteger(digits)
+    return int(text)
 
 
 def _reject_constant(name: str) -> float:
@@ -76,6 +98,8 @@ def _invalid(field: str, message: str) -> NoReturn:
 def _type_name(value: object) -> str:
     if value is None:
         return "null"
+    if isinstance(value, _OversizedInteger):
+        return f"an integer of {value.digits} digits"
     return {
         bool: "a boolean",
         int: "an integer",
@@ -92,6 +116,12 @@ def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.in
     if not value:
         _invalid("tokens", "tokens must not be empty, got []")
     for index, token in enumerate(value):
+        if isinstance(token, _OversizedInteger):
+            msg = (
+                f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), "
+                f"got {_type_name(token)}"
+            )
+            _invalid("tokens", msg)
         # bool is an int subclass; true/false in a token list is a client bug, not token 1/0.
         if type(token) is not int:
             msg = f"tokens[{index}] must be an integer, got {_type_name(token)}"
@@ -110,6 +140,7 @@ def _check_length(field: str, count: int, max_tokens: int | None) -> None:
 
 
 def _parse_id(body: Mapping[str, object], field: str) -> str | None:
+    """An optional non-empty string of at most :data:`MAX_ID_CHARS` characters."""
     if field not in body:
         return None
     value = body[field]
@@ -128,13 +159,14 @@ def parse_prefill_request(
     *,
     max_tokens: int | None = None,
     tokenizer: ByteTokenizer | None = None,
-) -> PrefillRequest:
+) -> PrefillBody:
     """Validate a ``POST /v1/prefill`` body.
 
     The body is a JSON object with exactly one of ``"tokens"`` (array of int32) or ``"text"``
-    (string, tokenized by :class:`ByteTokenizer`), a ``"session_id"`` string and an optional
-    ``"request_id"`` string. Unknown fields are rejected so that a misspelt field is not silently
-    ignored.
+    (string, tokenized by :class:`ByteTokenizer`), a ``"session_id"`` string, an optional
+    ``"request_id"`` string and an optional ``"cache_salt"`` string (the tenant's salt: requests
+    with another salt, or none, never restore its cached prefixes). Unknown fields are rejected so
+    that a misspelt field is not silently ignored.
 
     Args:
         body: The raw request body.
@@ -148,8 +180,9 @@ def parse_prefill_request(
         InvalidRequestError: the body is not a valid request; its ``field`` names the culprit.
     """
     try:
-        document = json.loads(body, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = json.loads(body, parse_constant=_reject_constant, parse_int=_parse_int)
+    except ValueError as exc:
+        # JSONDecodeError and UnicodeDecodeError, and any other conversion the parser refuses.
         msg = f"body must be valid JSON, got a parse error: {exc}"
         raise InvalidRequestError(msg, field="body", error="malformed_json") from exc
     except RecursionError as exc:
@@ -188,6 +221,11 @@ def parse_prefill_request(
     if session_id is None:
         _missing("session_id", "a non-empty string naming the client's session")
     request_id = _parse_id(document, "request_id")
-    return PrefillRequest(
-        tokens=tokens, session_id=session_id, request_id=request_id, source=source
+    cache_salt = _parse_id(document, "cache_salt")
+    return PrefillBody(
+        tokens=tokens,
+        session_id=session_id,
+        request_id=request_id,
+        source=source,
+        cache_salt=cache_salt,
     )

@@ -29,7 +29,13 @@ from stage_runtime.sim.driver import (
     validate_requests,
 )
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
-from stage_runtime.sim.report import render_report, render_sweep, result_to_json, write_plot
+from stage_runtime.sim.report import (
+    render_report,
+    render_sweep,
+    result_to_json,
+    sweep_order,
+    write_plot,
+)
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import (
     SimRequest,
@@ -65,6 +71,7 @@ __all__ = [
     "read_trace_lines",
     "render_report",
     "render_sweep",
+    "sweep_order",
     "replay",
     "result_to_json",
     "run_replay",

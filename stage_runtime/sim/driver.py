@@ -26,6 +26,7 @@ import numpy.typing as npt
 import trio
 import trio.testing
 
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
@@ -275,6 +276,9 @@ class StageSummary:
     """Bytes those evictions freed."""
     resident_bytes_max: int
     """Most bytes resident in this stage's cache at any time."""
+    accounting: CacheAccounting | None = None
+    """The cache's accounting at the end of the replay: misses by reason, resident vs
+    unique-prefix bytes (None when the stage has no cache)."""
 
     @property
     def token_hit_ratio(self) -> float:
@@ -454,8 +458,12 @@ async def replay(
                 )
         else:
             await _replay_concurrently(pipeline, tokenizer, requests, config, collector)
+        final = await pipeline.stats()
     wall_s = time.perf_counter() - wall_start
-    return _summarise(config, capacity, requests, collector, theoretical, wall_s, slept=sleep)
+    accounting = tuple(stage.accounting for stage in final.stages)
+    return _summarise(
+        config, capacity, requests, collector, theoretical, wall_s, accounting, slept=sleep
+    )
 
 
 async def _replay_concurrently(
@@ -490,6 +498,7 @@ def _summarise(
     collector: _Collector,
     theoretical: TheoreticalMax,
     wall_s: float,
+    accounting: Sequence[CacheAccounting | None],
     *,
     slept: bool,
 ) -> ReplayResult:
@@ -570,6 +579,7 @@ def _summarise(
             evictions=evictions[position],
             evicted_bytes=evicted_bytes[position],
             resident_bytes_max=resident_max[position],
+            accounting=accounting[position],
         )
         for position in range(stage_count)
     )

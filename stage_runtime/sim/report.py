@@ -9,10 +9,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.driver import ReplayResult
+from stage_runtime.sim.driver import ReplayResult, StageSummary
 
-__all__ = ["render_report", "render_sweep", "result_to_json", "write_plot"]
+__all__ = ["render_report", "render_sweep", "result_to_json", "sweep_order", "write_plot"]
 
 
 def result_to_json(
@@ -29,9 +30,12 @@ def result_to_json(
         A JSON-ready dict: ``requests``, ``prompt_tokens``, ``restored_tokens`` (stage 0),
         ``token_hit_ratio``, ``theoretical_max_hit_ratio``, ``stages`` (``stage_id``,
         ``restored_tokens``, ``computed_tokens``, ``records``, ``evictions``,
-        ``resident_bytes_max`` and a few more), ``ttft_s`` (``p50``/``p90``/``p99``, each
-        ``cached`` and ``uncached``), ``wall_s``, ``tokens_per_s`` and ``config`` (every setting
-        used), plus ``virtual_s`` and ``theoretical_max_hit_tokens``.
+        ``resident_bytes_max`` and a few more, among them ``misses`` by reason
+        (``never_seen``/``evicted``/``rejected``), ``resident_bytes`` and
+        ``unique_prefix_bytes`` at the end, and their ``residency_ratio``), ``ttft_s``
+        (``p50``/``p90``/``p99``, each ``cached`` and ``uncached``), ``wall_s``,
+        ``tokens_per_s`` and ``config`` (every setting used), plus ``virtual_s`` and
+        ``theoretical_max_hit_tokens``.
     """
     config = result.config.as_dict(result.capacity_tokens)
     if source is not None:
@@ -61,6 +65,7 @@ def result_to_json(
                 "evictions": stage.evictions,
                 "evicted_bytes": stage.evicted_bytes,
                 "resident_bytes_max": stage.resident_bytes_max,
+                **_accounting_json(stage.accounting),
             }
             for stage in result.stages
         ],
@@ -70,6 +75,48 @@ def result_to_json(
         "virtual_s": result.virtual_s,
         "config": config,
     }
+
+
+def _accounting_json(accounting: CacheAccounting | None) -> dict[str, object]:
+    """A stage's end-of-replay accounting keys (null values when the stage has no cache)."""
+    if accounting is None:
+        return dict.fromkeys(
+            ("misses", "resident_bytes", "unique_prefix_bytes", "residency_ratio"), None
+        )
+    return {
+        "misses": {
+            "never_seen": accounting.misses_never_seen,
+            "evicted": accounting.misses_evicted,
+            "rejected": accounting.misses_rejected,
+        },
+        "resident_bytes": accounting.resident_bytes,
+        "unique_prefix_bytes": accounting.unique_prefix_bytes,
+        "residency_ratio": accounting.residency_ratio,
+    }
+
+
+def _misses(stage: StageSummary) -> str:
+    acc = stage.accounting
+    if acc is None:
+        return "-"
+    return f"{acc.misses_never_seen:,}/{acc.misses_evicted:,}/{acc.misses_rejected:,}"
+
+
+def _footprint(stage: StageSummary) -> str:
+    acc = stage.accounting
+    if acc is None:
+        return "-"
+    if acc.unique_prefix_bytes == 0:
+        return f"{_bytes(acc.resident_bytes)} / {_bytes(0)}"
+    return (
+        f"{_bytes(acc.resident_bytes)} / {_bytes(acc.unique_prefix_bytes)} "
+        f"({acc.residency_ratio:.2f}x)"
+    )
+
+
+def _residency(stage: StageSummary) -> str:
+    acc = stage.accounting
+    return "-" if acc is None else f"{acc.residency_ratio:.2f}x"
 
 
 def _bytes(value: float) -> str:
@@ -128,10 +175,19 @@ def render_report(
     totals.add_row("simulated time (virtual clock)", _seconds(result.virtual_s))
     console.print(totals)
 
-    stages = Table(title="per stage", box=box.SIMPLE_HEAD)
+    stages = Table(
+        title="per stage",
+        box=box.SIMPLE_HEAD,
+        caption=(
+            "misses: never seen/evicted/rejected (validation refused a cached entry); "
+            "resident / unique: bytes held vs bytes the distinct prefixes need, at the end"
+        ),
+    )
     for name in ("stage", "restored", "computed", "hit ratio", "hits", "records", "evictions"):
         stages.add_column(name, justify="left" if name == "stage" else "right")
     stages.add_column("peak resident", justify="right")
+    stages.add_column("misses", justify="right")
+    stages.add_column("resident / unique", justify="right")
     for stage in result.stages:
         stages.add_row(
             stage.stage_id,
@@ -142,6 +198,8 @@ def render_report(
             f"{stage.records:,}",
             f"{stage.evictions:,}",
             _bytes(stage.resident_bytes_max),
+            _misses(stage),
+            _footprint(stage),
         )
     console.print(stages)
 
@@ -162,8 +220,17 @@ def render_report(
     )
 
 
+def sweep_order(results: Sequence[ReplayResult]) -> list[ReplayResult]:
+    """A sweep's results by increasing capacity, the unbounded one (capacity 0) last."""
+    return sorted(results, key=lambda r: (r.capacity_tokens == 0, r.capacity_tokens))
+
+
 def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: str) -> None:
-    """Print a capacity sweep as one table (a row per capacity)."""
+    """Print a capacity sweep as one table: a row per capacity, smallest first, unbounded last.
+
+    The capacity bounds each stage's cache; the hit ratio and resident/unique columns are stage
+    0's, evictions are listed stage by stage, and peak resident is the largest stage's.
+    """
     console.print(f"[bold]{title}[/bold]")
     if not results:
         return
@@ -172,27 +239,34 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
         f"{first.requests:,} requests, {first.prompt_tokens:,} prompt tokens, theoretical max "
         f"{first.theoretical.ratio:.1%} (infinite cache, per block)"
     )
-    table = Table(title="capacity sweep (per stage)", box=box.SIMPLE_HEAD)
+    stage_ids = " / ".join(stage.stage_id for stage in first.stages)
+    table = Table(
+        title="capacity sweep (capacity and max bytes bound each stage's cache)",
+        box=box.SIMPLE_HEAD,
+        caption=f"evictions per stage: {stage_ids}",
+    )
     for name in (
         "capacity",
         "max bytes",
-        "hit ratio",
-        "evictions",
-        "peak resident",
+        "hit ratio (stage 0)",
+        "evictions per stage",
+        "peak resident (largest stage)",
+        "resident / unique (stage 0)",
         "TTFT p50",
         "TTFT p90",
         "wall",
     ):
         table.add_column(name, justify="right")
-    for result in results:
+    for result in sweep_order(results):
         table.add_row(
             _capacity(result.capacity_tokens),
             _bytes(result.config.max_bytes(result.capacity_tokens))
             if result.capacity_tokens
             else "unbounded",
             f"{result.token_hit_ratio:.1%}",
-            f"{sum(stage.evictions for stage in result.stages):,}",
+            " / ".join(f"{stage.evictions:,}" for stage in result.stages),
             _bytes(max(stage.resident_bytes_max for stage in result.stages)),
+            _residency(result.stages[0]),
             _seconds(result.ttft_cached.p50),
             _seconds(result.ttft_cached.p90),
             _seconds(result.wall_s),
@@ -219,13 +293,30 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
     if len(results) > 1:
-        labels = [
-            "unbounded" if r.capacity_tokens == 0 else f"{r.capacity_tokens:,}" for r in results
-        ]
-        positions = list(range(len(results)))
-        axes.plot(
-            positions, [r.token_hit_ratio for r in results], marker="o", label="token hit ratio"
-        )
+        # Increasing capacity left to right; unbounded is not a capacity on that axis, so it
+        # stands apart at the right with its own marker, not joined to the line.
+        ordered = sweep_order(results)
+        bounded = [r for r in ordered if r.capacity_tokens > 0]
+        unbounded = [r for r in ordered if r.capacity_tokens == 0]
+        labels = [f"{r.capacity_tokens:,}" for r in bounded] + ["unbounded"] * len(unbounded)
+        positions = list(range(len(ordered)))
+        if bounded:
+            axes.plot(
+                positions[: len(bounded)],
+                [r.token_hit_ratio for r in bounded],
+                marker="o",
+                label="token hit ratio",
+            )
+        if unbounded:
+            axes.plot(
+                positions[len(bounded) :],
+                [r.token_hit_ratio for r in unbounded],
+                marker="*",
+                markersize=12,
+                linestyle="none",
+                color="tab:green",
+                label="unbounded cache",
+            )
         axes.axhline(
             results[0].theoretical.ratio,
             linestyle="--",

@@ -106,12 +106,18 @@ def _non_negative_int(record: dict[str, object], field: str, path: str, line: in
 
 
 def parse_trace_line(
-    text: str, *, path: str = "<trace>", line: int = 1, index: int = 0, block_size: int = 512
+    text: str | bytes,
+    *,
+    path: str = "<trace>",
+    line: int = 1,
+    index: int = 0,
+    block_size: int = 512,
 ) -> SimRequest:
     """Parse one trace line into a request, validating every field.
 
     Args:
-        text: The JSON text of the line.
+        text: The JSON text of the line, or its raw bytes (decoded as UTF-8 here, so that an
+            undecodable line is reported, and skippable, like any other malformed line).
         path: The file name used in error messages.
         line: The 1-based line number used in error messages.
         index: The request's position in the workload.
@@ -122,9 +128,15 @@ def parse_trace_line(
         The request.
 
     Raises:
-        TraceFormatError: The line is not a JSON object, lacks a field, or has an invalid value;
-            the message names the file, line and field.
+        TraceFormatError: The line is not UTF-8, not a JSON object, lacks a field, or has an
+            invalid value; the message names the file, line and field.
     """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            rule = f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            raise _fail(path, line, "", rule) from exc
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -175,7 +187,7 @@ def parse_trace_line(
 
 
 def read_trace_lines(
-    lines: Iterable[str],
+    lines: Iterable[str | bytes],
     *,
     path: str = "<trace>",
     block_size: int = 512,
@@ -185,7 +197,7 @@ def read_trace_lines(
     """Parse trace lines (blank lines are ignored).
 
     Args:
-        lines: The lines of the trace.
+        lines: The lines of the trace, as text or as raw bytes (decoded line by line).
         path: The name used in error messages and in the result.
         block_size: Tokens per hash id.
         skip_bad_lines: Skip and count malformed lines instead of raising.
@@ -241,23 +253,20 @@ def read_trace(
         The requests in file order and the count of skipped lines.
 
     Raises:
-        TraceFormatError: A line is malformed (file, line and field in the message) and
-            ``skip_bad_lines`` is false; also raised for a file that is not UTF-8 text.
+        TraceFormatError: A line is malformed (file, line and field in the message; a line that
+            is not UTF-8 text is one) and ``skip_bad_lines`` is false.
         OSError: The file cannot be opened.
     """
     name = os.fspath(path)
-    with Path(path).open(encoding="utf-8") as handle:
-        try:
-            return read_trace_lines(
-                handle,
-                path=name,
-                block_size=block_size,
-                skip_bad_lines=skip_bad_lines,
-                limit=limit,
-            )
-        except UnicodeDecodeError as exc:
-            msg = f"{name}: is not UTF-8 text ({exc.reason})"
-            raise TraceFormatError(msg, path=name) from exc
+    # Binary: each line is decoded on its own, so one bad byte costs one line, not the file.
+    with Path(path).open("rb") as handle:
+        return read_trace_lines(
+            handle,
+            path=name,
+            block_size=block_size,
+            skip_bad_lines=skip_bad_lines,
+            limit=limit,
+        )
 
 
 def total_prompt_tokens(requests: Sequence[SimRequest]) -> int:

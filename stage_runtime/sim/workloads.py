@@ -57,8 +57,8 @@ class WorkloadSpec:
     requests_per_s: float = attrs.field(default=4.0)
     """Mean arrival rate (Poisson arrivals)."""
 
-    seed: int = 0
-    """Seed of the arrival order and times."""
+    seed: int = attrs.field(default=0, validator=_at_least(0))
+    """Seed of the arrival order and times (numpy seeds are non-negative)."""
 
     def __attrs_post_init__(self) -> None:
         if not self.requests_per_s > 0:

@@ -533,6 +533,31 @@ async def test_negative_mailbox_size_is_rejected(size: int) -> None:
             pass
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name": 5}, TypeError, "name must be a string, got 5"),
+        ({"name": None}, TypeError, "name must be a string, got None"),
+        ({"name": ""}, ValueError, "name must be a non-empty string, got ''"),
+        ({"name": "c", "mailbox_size": 1.5}, TypeError, "mailbox_size must be an integer, got 1.5"),
+        ({"name": "c", "mailbox_size": "8"}, TypeError, "mailbox_size must be an integer, got '8'"),
+        ({"name": "c", "mailbox_size": True}, TypeError, "mailbox_size must be an integer"),
+        ({"name": "c", "restart": 3}, TypeError, "restart must be a RestartPolicy or None, got 3"),
+    ],
+)
+async def test_bad_name_mailbox_size_or_restart_is_rejected_plainly(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """open_actor and spawn reject a bad name, mailbox size or policy before starting anything."""
+    with pytest.raises(error, match=match):
+        async with open_actor(Counter, **kwargs):
+            pass
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(error, match=match):
+            await spawn(nursery, Counter, **kwargs)
+        assert not nursery.child_tasks
+
+
 async def test_non_actor_is_rejected() -> None:
     """Something neither an Actor nor callable is a TypeError."""
     bad: Any = 42

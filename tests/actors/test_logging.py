@@ -67,16 +67,22 @@ async def test_stop_without_drain_logs_dropped_messages(actor_logs: list[LogEven
 async def test_failed_ask_is_logged_with_message_type_and_exception(
     actor_logs: list[LogEvent],
 ) -> None:
-    """actor_message_failed names the message type and keeps the exception."""
+    """A failed ask logs one warning with the error's type and text but no traceback."""
     async with open_actor(Picky, name="picky") as ref:
-        with pytest.raises(TypeError) as info:
+        with pytest.raises(TypeError, match="message must be a str, got 3"):
             await ref.ask(3)
-    [failed] = events_named(actor_logs, "actor_message_failed")
-    assert failed["actor"] == "picky"
-    assert failed["message_type"] == "int"
-    assert failed["exc_info"] is info.value
-    assert failed["crashed"] is False
-    assert failed["log_level"] == "warning"
+    failed = events_named(actor_logs, "actor_message_failed")
+    assert failed == [
+        {
+            "event": "actor_message_failed",
+            "actor": "picky",
+            "message_type": "int",
+            "crashed": False,
+            "error_type": "TypeError",
+            "error": "message must be a str, got 3",
+            "log_level": "warning",
+        }
+    ]
 
 
 async def test_crash_and_restart_are_logged(
@@ -90,6 +96,11 @@ async def test_crash_and_restart_are_logged(
         await wait_idle(ref)
     failed = events_named(actor_logs, "actor_message_failed")
     assert [(f["crashed"], f["log_level"]) for f in failed] == [(True, "error")] * 2
+    assert [(f["error_type"], f["error"]) for f in failed] == [
+        ("TypeError", "message must be a str, got 1"),
+        ("TypeError", "message must be a str, got 2"),
+    ]
+    assert all(isinstance(f["exc_info"], TypeError) for f in failed)
     restarted = events_named(actor_logs, "actor_restarted")
     assert [r["attempt"] for r in restarted] == [1, 2]
     assert [r["restarts"] for r in restarted] == [1, 2]

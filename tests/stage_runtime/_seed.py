@@ -1,6 +1,11 @@
-"""The upstream seed's test fixtures: test_config(), test_base(), activation_frame()."""
+"""The upstream seed's test fixtures: test_config(), test_base(), activation_frame().
+
+Plus :func:`cache_state`, what tests compare to show a call left a cache unchanged.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +20,7 @@ from stage_runtime import (
     KvStageIntegration,
     LoadMode,
     MessageBase,
+    ResidentActivationCache,
     StageConfig,
 )
 
@@ -87,3 +93,8 @@ def seed_integration(config: StageConfig | None = None) -> KvStageIntegration:
     kv = KvStageIntegration.from_config(config or seed_config(), environ={})
     assert kv is not None, "resident cache enabled"
     return kv
+
+
+def cache_state(cache: ResidentActivationCache) -> tuple[Any, ...]:
+    """Everything a cache shows without touching it: clock, keys in LRU order, counters."""
+    return cache.clock, cache.keys(), cache.stats()

@@ -21,6 +21,8 @@ from stage_runtime import (
 )
 from stage_runtime.integration import activation_key_slot
 
+from ._seed import cache_state
+
 
 def frame(tokens: int = 4, nbytes: int = 16) -> ActivationFrame:
     """A virtual frame: the cache never looks inside payloads."""
@@ -68,7 +70,14 @@ def test_lookup_refreshes_recency_so_the_other_entry_is_evicted() -> None:
     cache.lookup("a")
     outcome = cache.record("c", 4, 16, frame())
     assert outcome.evicted == (
-        EvictedEntry(key="b", token_count=4, payload_bytes=16, reason="max_entries"),
+        EvictedEntry(
+            key="b",
+            token_count=4,
+            payload_bytes=16,
+            reason="max_entries",
+            entries_after=1,
+            resident_bytes_after=16,
+        ),
     )
     assert (outcome.evicted_entries, outcome.evicted_bytes) == (1, 16)
     assert cache.keys() == ["a", "c"]
@@ -154,8 +163,22 @@ def test_clear_returns_entries_in_lru_order() -> None:
     cache.lookup("a")
     cleared = cache.clear()
     assert cleared == (
-        EvictedEntry(key="b", token_count=5, payload_bytes=20, reason="cleared"),
-        EvictedEntry(key="a", token_count=4, payload_bytes=16, reason="cleared"),
+        EvictedEntry(
+            key="b",
+            token_count=5,
+            payload_bytes=20,
+            reason="cleared",
+            entries_after=1,
+            resident_bytes_after=16,
+        ),
+        EvictedEntry(
+            key="a",
+            token_count=4,
+            payload_bytes=16,
+            reason="cleared",
+            entries_after=0,
+            resident_bytes_after=0,
+        ),
     )
     stats = cache.stats()
     assert (stats.entries, stats.resident_bytes, stats.evictions) == (0, 0, 0)
@@ -192,13 +215,13 @@ def test_bad_record_leaves_cache_unchanged(
     cache = ResidentActivationCache(max_entries=2)
     cache.record("a", 4, 16, frame())
     cache.lookup("a")
-    before = cache._snapshot()
+    before = cache_state(cache)
     with pytest.raises(error, match=message):
         cache.record(*args)
-    assert cache._snapshot() == before
+    assert cache_state(cache) == before
     with pytest.raises(ConfigError, match="key must be a string, got None"):
         cache.lookup(None)  # type: ignore[arg-type]
-    assert cache._snapshot() == before
+    assert cache_state(cache) == before
 
 
 # --- stateful: the cache against a dict + counter reference model ---------------------------
@@ -273,7 +296,14 @@ class CacheMachine(RuleBasedStateMachine):
             victim = min(self.model, key=lambda k: self.model[k][2])
             vt, vb, _ = self.model.pop(victim)
             expected.append(
-                EvictedEntry(key=victim, token_count=vt, payload_bytes=vb, reason=reason)
+                EvictedEntry(
+                    key=victim,
+                    token_count=vt,
+                    payload_bytes=vb,
+                    reason=reason,
+                    entries_after=len(self.model),
+                    resident_bytes_after=resident - vb,
+                )
             )
         self.model[key] = (tokens, nbytes, self.clock)
         self.records += 1
@@ -291,6 +321,8 @@ class CacheMachine(RuleBasedStateMachine):
         cleared = self.cache.clear()
         assert [e.key for e in cleared] == order
         assert all(e.reason == "cleared" for e in cleared)
+        assert [e.entries_after for e in cleared] == list(range(len(order) - 1, -1, -1))
+        assert not cleared or cleared[-1].resident_bytes_after == 0
         self.model.clear()
 
     @invariant()

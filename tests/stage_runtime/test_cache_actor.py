@@ -14,9 +14,11 @@ import trio
 
 from actors import ActorRef, open_actor
 from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.cache import ResidentCacheStats
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
+    CacheStats,
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
@@ -47,6 +49,7 @@ def seed_config(**cache: Any) -> StageConfig:
         min_tokens=cache.pop("min_tokens", 256),
         shared_prefix_stride_tokens=cache.pop("stride", 128),
         shared_prefix_record_limit=2,
+        index=cache.pop("index", "ladder"),
     )
     assert not cache
     return StageConfig(
@@ -199,6 +202,54 @@ async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
     assert (b[1].entries, b[1].resident_bytes) == (3, 80)
 
 
+@pytest.mark.parametrize(
+    ("index", "expected", "final"),
+    [
+        # Rungs 10 (40 B) and 8 (32 B) per prompt: each rung of prompts 2 and 3 past the third
+        # entry evicts the oldest rung, leaving 2 entries (72 B) before it is stored.
+        (
+            "ladder",
+            [
+                (10, 40, "max_entries", 2, 72),
+                (8, 32, "max_entries", 2, 72),
+                (10, 40, "max_entries", 2, 72),
+            ],
+            (3, 104),
+        ),
+        # Pages 0+4, 4+4 (16 B each) and tail 8+2 (8 B) per prompt: one record stores three
+        # entries and evicts one before each, leaves first (tail, then pages from the end).
+        (
+            "paged",
+            [
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+                (4, 16, "max_entries", 2, 32),
+            ],
+            (3, 40),
+        ),
+    ],
+)
+async def test_eviction_events_carry_the_cache_size_after_each_eviction(
+    logs: list[LogEvent], index: str, expected: list[tuple[Any, ...]], final: tuple[int, int]
+) -> None:
+    """activation_evicted reports the true entries/resident_bytes after each eviction."""
+    config = seed_config(index=index, max_entries=3, min_tokens=4, stride=4)
+    async with cache_actor(config) as ref:
+        replies = [
+            await ref.ask(record(tokens(10, start=1000 * i), seed_frame(10, 40))) for i in range(3)
+        ]
+        stats = await ref.ask(CacheStatsRequest())
+    evicted = events_named(logs, "activation_evicted")
+    names = ("token_count", "payload_bytes", "reason", "entries", "resident_bytes")
+    assert [fields(e, *names) for e in evicted] == expected
+    keys = [entry.key for reply in replies for rec in reply for entry in rec.evicted]
+    assert [e["page_id"] for e in evicted] == keys
+    assert (stats.entries, stats.resident_bytes) == final
+
+
 async def test_clear_logs_every_entry_as_cleared(logs: list[LogEvent]) -> None:
     """ClearCache evicts everything, one 'cleared' event per entry, sizes counting down."""
     async with cache_actor(seed_config()) as ref:
@@ -223,6 +274,82 @@ async def test_stats_count_records_lookups_hits_and_misses() -> None:
     assert (stats.entries, stats.records) == (2, 2)
     assert stats.hits == 1
     assert stats.misses >= 1
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_misses_name_their_reason_never_seen_then_evicted(
+    logs: list[LogEvent], index: str
+) -> None:
+    """activation_missed says never_seen before a record, evicted once the bound pushed it out."""
+    # Ladder: 2 entries per 300-token prompt; paged: 2 pages of 128 + a tail.
+    config = seed_config(index=index, max_entries=2 if index == "ladder" else 3)
+    other = tokens(300, start=10_000)
+    async with cache_actor(config) as ref:
+        assert await ref.ask(restore(tokens(300))) is None
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        hit = await ref.ask(restore(tokens(300)))
+        await ref.ask(record(other, seed_frame(300, 1200)))  # evicts every entry of the first
+        assert await ref.ask(restore(tokens(300))) is None
+        stats = await ref.ask(CacheStatsRequest())
+    assert hit is not None
+    assert hit.token_count == 300
+    missed = events_named(logs, "activation_missed")
+    assert [e["reason"] for e in missed] == ["never_seen", "evicted"]
+    assert all(e["decision"] == "activation_resident_miss" for e in missed)
+    acc = stats.accounting
+    assert acc.index == index
+    assert (acc.lookups, acc.hits, acc.restored_tokens) == (3, 1, 300)
+    assert (acc.misses_never_seen, acc.misses_evicted, acc.misses_rejected) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_stats_reply_keeps_the_counters_and_adds_the_accounting(index: str) -> None:
+    """CacheStatsRequest replies CacheStats: the old counters plus resident vs unique bytes."""
+    async with cache_actor(seed_config(index=index)) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        stats = await ref.ask(CacheStatsRequest())
+    assert isinstance(stats, CacheStats)
+    assert isinstance(stats, ResidentCacheStats)  # code written for the old reply still works
+    assert stats.resident_bytes == stats.accounting.resident_bytes
+    assert stats.entries == stats.accounting.entries
+    assert stats.accounting.unique_prefix_bytes == 1200  # 300 distinct tokens x 4 bytes
+    if index == "ladder":  # the 300 and 256 rungs are two full copies
+        assert stats.resident_bytes == 1200 + 1024
+    else:  # pages are stored once
+        assert stats.resident_bytes == 1200
+    assert stats.accounting.residency_ratio == pytest.approx(stats.resident_bytes / 1200)
+
+
+async def test_ladder_miss_on_a_refused_entry_is_rejected(logs: list[LogEvent]) -> None:
+    """A ladder entry that fails validation (token count disagrees) is a 'rejected' miss."""
+    actor = CacheActor(seed_config())
+    with structlog.contextvars.bound_contextvars(stage="stage-0"):
+        async with open_actor(actor, name="cache") as ref:
+            await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+            # Corrupt both rungs behind the actor's back: each now holds a 299-token frame.
+            cache = actor._integration.cache  # type: ignore[union-attr]
+            bad = seed_frame(299, 1196)
+            for key in list(cache.keys()):
+                cache.record(key, 299, bad.payload.size, bad)
+            assert await ref.ask(restore(tokens(300))) is None
+            stats = await ref.ask(CacheStatsRequest())
+    (event,) = events_named(logs, "activation_missed")
+    assert event["reason"] == "rejected"
+    assert stats.accounting.misses_rejected == 1
+
+
+async def test_paged_miss_on_a_refused_tail_is_rejected(logs: list[LogEvent]) -> None:
+    """Pages re-recorded in another row size make the old tail invalid: a 'rejected' miss."""
+    config = seed_config(index="paged", min_tokens=300)
+    sibling = np.concatenate([tokens(256), tokens(44, start=50_000)])
+    async with cache_actor(config) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))  # 4 bytes per token
+        await ref.ask(record(sibling, seed_frame(300, 2400)))  # same pages, 8 bytes per token
+        assert await ref.ask(restore(tokens(300))) is None
+        stats = await ref.ask(CacheStatsRequest())
+    (event,) = events_named(logs, "activation_missed")
+    assert event["reason"] == "rejected"
+    assert stats.accounting.misses_rejected == 1
 
 
 async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
@@ -261,6 +388,11 @@ async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
             ConfigError,
             "base must be a MessageBase, got str",
         ),
+        (
+            RestoreActivation(base=BASE, tokens=None, activation_width=WIDTH),  # type: ignore[arg-type]
+            ConfigError,
+            "tokens must be a sequence of integers, got NoneType",
+        ),
         ("hello", ConfigError, "message must be RestoreActivation"),
     ],
 )
@@ -280,7 +412,10 @@ async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
         before.resident_bytes,
         before.records,
     )
-    assert len(events_named(logs, "actor_message_failed")) == 1
+    [failed] = events_named(logs, "actor_message_failed")
+    assert (failed["log_level"], failed["error_type"]) == ("warning", error.__name__)
+    assert match in failed["error"]
+    assert "exc_info" not in failed  # the caller has the exception: no traceback in the log
 
 
 async def test_cancelled_restore_does_not_kill_the_actor() -> None:

@@ -6,12 +6,16 @@ subprocess, as a user would run them, and are kept few and small.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 
 from stage_runtime.cli import main
 
@@ -44,13 +48,20 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
     ("argv", "fragment"),
     [
         (["replay", "t.jsonl", "--bogus"], "unrecognized arguments: --bogus"),
-        (["demo", "--capacity-tokens", "-1"], "argument --capacity-tokens: must be >= 0, got -1"),
-        (["demo", "--stages", "two"], "argument --stages: must be an integer, got 'two'"),
-        (["demo", "--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
+        (
+            ["demo", "--capacity-tokens", "-1"],
+            "argument --capacity-tokens: must be an integer >= 0, got -1",
+        ),
+        (["demo", "--stages", "two"], "argument --stages: must be an integer >= 1, got 'two'"),
+        (["demo", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1, got 0"),
+        (["simulate", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+        (["simulate", "--rate", "0"], "argument --rate: must be a finite number > 0, got 0"),
+        (["simulate", "--rate", "-1"], "argument --rate: must be a finite number > 0, got -1"),
+        (["simulate", "--rate", "inf"], "argument --rate: must be a finite number > 0, got inf"),
         (["demo", "--stride", "0"], "--stride 0 leaves no lookup grid for --record-limit 2"),
         (["demo", "--capacity-tokens", "5", "--sweep-capacity", "1,2"], "are exclusive"),
         (["demo", "--sweep-capacity", "1,,2"], "comma-separated list"),
-        (["demo", "--sweep-capacity", "8,-5"], "every capacity must be >= 0, got -5"),
+        (["demo", "--sweep-capacity", "8,-5"], "every capacity must be an integer >= 0, got -5"),
         (["demo", "--prefill-us-per-token", "-3"], "every cost must be a finite number >= 0"),
         (["demo", "--prefill-us-per-token", "1,2"], "one cost or one per stage (4), got 2"),
         (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
@@ -72,6 +83,83 @@ def test_usage_errors_exit_2_with_one_line(
     assert captured.err.count("\n") == 1
     assert fragment in captured.err
     assert captured.err.startswith("stage-runtime")
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """--version prints the program name and the distribution's version, exit 0."""
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert (
+        capsys.readouterr().out == f"stage-runtime {importlib.metadata.version('stage-runtime')}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "what"), [("--json", "JSON"), ("--plot", "plot")], ids=["json", "plot"]
+)
+def test_unwritable_output_is_refused_before_replaying(
+    flag: str, what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output in a missing directory fails at once (exit 1), naming the operation and path."""
+    target = tmp_path / "missing" / "out"
+    with structlog.testing.capture_logs() as logs:
+        code = main(["demo", flag, str(target)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"stage-runtime demo: error: cannot write {what} to {target}: "
+        f"directory {target.parent} does not exist\n"
+    )
+    assert logs == []  # nothing ran: no pipeline started
+
+
+def test_missing_trace_is_named_as_a_trace_that_cannot_be_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing trace file exits 1 with what could not be done and why."""
+    missing = tmp_path / "nope.jsonl"
+    assert main(["replay", str(missing)]) == 1
+    assert capsys.readouterr().err == (
+        f"stage-runtime replay: error: cannot read trace {missing}: no such file\n"
+    )
+
+
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    """main() configures structlog like a program does; put the test's configuration back."""
+    saved = structlog.get_config()
+    yield
+    structlog.reset_defaults()
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("restore_structlog")
+@pytest.mark.parametrize(
+    ("flags", "shown", "hidden"),
+    [
+        ([], [], ["activation_evicted", "activation_recorded"]),
+        (["-v"], ["activation_evicted", "stage_started"], ["activation_recorded"]),
+        (["-vv"], ["activation_evicted", "activation_recorded", "activation_missed"], []),
+    ],
+    ids=["quiet", "v", "vv"],
+)
+def test_verbosity_flags_log_what_their_help_says(
+    flags: list[str],
+    shown: list[str],
+    hidden: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """-v logs lifecycle and evictions (info); -vv adds every record and miss (debug)."""
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    argv = ["replay", str(trace), *SMALL, "--capacity-tokens", "20", "--json", "-", *flags]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for event in shown:
+        assert event in err
+    for event in hidden:
+        assert event not in err
 
 
 def test_serve_without_the_server_module_is_a_clear_error(
@@ -150,24 +238,16 @@ def test_simulate_writes_a_plot_and_a_report(tmp_path: Path) -> None:
 def test_serve_without_the_server_extra_names_the_missing_package(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A missing hypercorn, even inside an exception group, becomes a one-line install hint."""
-    from stage_runtime import cli
-
-    def run_serve(args: object) -> int:
-        missing = ModuleNotFoundError("No module named 'hypercorn'", name="hypercorn")
-        raise ExceptionGroup("serving failed", [missing])
-
-    fake = type(sys)("stage_runtime.server.command")
-    fake.add_serve_arguments = lambda parser: None  # type: ignore[attr-defined]
-    fake.run_serve = run_serve  # type: ignore[attr-defined]
-    package = type(sys)("stage_runtime.server")
-    package.command = fake  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "stage_runtime.server", package)
-    monkeypatch.setitem(sys.modules, "stage_runtime.server.command", fake)
-    assert cli.main(["serve"]) == 2
-    err = capsys.readouterr().err
-    assert "pip install 'stage-runtime[server]'" in err
-    assert "hypercorn" in err
+    """Without hypercorn, serve exits 2 with a one-line install hint, before any stage starts."""
+    monkeypatch.setitem(sys.modules, "hypercorn", None)
+    topology = Path(__file__).resolve().parents[2] / "examples" / "topology.toml"
+    assert main(["serve", "--topology", str(topology)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "stage-runtime serve: error: the server needs the 'server' extra (hypercorn is "
+        "missing): pip install 'stage-runtime[server]'"
+    ]
 
 
 def test_plot_without_matplotlib_is_refused_before_replaying(

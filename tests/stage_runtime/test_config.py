@@ -89,7 +89,8 @@ BASE = {"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": 4}
     [
         ({"bogus": 1}, "unknown field bogus"),
         ({"layer_end": -1}, "layer_end must be >= 0, got -1"),
-        ({"layer_start": 5}, r"layer_end must be >= layer_start \(5\), got 4"),
+        ({"layer_start": 5}, r"layer_end must be > layer_start \(5\), got 4"),
+        ({"layer_start": 4}, r"layer_end must be > layer_start \(4\), got 4"),
         ({"stage_id": ""}, "stage_id must be a non-empty string, got ''"),
         ({"kv_unified": "yes"}, "kv_unified must be true, false or absent, got 'yes'"),
         ({"kv_cache": {"max_entries": 0}}, "kv_cache.max_entries must be >= 1, got 0"),
@@ -244,7 +245,21 @@ def test_env_bounds_and_payload() -> None:
     ("name", "value", "message"),
     [
         ("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "eight", "MAX_ENTRIES must be an integer, got 'e"),
-        ("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "0", "environment: max_entries must be >= 1, got 0"),
+        (
+            "STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES",
+            "0",
+            "^STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES must be >= 1, got 0$",
+        ),
+        (
+            "STAGE_RUNTIME_KV_CACHE_MAX_BYTES",
+            "-1",
+            "^STAGE_RUNTIME_KV_CACHE_MAX_BYTES must be >= 0, got -1$",
+        ),
+        (
+            "STAGE_RUNTIME_KV_CACHE_PAGE_TOKENS",
+            "0",
+            "^STAGE_RUNTIME_KV_CACHE_PAGE_TOKENS must be >= 1, got 0$",
+        ),
         ("STAGE_RUNTIME_KV_CACHE_PAYLOAD", "weights", "PAYLOAD must be one of"),
     ],
 )

@@ -47,10 +47,25 @@ def test_index_and_page_tokens_from_the_environment() -> None:
     assert config is not None
     assert config.index is CacheIndex.PAGED
     assert config.page_tokens == 256
-    with pytest.raises(ConfigError, match="index must be one of"):
+    with pytest.raises(ConfigError, match=r"^STAGE_RUNTIME_KV_CACHE_INDEX must be one of"):
         KvCacheConfig.from_env(
             {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "tree"}
         )
+
+
+def test_page_eviction_from_the_environment() -> None:
+    """STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION picks the policy; a bad value names the variable."""
+    on = {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "paged"}
+    config = KvCacheConfig.from_env({**on, "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": " Reuse "})
+    assert config is not None
+    assert config.page_eviction is PageEviction.REUSE
+    unset = KvCacheConfig.from_env(on)
+    assert unset is not None
+    assert unset.page_eviction is PageEviction.LRU
+    with pytest.raises(
+        ConfigError, match=r"^STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION must be one of .*'fifo'"
+    ):
+        KvCacheConfig.from_env({**on, "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": "fifo"})
 
 
 def test_cache_salt_is_optional_and_must_be_a_string() -> None:

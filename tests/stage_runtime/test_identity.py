@@ -310,6 +310,11 @@ def test_as_token_array_returns_int32_without_copying_int32_input() -> None:
         (np.zeros((2, 2), dtype=np.int32), r"tokens must be 1-D, got shape \(2, 2\)"),
         ([1, 2**70], "got 1180591620717411303424 at index 1"),
         (["a"], "tokens must be integers, got 'a' at index 0"),
+        (None, "tokens must be a sequence of integers, got NoneType"),
+        (7, "tokens must be a sequence of integers, got int"),
+        ("123", "tokens must be a sequence of integers, got str"),
+        ({3, 1, 2}, "tokens must be a sequence of integers, got set"),
+        ({1: 2}, "tokens must be a sequence of integers, got dict"),
     ],
 )
 def test_as_token_array_rejects_bad_tokens(tokens: object, message: str) -> None:

@@ -33,7 +33,7 @@ from stage_runtime import (
 from stage_runtime import integration as integration_module
 from stage_runtime.integration import activation_key_slot
 
-from ._seed import activation_frame, seed_base, seed_config, seed_integration
+from ._seed import activation_frame, cache_state, seed_base, seed_config, seed_integration
 
 
 def with_cache(**changes: Any) -> StageConfig:
@@ -353,14 +353,14 @@ def test_record_is_all_or_nothing_on_frame_mismatch() -> None:
     """A frame whose token count is not len(tokens) records nothing and changes nothing."""
     config = seed_config()
     kv = seed_integration(config)
-    before = kv.cache._snapshot()
+    before = cache_state(kv.cache)
     assert (
         kv.record_resident_activation(
             config, seed_base(), 0, list(range(300)), 4096, activation_frame(299, 1196)
         )
         == []
     )
-    assert kv.cache._snapshot() == before
+    assert cache_state(kv.cache) == before
 
 
 def test_record_skips_short_prompts_empty_tokens_and_empty_payloads() -> None:
@@ -504,6 +504,7 @@ GOOD_TOKENS = list(range(300))
         ({"tokens": [*GOOD_TOKENS[:-1], 2**31]}, ConfigError, "got 2147483648 at index 299"),
         ({"tokens": [0.5] * 300}, ConfigError, "tokens must be integers, got 0.5 at index 0"),
         ({"tokens": np.zeros(300)}, ConfigError, "tokens must be integers, got 0.0 at index 0"),
+        ({"tokens": None}, ConfigError, "tokens must be a sequence of integers, got NoneType"),
         ({"width": -1}, ConfigError, r"activation_width must be in \[0, 2147483647\], got -1"),
         ({"width": 4096.0}, ConfigError, "activation_width must be an integer, got 4096.0"),
         ({"token_start": -1}, ConfigError, "token_start must be in"),
@@ -522,7 +523,7 @@ def test_bad_input_raises_and_leaves_cache_unchanged(
         config, seed_base(), 0, GOOD_TOKENS, 4096, activation_frame(300, 1200)
     )
     kv.restore_resident_activation(config, seed_base(), 0, GOOD_TOKENS, 4096)
-    before = kv.cache._snapshot()
+    before = cache_state(kv.cache)
     args: dict[str, Any] = {
         "config": config,
         "base": seed_base(),
@@ -547,18 +548,18 @@ def test_bad_input_raises_and_leaves_cache_unchanged(
                 args["width"],
                 frame,
             )
-    assert kv.cache._snapshot() == before
+    assert cache_state(kv.cache) == before
 
 
 def test_record_of_a_non_frame_raises_frame_error_and_changes_nothing() -> None:
     """A payload that is not an ActivationFrame is a FrameError; the cache is untouched."""
     config = seed_config()
     kv = seed_integration(config)
-    before = kv.cache._snapshot()
+    before = cache_state(kv.cache)
     not_a_frame: Any = np.zeros(1200, dtype=np.uint8)
     with pytest.raises(FrameError, match="frame must be an ActivationFrame, got ndarray"):
         kv.record_resident_activation(config, seed_base(), 0, GOOD_TOKENS, 4096, not_a_frame)
-    assert kv.cache._snapshot() == before
+    assert cache_state(kv.cache) == before
 
 
 def test_message_base_is_validated_by_its_own_type() -> None:
@@ -616,13 +617,13 @@ def test_record_only_cache_hashes_only_record_lengths(monkeypatch: pytest.Monkey
 def test_a_frame_disagreeing_with_its_payload_never_reaches_the_cache() -> None:
     """payload_bytes != payload size fails at construction with FrameError; cache untouched."""
     kv = seed_integration()
-    before = kv.cache._snapshot()
+    before = cache_state(kv.cache)
     good = activation_frame(300, 1200)
     with pytest.raises(
         FrameError, match="payload_bytes must equal the payload size 1200, got 1199"
     ):
         ActivationFrame(desc=attrs.evolve(good.desc, payload_bytes=1199), payload=good.payload)
-    assert kv.cache._snapshot() == before
+    assert cache_state(kv.cache) == before
 
 
 BLOCKS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
@@ -690,12 +691,6 @@ def reference_restore(
     return None
 
 
-def observable(kv: KvStageIntegration) -> tuple[Any, ...]:
-    """Clock, entries in LRU order with their recency, and counters."""
-    clock, entries, stats, _ = kv.cache._snapshot()
-    return clock, [entry[:4] for entry in entries], stats
-
-
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["record", "restore", "restore", "plant"]),
@@ -738,7 +733,7 @@ def test_restore_matches_the_literal_spec_reading(
             assert (None if got is None else (got.token_count, got.page_id)) == want
             every = full.restore_resident_activation(config, base, start, tokens, width)
             assert (None if every is None else (every.token_count, every.page_id)) == want
-        assert observable(fast) == observable(slow) == observable(full)
+        assert cache_state(fast.cache) == cache_state(slow.cache) == cache_state(full.cache)
 
 
 def test_cache_without_key_index_is_probed_fully() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import trio
@@ -130,3 +132,55 @@ def test_reference_models_satisfy_the_protocol() -> None:
     """Both reference models are StageModels."""
     assert isinstance(CausalMixModel(width=2), StageModel)
     assert isinstance(VirtualStageModel(width=2), StageModel)
+
+
+async def test_causal_mix_model_runs_forwards_above_the_threshold_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rows x width^2 above thread_threshold_macs computes off the event loop; the rest inline."""
+    threads: list[int] = []
+    compute = CausalMixModel._continue
+
+    def recording(self: CausalMixModel, *args: object) -> object:
+        threads.append(threading.get_ident())
+        return compute(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CausalMixModel, "_continue", recording)
+    model = CausalMixModel(width=8, thread_threshold_macs=10 * 8 * 8)
+    small, large = (
+        model.embed(np.arange(10, dtype=np.int32)),
+        model.embed(np.arange(11, dtype=np.int32)),
+    )
+    await model.forward(small, 0, None)
+    await model.forward(large, 0, None)
+    assert threads[0] == threading.get_ident()
+    assert threads[1] != threading.get_ident()
+
+
+async def test_causal_mix_model_output_is_the_same_inline_or_threaded() -> None:
+    """Where a forward runs does not change its rows, cold or continued from a restore."""
+    inline = CausalMixModel(width=16, seed=5)
+    threaded = CausalMixModel(width=16, seed=5, thread_threshold_macs=0)
+    inputs = inline.embed(np.arange(30, dtype=np.int32))
+    cold = await inline.forward(inputs, 0, None)
+    np.testing.assert_array_equal((await threaded.forward(inputs, 0, None)).rows(), cold.rows())
+    continued = await threaded.forward(inputs, 12, cold.prefix(12))
+    np.testing.assert_allclose(continued.rows(), cold.rows()[12:], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"thread_threshold_macs": -1}, "thread_threshold_macs must be >= 0, got -1"),
+    ],
+)
+def test_causal_mix_model_refuses_negative_seed_and_threshold(
+    kwargs: dict[str, int], message: str
+) -> None:
+    """Negative seeds (numpy refuses them) and thresholds are ConfigErrors naming the field."""
+    with pytest.raises(ConfigError, match=message):
+        CausalMixModel(**kwargs)
+    if "seed" in kwargs:
+        with pytest.raises(ConfigError, match=message):
+            reference_model_factory(seed=-1)

@@ -213,6 +213,8 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill([], session_id="s")
         with pytest.raises(ConfigError, match="tokens must be integers"):
             await pipeline.prefill(["a", "b"], session_id="s")  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="tokens must be a sequence of integers, got None"):
+            await pipeline.prefill(None, session_id="s")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="int32 range"):
             await pipeline.prefill(np.array([1, 2**40]), session_id="s")
         with pytest.raises(ConfigError, match="session_id must be a string"):
@@ -465,11 +467,15 @@ max_entries = 1
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml \(stage #1\): missing required field stage_id",
+            r"topology.toml: stage #1: missing required field stage_id",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
-            r"topology.toml \(stage 'a'\): layer_end must be an integer, got 'x'",
+            r"topology.toml: stage 'a': layer_end must be an integer, got 'x'",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 3\n',
+            r"topology.toml: stage 'a': layer_end must be > layer_start \(3\), got 3",
         ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),

@@ -155,3 +155,36 @@ async def test_each_evicted_page_is_an_activation_evicted_event(logs: list[LogEv
     events = events_named(logs, "activation_evicted")
     assert [(e["token_count"], e["reason"]) for e in events] == [(128, "max_entries")] * 2
     assert all(":page:" in e["page_id"] for e in events)
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_pipeline_stats_carry_each_stages_accounting(
+    logs: list[LogEvent], index: str
+) -> None:
+    """pipeline.stats() gives every stage's misses by reason, restored tokens and footprint."""
+    configs = stage_configs(2, max_entries=64)
+    if index == "paged":
+        configs = paged(configs)
+    first = prompt(600)
+    async with open_pipeline(configs, mix_factory(width=4), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(first, session_id="a")
+        await pipeline.prefill(first, session_id="b")
+        live = await pipeline.stats()
+    final = await pipeline.stats()  # after the pipeline stopped: the stages' last stats
+    for stats in (live, final):
+        assert [stage.stage_id for stage in stats.stages] == ["stage-0", "stage-1"]
+        for stage in stats.stages:
+            acc = stage.accounting
+            assert acc is not None
+            assert stage.cache is not None
+            assert acc is stage.cache.accounting
+            assert acc.index == index
+            assert (acc.lookups, acc.hits, acc.restored_tokens) == (2, 1, 600)
+            assert (acc.misses_never_seen, acc.misses_evicted, acc.misses_rejected) == (1, 0, 0)
+            assert acc.resident_bytes == stage.cache.resident_bytes
+            assert acc.unique_prefix_bytes == 600 * 4 * 4  # 600 rows of 4 float32
+    missed = events_named(logs, "activation_missed")
+    assert [(e["stage"], e["reason"]) for e in missed] == [
+        ("stage-0", "never_seen"),
+        ("stage-1", "never_seen"),
+    ]

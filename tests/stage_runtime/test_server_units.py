@@ -105,6 +105,20 @@ def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
         (_body(tokens=[1], session_id="s", request_id=None), "request_id", "invalid_field", "null"),
         (_body(tokens=[1], session_id="s" * 257), "session_id", "invalid_field", "at most 256"),
         (_body(tokens=[1], session_id="s", token=[2]), "token", "unknown_field", "not a known"),
+        (_body(tokens=[1], session_id="s", cache_salt=3), "cache_salt", "invalid_field", "string"),
+        (_body(tokens=[1], session_id="s", cache_salt=""), "cache_salt", "invalid_field", "empty"),
+        (
+            b'{"tokens": [1, ' + b"9" * 5000 + b'], "session_id": "s"}',
+            "tokens",
+            "invalid_field",
+            r"tokens\[1\] must be within int32 .*got an integer of 5000 digits",
+        ),
+        (
+            b'{"tokens": [1], "session_id": -' + b"1" * 30 + b"}",
+            "session_id",
+            "invalid_field",
+            "got an integer of 30 digits",
+        ),
     ],
 )
 def test_parse_rejects_bad_bodies_naming_the_field(
@@ -117,6 +131,13 @@ def test_parse_rejects_bad_bodies_naming_the_field(
     assert caught.value.error == error
     assert caught.value.status == 400
     assert caught.value.to_json() == {"error": error, "field": field, "message": str(caught.value)}
+
+
+def test_parse_takes_an_optional_cache_salt() -> None:
+    """cache_salt is passed through when given and None otherwise."""
+    assert parse_prefill_request(_body(tokens=[1], session_id="s")).cache_salt is None
+    salted = parse_prefill_request(_body(tokens=[1], session_id="s", cache_salt="tenant-a"))
+    assert salted.cache_salt == "tenant-a"
 
 
 def test_parse_enforces_max_tokens_for_tokens_and_text() -> None:
@@ -225,7 +246,7 @@ _JSON = st.recursive(
     lambda children: (
         st.lists(children, max_size=4)
         | st.dictionaries(
-            st.sampled_from(["tokens", "text", "session_id", "request_id", "x"]),
+            st.sampled_from(["tokens", "text", "session_id", "request_id", "cache_salt", "x"]),
             children,
             max_size=4,
         )
@@ -234,8 +255,27 @@ _JSON = st.recursive(
 )
 
 
+_HUGE_INTEGERS = st.integers(min_value=1, max_value=6000).map(lambda n: "7" * n)
+"""Integer literals up to beyond Python's 4300-digit conversion limit."""
+
+
+def _with_huge_integer(doc: object, literal: str) -> bytes:
+    """``doc`` as JSON with its first integer replaced by ``literal`` (or appended as a token)."""
+    text = json.dumps(doc)
+    spliced = re.sub(r"(?<![\w.\-\"])\d+(?![\w.\"])", literal, text, count=1)
+    if spliced == text:
+        spliced = json.dumps({"tokens": [0], "session_id": "s"}).replace("0", literal, 1)
+    return spliced.encode()
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(_JSON.map(lambda doc: json.dumps(doc).encode()), st.binary(max_size=40)))
+@given(
+    st.one_of(
+        _JSON.map(lambda doc: json.dumps(doc).encode()),
+        st.builds(_with_huge_integer, _JSON, _HUGE_INTEGERS),
+        st.binary(max_size=40),
+    )
+)
 def test_parse_never_fails_with_anything_but_invalid_request(body: bytes) -> None:
     """Any body either parses or raises InvalidRequestError with a 400 and a named field."""
     error: InvalidRequestError | None = None

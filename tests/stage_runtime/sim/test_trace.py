@@ -120,11 +120,24 @@ def test_limit_stops_after_that_many_requests(tmp_path: Path) -> None:
 
 
 def test_non_utf8_file_is_a_trace_format_error(tmp_path: Path) -> None:
-    """A binary file is refused as a trace error naming the file."""
+    """A binary file is refused as a trace error naming the file and the line."""
     path = tmp_path / "binary.jsonl"
     path.write_bytes(b"\xff\xfe\x00garbage\n")
-    with pytest.raises(TraceFormatError, match=r"binary\.jsonl: is not UTF-8"):
+    with pytest.raises(TraceFormatError, match=r"binary\.jsonl:1: is not UTF-8") as caught:
         read_trace(path)
+    assert caught.value.line == 1
+
+
+def test_skip_bad_lines_skips_a_non_utf8_line_and_keeps_the_rest(tmp_path: Path) -> None:
+    """One undecodable line is one skipped line: the lines around it still replay."""
+    path = tmp_path / "mixed.jsonl"
+    good = _line().encode()
+    path.write_bytes(good + b"\n" + b'{"timestamp": "\xe9t\xe9"}\n' + good + b"\n")
+    result = read_trace(path, skip_bad_lines=True)
+    assert [r.line for r in result.requests] == [1, 3]
+    assert result.skipped_lines == 1
+    assert result.first_error is not None
+    assert "mixed.jsonl:2: is not UTF-8 text" in result.first_error
 
 
 def test_bundled_demo_trace_has_300_requests_with_sharing() -> None:

@@ -56,6 +56,7 @@ def test_conversation_turns_extend_the_previous_turn_in_order() -> None:
         ({"question_tokens": 0}, "question_tokens must be >= 1, got 0"),
         ({"requests_per_s": 0.0}, "requests_per_s must be > 0, got 0.0"),
         ({"groups": 0, "conversations": 0}, "the workload has no requests"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
     ],
 )
 def test_impossible_workloads_are_refused(kwargs: dict[str, object], message: str) -> None:
