@@ -202,7 +202,7 @@ class CacheActor(Actor[CacheMessage, Any]):
             log.debug(
                 "activation_missed",
                 requested_tokens=requested,
-                candidates_tried=len(integration.policy.candidate_token_counts(requested)),
+                candidates_tried=integration.policy.candidate_count(requested),
                 decision=DECISION_MISS,
                 reason=integration.last_miss_reason or "never_seen",
             )

@@ -445,22 +445,23 @@ class KvStageIntegration:
         if not self.should_lookup() or array.size == 0:
             return None
         n = int(array.size)
-        counts = self.policy.candidate_token_counts(n)
+        policy = self.policy
+        total = policy.candidate_count(n)
         # Only candidates with a resident key of their (start, width, count) can hit; the others
         # are accounted as the misses they would be without hashing them (same clock, same
         # counters, same recency as probing every candidate).
         if not self.probe_all and self.cache.key_index is activation_key_slot:
             resident = self.cache.indexed_counts((str(token_start), f"w{width}"))
-            if len(resident) < len(counts):
-                is_candidate = self.policy.is_candidate
+            if len(resident) < total:
+                is_candidate = policy.is_candidate
                 probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
-            else:  # counts is descending: keep its order
-                probes = [c for c in counts if c in resident]
+            else:  # the grid is descending: keep its order
+                probes = [c for c in policy.candidate_token_counts(n) if c in resident]
             probes = self._filter_probes(token_start, width, array, probes)
         else:  # a cache built without our index: probe every candidate
-            probes = counts
+            probes = policy.candidate_token_counts(n)
         if not probes:
-            self.cache.count_misses(len(counts))
+            self.cache.count_misses(total)
             return None
         wanted = list(probes)
         if self.should_record():
@@ -472,18 +473,18 @@ class KvStageIntegration:
             token_start,
             array,
             wanted,
-            more=lambda: self._restore_extra_counts(token_start, width, array, counts),
+            more=lambda: self._restore_extra_counts(
+                token_start, width, array, policy.candidate_token_counts(n)
+            ),
         )
-        skipped = 0
-        remaining = iter(probes)
-        probe = next(remaining)
-        for index, count in enumerate(counts):
-            if count != probe:
-                skipped += 1
-                continue
-            if skipped:
-                self.cache.count_misses(skipped)
-                skipped = 0
+        # Walk the probes longest first; every candidate between two probes is a miss, counted
+        # by its position in the grid rather than by listing the grid.
+        position = 0  # grid index of the next candidate not yet accounted for
+        for count in probes:
+            index = policy.candidate_index(n, count)
+            if index > position:
+                self.cache.count_misses(index - position)
+            position = index + 1
             pid = page_id(config, token_start, count, hashes[count])
             key = activation_page_id(pid, width)
             hit = self.cache.lookup(key)
@@ -506,12 +507,9 @@ class KvStageIntegration:
                         entries=hit.entries,
                         frame=frame,
                     )
-            next_probe = next(remaining, None)
-            if next_probe is None:
-                self.cache.count_misses(len(counts) - index - 1)
-                return None
-            probe = next_probe
-        return None  # pragma: no cover - every probe is a candidate, so the loop returns
+        if total > position:
+            self.cache.count_misses(total - position)
+        return None
 
     def record_resident_activation(
         self,

@@ -116,6 +116,45 @@ class CandidatePolicy:
         top = max(top, low)
         return [n, *range(top, low, -stride), low]
 
+    def candidate_count(self, token_count: int) -> int:
+        """``len(candidate_token_counts(token_count))``, in O(1).
+
+        Raises:
+            ConfigError: ``token_count`` is not an integer >= 0.
+        """
+        n = _check_n(token_count)
+        low = self.min_tokens
+        if n == 0:
+            return 0
+        if low == 0 or n <= low:
+            return 1
+        top = self._top(n)
+        # n, the grid lines top, top - stride, ... above low, then low itself.
+        return 2 + (top - low - 1) // self._stride + 1 if top > low else 2
+
+    def candidate_index(self, token_count: int, count: int) -> int:
+        """Position of ``count`` in ``candidate_token_counts(token_count)``, in O(1).
+
+        Raises:
+            ConfigError: ``count`` is not a candidate length of ``token_count``.
+        """
+        if not self.is_candidate(token_count, count):
+            msg = f"{count!r} is not a candidate length of a {token_count!r}-token prompt"
+            raise ConfigError(msg)
+        if count == token_count:
+            return 0
+        if count == self.min_tokens:
+            return self.candidate_count(token_count) - 1
+        return 1 + (self._top(token_count) - count) // self._stride
+
+    def _top(self, n: int) -> int:
+        """The longest grid line below ``n`` (at least ``min_tokens``); needs n > min_tokens."""
+        stride = self._stride
+        top = n - n % stride
+        if top == n:
+            top = n - stride
+        return max(top, self.min_tokens)
+
     def is_candidate(self, token_count: int, count: int) -> bool:
         """Whether ``count`` is in ``candidate_token_counts(token_count)``, in O(1)."""
         n = token_count
@@ -140,8 +179,16 @@ class CandidatePolicy:
         Raises:
             ConfigError: ``token_count`` is not an integer >= 0.
         """
-        candidates = self.candidate_token_counts(token_count)
         limit = self.record_limit
+        if limit in (1, 2):
+            # The exact length and the longest grid line below it: no need to list the grid.
+            n = _check_n(token_count)
+            if n == 0:
+                return []
+            if limit == 1 or self.min_tokens == 0 or n <= self.min_tokens:
+                return [n]
+            return [n, self._top(n)]
+        candidates = self.candidate_token_counts(token_count)
         if limit == 0 or len(candidates) <= limit:
             return candidates
         n = candidates[0]

@@ -283,3 +283,47 @@ def test_is_candidate_matches_the_candidate_list(
     probes = data.draw(st.lists(st.integers(-1, n + 2), max_size=30))
     for c in [*probes, *candidates, min_tokens, n]:
         assert p.is_candidate(n, c) == (c in candidates)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    min_tokens=st.integers(0, 300),
+    stride=st.integers(0, 300),
+    page=st.integers(0, 300),
+    n=st.integers(0, 5000),
+)
+def test_count_and_index_agree_with_the_listed_grid(
+    min_tokens: int, stride: int, page: int, n: int
+) -> None:
+    p = CandidatePolicy(min_tokens=min_tokens, stride_tokens=stride, page_size_tokens=page)
+    grid = p.candidate_token_counts(n)
+    assert p.candidate_count(n) == len(grid)
+    for index, count in enumerate(grid):
+        assert p.candidate_index(n, count) == index
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    min_tokens=st.integers(0, 300),
+    stride=st.integers(0, 300),
+    limit=st.sampled_from([1, 2]),
+    n=st.integers(0, 5000),
+)
+def test_short_ladders_are_the_head_of_the_grid(
+    min_tokens: int, stride: int, limit: int, n: int
+) -> None:
+    # Limits 1 and 2 are computed without listing the grid; they must equal its first entries.
+    p = CandidatePolicy(
+        min_tokens=min_tokens,
+        stride_tokens=stride,
+        record_limit=limit,
+        page_size_tokens=max(min_tokens, 1),
+    )
+    assert p.record_candidate_token_counts(n) == p.candidate_token_counts(n)[:limit]
+
+
+def test_candidate_index_of_a_non_candidate_is_a_config_error() -> None:
+    p = policy(64, 32, 2)
+    with pytest.raises(ConfigError, match="100 is not a candidate length of a 160-token prompt"):
+        p.candidate_index(160, 100)
+    assert p.candidate_index(160, 128) == 1
