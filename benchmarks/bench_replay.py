@@ -129,6 +129,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_bytes": peak,
         "goal": {"ratio_to_floor_max": 3.0, "peak_rss_bytes_max": 2 * 1024**3},
+        "goals": [
+            {
+                "name": "replay wall time / hashing floor",
+                "target": "<= 3",
+                "measured": round(wall / floor, 2) if floor > 0 else None,
+                "met": floor > 0 and wall / floor <= 3.0,
+            },
+            {
+                "name": "peak RSS (MiB)",
+                "target": "< 2048",
+                "measured": round(peak / 2**20),
+                "met": peak < 2 * 1024**3,
+            },
+        ],
         "token_hit_ratio": result.token_hit_ratio,
         "theoretical_max_hit_ratio": result.theoretical.ratio,
         "config": config.as_dict(),

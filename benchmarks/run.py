@@ -66,6 +66,31 @@ def _scalars(result: object) -> str:
     return ", ".join(shown[:6])
 
 
+def goal_rows(name: str, result: object) -> list[tuple[str, str, str, str, str]]:
+    """(benchmark, goal, target, measured, MET/MISSED) for each goal a benchmark recorded.
+
+    A benchmark records its goals as ``"goals": [{"name", "target", "measured", "met"}]``; a
+    missed goal is reported, never hidden (the run itself still succeeds).
+    """
+    if not isinstance(result, dict):
+        return []
+    rows = []
+    for goal in result.get("goals", []):
+        if not isinstance(goal, dict):
+            continue
+        verdict = "MET" if goal.get("met") is True else "MISSED"
+        rows.append(
+            (
+                name,
+                str(goal.get("name", "?")),
+                str(goal.get("target", "?")),
+                str(goal.get("measured", "?")),
+                verdict,
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """Run the benchmarks; print a summary and write the combined JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {}
     summary: list[tuple[str, str, float, str]] = []
+    goals: list[tuple[str, str, str, str, str]] = []
     for script in discover(args.only):
         name = script.stem.removeprefix("bench_")
         json_path = out_dir / f"{name}.json"
@@ -109,12 +135,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         result = json.loads(json_path.read_text(encoding="utf-8"))
         results[name] = {"status": "ok", "elapsed_s": elapsed, "result": result}
         summary.append((name, "ok", elapsed, _scalars(result)))
+        goals += goal_rows(name, result)
 
-    document = {"machine": _machine(), "trace": args.trace, "benchmarks": results}
+    document = {
+        "machine": _machine(),
+        "trace": args.trace,
+        "benchmarks": results,
+        "goals_met": sum(row[4] == "MET" for row in goals),
+        "goals_missed": [f"{row[0]}: {row[1]}" for row in goals if row[4] != "MET"],
+    }
     Path(args.output).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print(f"\n{'benchmark':<20} {'status':<8} {'time':>8}  figures")
     for name, status, elapsed, figures in summary:
         print(f"{name:<20} {status:<8} {elapsed:>7.1f}s  {figures}")
+    if goals:
+        width = max(len(row[1]) for row in goals)
+        print(f"\n{'benchmark':<10} {'goal':<{width}} {'target':<36} {'measured':>10}  verdict")
+        for bench, goal, target, measured, verdict in goals:
+            print(f"{bench:<10} {goal:<{width}} {target:<36} {measured:>10}  {verdict}")
+        missed = sum(row[4] != "MET" for row in goals)
+        print(f"{len(goals) - missed} of {len(goals)} goals met, {missed} missed")
     print(f"results written to {args.output}")
     return document
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 RUN = Path(__file__).parents[3] / "benchmarks" / "run.py"
@@ -52,3 +54,40 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     assert result["peak_rss_bytes"] > 0
     assert result["machine"]["trio"]
     assert "replay" in done.stdout
+    # Goals are reported with a verdict each, missed ones by name in the combined JSON.
+    names = [goal["name"] for goal in result["goals"]]
+    assert names == ["replay wall time / hashing floor", "peak RSS (MiB)"]
+    assert all(isinstance(goal["met"], bool) for goal in result["goals"])
+    assert result["goals"][1]["met"] is True  # two tiny requests are far under 2 GiB
+    verdicts = {goal["name"]: goal["met"] for goal in result["goals"]}
+    missed = {f"replay: {name}" for name, met in verdicts.items() if not met}
+    assert set(document["goals_missed"]) == missed
+    assert document["goals_met"] == len(verdicts) - len(missed)
+    assert f"{len(verdicts) - len(missed)} of 2 goals met" in done.stdout
+
+
+def _run_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_goal_rows_say_met_or_missed() -> None:
+    goal_rows = _run_module().goal_rows
+    result = {
+        "goals": [
+            {"name": "fast", "target": "< 2", "measured": 1.2, "met": True},
+            {"name": "small", "target": "< 1 GB", "measured": 3, "met": False},
+            {"name": "unsure", "target": "?", "measured": None},  # no verdict is not a pass
+        ]
+    }
+    assert goal_rows("x", result) == [
+        ("x", "fast", "< 2", "1.2", "MET"),
+        ("x", "small", "< 1 GB", "3", "MISSED"),
+        ("x", "unsure", "?", "None", "MISSED"),
+    ]
+    assert goal_rows("x", {"wall_s": 1.0}) == []
+    assert goal_rows("x", ["not", "a", "dict"]) == []
