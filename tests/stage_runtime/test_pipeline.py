@@ -222,8 +222,13 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill(np.array([1, 2**40]), session_id="s")
         with pytest.raises(ConfigError, match="session_id must be a string"):
             await pipeline.prefill([1, 2], session_id=7)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="request_id must be a string or None, got 5"):
+            await pipeline.prefill([1, 2], session_id="s", request_id=5)  # type: ignore[arg-type]
         result = await pipeline.prefill([1, 2, 3], session_id="s")
+        stats = await pipeline.stats()
     assert result.tokens == 3
+    # none of the refused prompts reached a stage: one restore per stage, for the good one
+    assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
 
 async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None:
@@ -273,6 +278,29 @@ async def test_cancelled_caller_leaves_no_partial_state(
     stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
     assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (1, 1)
     assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
+
+
+async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A caller held back by backpressure and cancelled before its request got in costs
+    nothing: no stage sees it, and the pipeline still drains and stops."""
+    registry = ModelRegistry(mix_factory())
+    async with (
+        open_pipeline(stage_configs(2), registry, channel_size=0, environ=NO_ENV) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
+        gate = trio.Event()
+        registry.models["stage-0"].gate = gate
+        nursery.start_soon(lambda: pipeline.prefill(prompt(10), session_id="a"))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(1) as scope:  # stage 0 is busy and the entry is a rendezvous
+            await pipeline.prefill(prompt(10, start=50), session_id="b")
+        assert scope.cancelled_caught
+        gate.set()
+    assert [m.calls for m in registry.models.values()] == [[(0, 10)], [(0, 10)]]
+    stats = await pipeline.stats()
+    assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
 
 async def test_request_cancelled_while_queued_is_skipped(
