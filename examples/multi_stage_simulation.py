@@ -3,7 +3,8 @@
 The program opens a real 4-stage pipeline of simulated stages (virtual activations of 8 KiB per
 token, virtual compute time of 25 us per token per stage), and serves a synthetic workload the
 way a server would: each request is its own task, started at its arrival time. Alongside, a task
-of the program's own samples the stage-0 cache. At the end it prints what the cache bought.
+of the program's own samples the stage-0 cache. At the end it prints what the cache bought, and
+each stage's hits and misses from ``Pipeline.stats()``.
 
 The stages sleep their simulated cost with ``trio.sleep``, so the ``__main__`` block runs the
 program on a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``): simulated seconds
@@ -73,6 +74,7 @@ async def main() -> dict[str, float]:
                     await trio.sleep_until(start + request.arrival_s)
                     requests_nursery.start_soon(serve, request, trio.current_time())
             monitoring.cancel_scope.cancel()
+    stats = await pipeline.stats()  # the final figures, once the pipeline has drained
 
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     hit_ratio = restored / (restored + computed)
@@ -83,6 +85,14 @@ async def main() -> dict[str, float]:
         f"median time to first token {ttft[len(ttft) // 2] * 1000:.0f} ms; "
         f"stage-0 cache peaked at {max(samples, default=0) / 2**20:.0f} MiB"
     )
+    for stage in stats.stages:
+        acc = stage.accounting
+        if acc is not None:
+            print(
+                f"  {stage.stage_id}: {acc.hits} hit / {acc.misses} missed of {acc.lookups} "
+                f"restores (never seen {acc.misses_never_seen}, evicted {acc.misses_evicted}), "
+                f"{acc.restored_tokens:,} tokens restored, {acc.evictions} evictions"
+            )
     return {
         "hit_ratio": hit_ratio,
         "theoretical_max": theoretical.ratio,

@@ -3,7 +3,8 @@
 Each stage owns a small activation cache (6 entries). Prompts that share a prefix with an earlier
 one restore that prefix's activations instead of recomputing them; the table shows how many
 tokens each stage restored and computed, and the log lines show every restore, miss, record and
-eviction as structlog renders them on a console.
+eviction as structlog renders them on a console. The last lines are the per-stage accounting
+from ``Pipeline.stats()``: restores, hits and misses (by reason), restored tokens and evictions.
 
 Run it with ``python examples/two_stage_pipeline.py``.
 """
@@ -88,24 +89,31 @@ async def main() -> None:
     """Send the conversations through the pipeline and print what each stage did."""
     configure_logging()
     rows: list[str] = []
+    total = 0  # prompt tokens sent
     async with open_pipeline(stages(), reference_model_factory(width=32), environ={}) as pipeline:
         for label, text in conversations():
             result = await pipeline.prefill(tokenize(text), session_id=label.split()[0])
             cells = "  ".join(
                 f"{r.restored_tokens:>4} / {r.computed_tokens:<4}" for r in result.stages
             )
-            rows.append(f"{label:<15} {result.tokens:>6}  {cells}")
+            rows.append(f"{label:<15} {result.tokens:>6}  {cells}".rstrip())
+            total += result.tokens
         stats = await pipeline.stats()
     print()
     print(f"{'prompt':<15} {'tokens':>6}  {'stage-0 rest/comp':<17}  {'stage-1 rest/comp':<17}")
     print("\n".join(rows))
+    print()
     for stage in stats.stages:
-        cache = stage.cache
-        assert cache is not None
+        acc = stage.accounting
+        assert acc is not None
         print(
-            f"{stage.stage_id}: {cache.entries} entries, {cache.resident_bytes} bytes, "
-            f"{cache.hits} hits / {cache.lookups} lookups, {cache.evictions} evictions, "
-            f"{stage.mailbox.processed} cache messages"
+            f"{stage.stage_id}: {acc.lookups} restores: {acc.hits} hit, {acc.misses} missed "
+            f"(never seen {acc.misses_never_seen}, evicted {acc.misses_evicted}, rejected "
+            f"{acc.misses_rejected}); {acc.restored_tokens:,} of {total:,} prompt tokens restored"
+        )
+        print(
+            f"{'':9}{acc.entries} entries resident ({acc.resident_bytes:,} bytes), "
+            f"{acc.evictions} evicted, {stage.mailbox.processed} cache messages"
         )
 
 

@@ -19,9 +19,10 @@ event carries it. ``activation_missed`` carries the miss's ``reason`` (``never_s
 ``evicted`` or ``rejected``) in both index modes.
 
 A malformed message (wrong field types, a token array that is not integers, a frame that is not
-an :class:`~stage_runtime.frames.ActivationFrame`) raises a typed error in the caller's ``ask``
-(:class:`~stage_runtime.errors.ConfigError` or :class:`~stage_runtime.errors.FrameError`), is
-logged by the actor toolkit, and leaves the cache unchanged; the actor keeps running.
+an :class:`~stage_runtime.frames.ActivationFrame` or does not cover exactly the message's tokens)
+raises a typed error in the caller's ``ask`` (:class:`~stage_runtime.errors.ConfigError` or
+:class:`~stage_runtime.errors.FrameError`), is logged by the actor toolkit, and leaves the cache
+unchanged; the actor keeps running.
 """
 
 from __future__ import annotations
@@ -219,8 +220,14 @@ class CacheActor(Actor[CacheMessage, Any]):
 
     def _record(self, message: RecordActivation) -> list[ResidentActivationRecord]:
         tokens = _check_common(message)
-        if not isinstance(message.frame, ActivationFrame):
-            msg = f"frame must be an ActivationFrame, got {type(message.frame).__name__}"
+        frame = message.frame
+        if not isinstance(frame, ActivationFrame):
+            msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
+            raise FrameError(msg)
+        if frame.token_count != tokens.size:
+            # The core would store nothing (all or nothing, spec §5.2); a message that pairs a
+            # frame with other tokens is a caller's bug, so the caller hears about it.
+            msg = f"frame must cover the {tokens.size} tokens, got {frame.token_count} tokens"
             raise FrameError(msg)
         integration = self._integration
         if integration is None or not integration.should_record():
@@ -231,7 +238,7 @@ class CacheActor(Actor[CacheMessage, Any]):
             message.token_start,
             tokens,
             message.activation_width,
-            message.frame,
+            frame,
         )
         for record in records:
             _log_evictions(record.evicted)

@@ -236,7 +236,8 @@ async def open_pipeline(
         The running :class:`Pipeline`. Leaving the block drains it (see the module docstring).
 
     Raises:
-        ConfigError: the topology is invalid (names the stage and field).
+        ConfigError: the topology is invalid (names the stage and field), ``model_factory`` is
+            not callable, or ``channel_size``/``mailbox_size`` is not an integer >= 0.
         ExceptionGroup: holding :class:`~stage_runtime.errors.StageFailedError` when a stage
             crashed.
     """
@@ -245,6 +246,9 @@ async def open_pipeline(
     else:
         configs = list(stages)
         validate_topology(configs)
+    if not callable(model_factory):
+        msg = f"model_factory must be callable, got {type(model_factory).__name__}"
+        raise ConfigError(msg)
     for name, value in (("channel_size", channel_size), ("mailbox_size", mailbox_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             msg = f"{name} must be an integer >= 0, got {value!r}"

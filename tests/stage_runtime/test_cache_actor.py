@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -393,6 +394,32 @@ async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
             ConfigError,
             "tokens must be a sequence of integers, got NoneType",
         ),
+        (
+            RecordActivation(
+                base=BASE, tokens=tokens(300), activation_width=WIDTH, frame=seed_frame(299, 1196)
+            ),
+            FrameError,
+            "frame must cover the 300 tokens, got 299 tokens",
+        ),
+        (
+            RestoreActivation(
+                base=BASE, tokens=tokens(300), activation_width=WIDTH, token_start=-1
+            ),
+            ConfigError,
+            "token_start must be an integer >= 0, got -1",
+        ),
+        (
+            RestoreActivation(base=BASE, tokens=tokens(300), activation_width=True),
+            ConfigError,
+            "activation_width must be an integer >= 0, got True",
+        ),
+        (
+            RestoreActivation(
+                base=BASE, tokens=np.zeros((2, 150), dtype=np.int32), activation_width=WIDTH
+            ),
+            ConfigError,
+            "tokens must be 1-D, got shape (2, 150)",
+        ),
         ("hello", ConfigError, "message must be RestoreActivation"),
     ],
 )
@@ -403,7 +430,7 @@ async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
     async with cache_actor(seed_config()) as ref:
         await ref.ask(record(tokens(300), seed_frame(300, 1200)))
         before = await ref.ask(CacheStatsRequest())
-        with pytest.raises(error, match=match):
+        with pytest.raises(error, match=re.escape(match)):
             await ref.ask(message)
         after = await ref.ask(CacheStatsRequest())
         assert await ref.ask(restore(tokens(300))) is not None
@@ -426,3 +453,56 @@ async def test_cancelled_restore_does_not_kill_the_actor() -> None:
             await ref.ask(restore(tokens(300)))
         assert scope.cancelled_caught
         assert await ref.ask(restore(tokens(300))) is None
+
+
+async def test_every_cache_event_has_its_fields_and_level(logs: list[LogEvent]) -> None:
+    """Each event carries exactly its documented fields (plus stage/actor) at its level."""
+    bound = {"event", "log_level", "stage", "actor"}
+    async with cache_actor(seed_config(max_entries=2)) as ref:
+        await ref.ask(restore(tokens(300)))  # miss
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))  # 2 records
+        await ref.ask(restore(tokens(300)))  # resident hit
+        await ref.ask(record(tokens(300, start=7), seed_frame(300, 1200)))  # evicts 2
+    expected = {
+        "activation_missed": (
+            "debug",
+            {"requested_tokens", "candidates_tried", "decision", "reason"},
+        ),
+        "activation_recorded": (
+            "debug",
+            {"page_id", "token_count", "payload_bytes", "entries", "resident_bytes", "decision"},
+        ),
+        "activation_restored": (
+            "debug",
+            {"page_id", "token_count", "requested_tokens", "payload_bytes", "decision"},
+        ),
+        "activation_evicted": (
+            "info",
+            {"page_id", "token_count", "payload_bytes", "reason", "entries", "resident_bytes"},
+        ),
+    }
+    seen = [e["event"] for e in logs if str(e["event"]).startswith("activation_")]
+    assert seen == [
+        "activation_missed",
+        *["activation_recorded"] * 2,
+        "activation_restored",
+        *["activation_evicted", "activation_recorded"] * 2,
+    ]
+    for event in logs:
+        if event["event"] in expected:
+            level, names = expected[event["event"]]
+            assert (event["log_level"], set(event)) == (level, names | bound), event
+            assert (event["stage"], event["actor"]) == ("stage-0", "cache")
+
+
+def test_messages_are_frozen() -> None:
+    """Messages are immutable: a sender cannot change one after handing it to the actor."""
+    messages: list[Any] = [
+        restore(tokens(3)),
+        record(tokens(3), seed_frame(3, 12)),
+        CacheStatsRequest(),
+        ClearCache(),
+    ]
+    for message in messages:
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            message.token_start = 1

@@ -62,9 +62,12 @@ async def test_seed_prompt_records_2214_and_2176_at_every_stage() -> None:
 async def test_extended_prompt_restores_2176_at_every_stage_and_matches_uncached() -> None:
     """The 2231-token extension restores 2176 tokens per stage; its output equals a cold run."""
     extended = np.concatenate([prompt(2214), prompt(17, start=100_000)])
-    async with open_pipeline(stage_configs(3), mix_factory(), environ=NO_ENV) as pipeline:
+    registry = ModelRegistry(mix_factory())
+    async with open_pipeline(stage_configs(3), registry, environ=NO_ENV) as pipeline:
         await pipeline.prefill(prompt(2214), session_id="s")
         result = await pipeline.prefill(extended, session_id="other-session")
+    # each model really computed only the 55 tokens after the restored prefix
+    assert [m.calls for m in registry.models.values()] == [[(0, 2214), (2176, 2231)]] * 3
     async with open_pipeline(uncached(stage_configs(3)), mix_factory(), environ=NO_ENV) as cold:
         reference = await cold.prefill(extended, session_id="s")
     assert restored(result) == [2176, 2176, 2176]
@@ -219,8 +222,13 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill(np.array([1, 2**40]), session_id="s")
         with pytest.raises(ConfigError, match="session_id must be a string"):
             await pipeline.prefill([1, 2], session_id=7)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="request_id must be a string or None, got 5"):
+            await pipeline.prefill([1, 2], session_id="s", request_id=5)  # type: ignore[arg-type]
         result = await pipeline.prefill([1, 2, 3], session_id="s")
+        stats = await pipeline.stats()
     assert result.tokens == 3
+    # none of the refused prompts reached a stage: one restore per stage, for the good one
+    assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
 
 async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None:
@@ -272,6 +280,29 @@ async def test_cancelled_caller_leaves_no_partial_state(
     assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
 
 
+async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A caller held back by backpressure and cancelled before its request got in costs
+    nothing: no stage sees it, and the pipeline still drains and stops."""
+    registry = ModelRegistry(mix_factory())
+    async with (
+        open_pipeline(stage_configs(2), registry, channel_size=0, environ=NO_ENV) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
+        gate = trio.Event()
+        registry.models["stage-0"].gate = gate
+        nursery.start_soon(lambda: pipeline.prefill(prompt(10), session_id="a"))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(1) as scope:  # stage 0 is busy and the entry is a rendezvous
+            await pipeline.prefill(prompt(10, start=50), session_id="b")
+        assert scope.cancelled_caught
+        gate.set()
+    assert [m.calls for m in registry.models.values()] == [[(0, 10)], [(0, 10)]]
+    stats = await pipeline.stats()
+    assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
+
+
 async def test_request_cancelled_while_queued_is_skipped(
     autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
@@ -290,7 +321,7 @@ async def test_request_cancelled_while_queued_is_skipped(
 
 
 async def test_leaving_the_context_drains_in_flight_requests(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
 ) -> None:
     """Exiting waits for callers already in the pipeline, then refuses new ones."""
     factory = virtual_model_factory(width=4, seconds_per_token=0.01)
@@ -314,6 +345,14 @@ async def test_leaving_the_context_drains_in_flight_requests(
     stats = await pipeline.stats()  # the final statistics survive the stop
     assert [s.cache.records if s.cache else None for s in stats.stages] == [10, 10]
     assert all(s.mailbox.queued == 0 for s in stats.stages)
+    # every stage served all five, then its cache actor drained and stopped
+    stopped = [(e["stage"], e["completed"]) for e in events_named(logs, "stage_stopped")]
+    assert sorted(stopped) == [("stage-0", 5), ("stage-1", 5)]
+    actors = events_named(logs, "actor_stopped")
+    assert sorted((e["actor"], e["drained"], e["dropped"]) for e in actors) == [
+        ("cache-stage-0", True, 0),
+        ("cache-stage-1", True, 0),
+    ]
 
 
 async def test_stage_crash_fails_the_pipeline_with_stage_failed_error() -> None:
@@ -498,6 +537,9 @@ async def test_stage_list_is_validated_before_starting() -> None:
     with pytest.raises(ConfigError, match="channel_size must be an integer >= 0, got -1"):
         async with open_pipeline(configs, mix_factory(), channel_size=-1):
             pass
+    with pytest.raises(ConfigError, match="model_factory must be callable, got str"):
+        async with open_pipeline(configs, "CausalMixModel"):  # type: ignore[arg-type]
+            pass
 
 
 @st.composite
@@ -537,10 +579,11 @@ def test_cached_pipeline_equals_uncached_pipeline(
     computes exactly the tokens it did not restore."""
     configs, prompts, concurrent = workload
     factory = mix_factory(width=4)
+    registry = ModelRegistry(factory)
 
     async def run() -> tuple[list[PrefillResult], list[PrefillResult]]:
         cached: dict[int, PrefillResult] = {}
-        async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+        async with open_pipeline(configs, registry, environ=NO_ENV) as pipeline:
             if concurrent:
                 async with trio.open_nursery() as nursery:
                     for i, tokens in enumerate(prompts):
@@ -564,3 +607,13 @@ def test_cached_pipeline_equals_uncached_pipeline(
             assert 0 <= report.restored_tokens <= got.tokens
             assert report.computed_tokens == got.tokens - report.restored_tokens
         assert computed(want) == [want.tokens] * len(configs)
+    # what the reports claim is what each stage's model was asked to compute: (k, N) per prefill
+    # that was not restored whole
+    for config in configs:
+        claimed = sorted(
+            (report.restored_tokens, got.tokens)
+            for got in cached
+            for report in got.stages
+            if report.stage_id == config.stage_id and report.computed_tokens
+        )
+        assert sorted(registry.models[config.stage_id].calls) == claimed
