@@ -32,7 +32,12 @@ class RestartPolicy:
     were queued survive the restart; the message whose handler crashed is not retried. Crashes are
     counted in a sliding window of ``within_s`` seconds of ``trio.current_time()`` (virtual time in
     tests); the crash that would be restart number ``max_restarts + 1`` inside the window raises
-    ``RestartLimitError`` into the owning nursery instead.
+    ``RestartLimitError`` into the owning nursery instead. An ``on_stop`` that raises is never
+    restarted (the actor is stopping); its error reaches the owning nursery.
+
+    Each crash is logged once with its traceback (``actor_message_failed`` or
+    ``actor_hook_failed``), then ``actor_restarted`` or ``actor_restart_limit_reached`` names it
+    as ``cause``.
 
     Example::
 
