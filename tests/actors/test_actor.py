@@ -22,7 +22,7 @@ from actors import (
     spawn,
 )
 from actors._reply import Reply
-from actors.testing import RecordingActor, wait_idle
+from actors.testing import LogEvent, RecordingActor, wait_idle
 
 
 @attrs.frozen
@@ -104,10 +104,23 @@ async def test_actor_class_with_no_handle_cannot_be_built() -> None:
 
 async def test_handler_error_in_ask_is_raised_in_caller_and_actor_survives() -> None:
     """The caller gets the very exception; the actor keeps its state and runs on."""
-    async with open_actor(Counter, name="counter") as ref:
+    raised: list[BaseException] = []
+
+    @attrs.define(eq=False)
+    class Remembering(Counter):
+        async def handle(self, message: Add | Get | Boom) -> int:
+            try:
+                return await super().handle(message)
+            except KeyError as exc:
+                raised.append(exc)
+                raise
+
+    async with open_actor(Remembering, name="counter") as ref:
         await ref.ask(Add(1))
-        with pytest.raises(KeyError, match="boom"):
+        with pytest.raises(KeyError, match="boom") as info:
             await ref.ask(Boom())
+        assert len(raised) == 1
+        assert info.value is raised[0]
         assert await ref.ask(Get()) == 1
         stats = ref.statistics()
         assert (stats.processed, stats.failed) == (3, 1)
@@ -184,6 +197,24 @@ async def test_open_actor_exit_drains_queued_messages_and_runs_on_stop() -> None
         assert actor.events == ["start"]
     assert actor.events == ["start", "msg0", "msg1", "msg2", "stop"]
     assert ref.stopped
+
+
+async def test_mailbox_size_defaults_to_64() -> None:
+    """Without mailbox_size, open_actor and spawn give a 64-message mailbox that really holds 64."""
+    async with trio.open_nursery() as nursery:
+        spawned = await spawn(nursery, RecordingActor, name="spawned")
+        assert spawned.statistics().mailbox_size == 64
+        await spawned.stop()
+    actor = Gate()
+    async with open_actor(actor, name="gate") as ref:
+        ref.tell_nowait("taken")
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(64):
+            ref.tell_nowait(i)
+        with pytest.raises(trio.WouldBlock):
+            ref.tell_nowait(64)
+        assert ref.statistics().mailbox_size == 64
+        actor.release.set()
 
 
 async def test_spawn_returns_once_on_start_has_run() -> None:
@@ -429,8 +460,8 @@ async def test_cancel_while_queued_drops_reply_and_keeps_actor() -> None:
     assert actor.received == ["busy", "abandoned", "mine"]
 
 
-async def test_cancel_while_handler_runs_drops_late_reply() -> None:
-    """An ask cancelled mid-handler leaves the actor running and its reply undelivered."""
+async def test_cancel_while_handler_runs_drops_late_reply(actor_logs: list[LogEvent]) -> None:
+    """An ask cancelled mid-handler leaves the actor running; its late reply goes quietly."""
     seq = trio.testing.Sequencer()
 
     @attrs.define(eq=False)
@@ -458,7 +489,10 @@ async def test_cancel_while_handler_runs_drops_late_reply() -> None:
             async with seq(2):
                 cancelled.cancel()
         assert await ref.ask("next") == "NEXT"
-        assert ref.statistics().asks_waiting == 0
+        stats = ref.statistics()
+        assert (stats.asks_waiting, stats.processed, stats.failed) == (0, 2, 0)
+    # Quietly: nothing is logged for the dropped reply.
+    assert [e["event"] for e in actor_logs] == ["actor_started", "actor_stopped"]
 
 
 async def test_concurrent_asks_with_cancellations_never_cross_replies(
