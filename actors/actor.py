@@ -418,10 +418,18 @@ class ActorRef(Generic[MessageT, ReplyT]):
             trio.TooSlowError: ``timeout`` passed first.
             ActorStoppedError: The actor has stopped, or stopped before replying.
             RuntimeError: Called from the actor's own task (it would deadlock).
+            TypeError: ``timeout`` is not a number (nothing is sent).
+            ValueError: ``timeout`` is negative or NaN (nothing is sent).
             Exception: Whatever ``handle`` raised for this message.
         """
         if timeout is None:
             return await self._ask(message)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            msg = f"timeout must be a number of seconds or None, got {timeout!r}"
+            raise TypeError(msg)
+        if not timeout >= 0:  # also refuses NaN
+            msg = f"timeout must be >= 0 seconds, got {timeout!r}"
+            raise ValueError(msg)
         with trio.fail_after(timeout):
             return await self._ask(message)
 
@@ -620,7 +628,8 @@ async def open_actor(
     """Run an actor for the duration of an ``async with`` block.
 
     On a normal exit the mailbox is closed, every queued message is handled (drain), ``on_stop``
-    runs and the actor's task is awaited. If the block raises, the actor is cancelled instead.
+    runs and the actor's task is awaited. If the block raises, the actor is cancelled instead
+    (queued messages are dropped) and the block's exception leaves in an exception group.
     Arguments are those of ``spawn``; failures of the actor's task (a crash, ``RestartLimitError``,
     a first ``on_start`` that raises) leave the block as an exception group, as trio nurseries do.
 

@@ -421,6 +421,51 @@ async def test_ask_timeout_leaves_actor_running(autojump_clock: trio.testing.Moc
         assert ref.statistics().asks_waiting == 0
 
 
+@pytest.mark.parametrize(
+    ("bad_timeout", "error", "match"),
+    [
+        (-1, ValueError, "timeout must be >= 0 seconds, got -1"),
+        (float("nan"), ValueError, "timeout must be >= 0 seconds, got nan"),
+        ("1", TypeError, "timeout must be a number of seconds or None, got '1'"),
+        (True, TypeError, "timeout must be a number of seconds or None, got True"),
+    ],
+)
+async def test_bad_ask_timeout_is_rejected_and_sends_nothing(
+    bad_timeout: Any, error: type[Exception], match: str
+) -> None:
+    """A bad timeout names the field and value; the message never reaches the actor."""
+    actor = RecordingActor()
+    async with open_actor(actor, name="rec") as ref:
+        with pytest.raises(error, match=match):
+            await ref.ask("lost", timeout=bad_timeout)
+        assert ref.statistics() == ActorStatistics(
+            mailbox_size=64,
+            queued=0,
+            max_queued=0,
+            processed=0,
+            failed=0,
+            restarts=0,
+            asks_waiting=0,
+        )
+        assert await ref.ask("kept", timeout=0.5) is None
+    assert actor.received == ["kept"]
+
+
+async def test_open_actor_block_raising_cancels_the_actor(actor_logs: list[LogEvent]) -> None:
+    """An exception in the block cancels the actor (queue dropped) and leaves in a group."""
+    actor = Gate()
+    with pytest.RaisesGroup(pytest.RaisesExc(ValueError, match="body failed")):
+        async with open_actor(actor, name="gate", mailbox_size=4) as ref:
+            ref.tell_nowait("current")
+            await trio.testing.wait_all_tasks_blocked()
+            ref.tell_nowait("queued")
+            raise ValueError("body failed")
+    assert actor.received == []
+    assert ref.stopped
+    [stopped] = [e for e in actor_logs if e["event"] == "actor_stopped"]
+    assert (stopped["drained"], stopped["dropped"], stopped["processed"]) == (False, 1, 0)
+
+
 async def test_cancel_before_enqueue_sends_nothing() -> None:
     """An ask cancelled while waiting for mailbox room never reaches the actor."""
     actor = Gate()
