@@ -90,10 +90,18 @@ class Actor(abc.ABC, Generic[MessageT, ReplyT]):
         """
 
     async def on_start(self) -> None:
-        """Run in the actor's task before the first message (and after every restart)."""
+        """Run in the actor's task before the first message (and after every restart).
+
+        If it raises, the actor crashes (logged as ``actor_hook_failed``): under a
+        ``RestartPolicy`` it is rebuilt, otherwise ``spawn`` / ``open_actor`` raise the error.
+        """
 
     async def on_stop(self) -> None:
-        """Run in the actor's task after an orderly stop (not after a crash or cancellation)."""
+        """Run in the actor's task after an orderly stop (not after a crash or cancellation).
+
+        If it raises, the error is logged as ``actor_hook_failed`` and reaches the owning nursery,
+        with or without a ``RestartPolicy``: the actor is stopping, so there is nothing to restart.
+        """
 
 
 @attrs.frozen(kw_only=True)
@@ -140,6 +148,7 @@ class _Cell:
     restarts: int = 0
     asks_waiting: int = 0
     drain: bool = True
+    drained: bool = False
     current: Reply | None = None
     task: trio.lowlevel.Task | None = None
     stopped: trio.Event = attrs.field(factory=trio.Event)
@@ -178,30 +187,45 @@ class _Cell:
 
     async def run(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> None:
         self.task = trio.lowlevel.current_task()
-        drained = False
         with structlog.contextvars.bound_contextvars(actor=self.name):
             try:
-                drained = await self._supervise(ref, task_status)
+                await self._supervise(ref, task_status)
             finally:
-                self._shut_down(drained=drained)
+                self._shut_down()
 
-    async def _supervise(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> bool:
+    async def _supervise(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> None:
+        # Every crash is logged exactly once, with its traceback, where it happens: a handler's
+        # by _serve (actor_message_failed), the factory's and the hooks' here (actor_hook_failed).
+        # actor_restarted and actor_restart_limit_reached then only name the cause.
         window = None if self.policy is None else _CrashWindow(self.policy)
         started = False
         while True:
+            hook: str | None = "factory"
             try:
                 actor = self.factory()
+                hook = "on_start"
                 await actor.on_start()
+                hook = None
                 if not started:
                     started = True
                     log.info("actor_started", mailbox_size=self.mailbox_size)
                     task_status.started(ref)
-                drained = await self._serve(actor)
+                self.drained = await self._serve(actor)
             except Exception as exc:
+                if hook is not None:
+                    _log_hook_failure(hook, exc)
                 if window is None:
                     raise
                 if not window.record(trio.current_time()):
                     policy = window.policy
+                    log.error(
+                        "actor_restart_limit_reached",
+                        crashes=window.attempt,
+                        within_s=policy.within_s,
+                        max_restarts=policy.max_restarts,
+                        restarts=self.restarts,
+                        cause=repr(exc),
+                    )
                     msg = (
                         f"actor {self.name!r} crashed {window.attempt} times within "
                         f"{policy.within_s}s, max_restarts={policy.max_restarts}"
@@ -218,8 +242,14 @@ class _Cell:
                 if window.policy.backoff_s > 0:
                     await trio.sleep(window.policy.backoff_s)
                 continue
-            await actor.on_stop()
-            return drained
+            # The actor is stopping: a failing on_stop is not restarted (there is nothing left to
+            # serve), it propagates to the owning nursery like a crash without a policy.
+            try:
+                await actor.on_stop()
+            except Exception as exc:
+                _log_hook_failure("on_stop", exc)
+                raise
+            return
 
     async def _serve(self, actor: Actor[Any, Any]) -> bool:
         """Handle messages until the mailbox ends; return whether it was drained."""
@@ -280,7 +310,7 @@ class _Cell:
                     self.current = None
         return False
 
-    def _shut_down(self, *, drained: bool) -> None:
+    def _shut_down(self) -> None:
         """Close the mailbox and fail every ask that will never get a reply."""
         self.send.close()
         if self.current is not None:
@@ -298,7 +328,18 @@ class _Cell:
                 reply.fail(self.stopped_error())
         self.receive.close()
         self.stopped.set()
-        log.info("actor_stopped", processed=self.processed, drained=drained, dropped=dropped)
+        log.info("actor_stopped", processed=self.processed, drained=self.drained, dropped=dropped)
+
+
+def _log_hook_failure(hook: str, exc: Exception) -> None:
+    """Log a crash of the factory, ``on_start`` or ``on_stop`` once, with its traceback."""
+    log.error(
+        "actor_hook_failed",
+        hook=hook,
+        error_type=type(exc).__name__,
+        error=str(exc),
+        exc_info=exc,
+    )
 
 
 @attrs.define(eq=False, repr=False)
@@ -377,10 +418,18 @@ class ActorRef(Generic[MessageT, ReplyT]):
             trio.TooSlowError: ``timeout`` passed first.
             ActorStoppedError: The actor has stopped, or stopped before replying.
             RuntimeError: Called from the actor's own task (it would deadlock).
+            TypeError: ``timeout`` is not a number (nothing is sent).
+            ValueError: ``timeout`` is negative or NaN (nothing is sent).
             Exception: Whatever ``handle`` raised for this message.
         """
         if timeout is None:
             return await self._ask(message)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            msg = f"timeout must be a number of seconds or None, got {timeout!r}"
+            raise TypeError(msg)
+        if not timeout >= 0:  # also refuses NaN
+            msg = f"timeout must be >= 0 seconds, got {timeout!r}"
+            raise ValueError(msg)
         with trio.fail_after(timeout):
             return await self._ask(message)
 
@@ -579,7 +628,8 @@ async def open_actor(
     """Run an actor for the duration of an ``async with`` block.
 
     On a normal exit the mailbox is closed, every queued message is handled (drain), ``on_stop``
-    runs and the actor's task is awaited. If the block raises, the actor is cancelled instead.
+    runs and the actor's task is awaited. If the block raises, the actor is cancelled instead
+    (queued messages are dropped) and the block's exception leaves in an exception group.
     Arguments are those of ``spawn``; failures of the actor's task (a crash, ``RestartLimitError``,
     a first ``on_start`` that raises) leave the block as an exception group, as trio nurseries do.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -10,15 +11,32 @@ import attrs
 __all__ = ["RestartPolicy"]
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _restart_count(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"{attribute.name} must be an integer, got {value!r}"
+        raise TypeError(msg)
     if value < 0:
         msg = f"{attribute.name} must be >= 0, got {value!r}"
         raise ValueError(msg)
 
 
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
+def _seconds(attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"{attribute.name} must be a number of seconds, got {value!r}"
+        raise TypeError(msg)
+
+
+def _window(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    _seconds(attribute, value)
+    if not value > 0:  # also refuses NaN; inf means "ever"
         msg = f"{attribute.name} must be > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _backoff(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    _seconds(attribute, value)
+    if not 0 <= value < math.inf:  # also refuses NaN
+        msg = f"{attribute.name} must be >= 0 and finite, got {value!r}"
         raise ValueError(msg)
 
 
@@ -32,20 +50,25 @@ class RestartPolicy:
     were queued survive the restart; the message whose handler crashed is not retried. Crashes are
     counted in a sliding window of ``within_s`` seconds of ``trio.current_time()`` (virtual time in
     tests); the crash that would be restart number ``max_restarts + 1`` inside the window raises
-    ``RestartLimitError`` into the owning nursery instead.
+    ``RestartLimitError`` into the owning nursery instead. An ``on_stop`` that raises is never
+    restarted (the actor is stopping); its error reaches the owning nursery.
+
+    Each crash is logged once with its traceback (``actor_message_failed`` or
+    ``actor_hook_failed``), then ``actor_restarted`` or ``actor_restart_limit_reached`` names it
+    as ``cause``.
 
     Example::
 
         RestartPolicy(max_restarts=3, within_s=60, backoff_s=0.5)
     """
 
-    max_restarts: int = attrs.field(validator=_non_negative)
+    max_restarts: int = attrs.field(validator=_restart_count)
     """Restarts allowed inside any window of ``within_s`` seconds; ``0`` gives up at once."""
 
-    within_s: float = attrs.field(validator=_positive)
+    within_s: float = attrs.field(validator=_window)
     """Length of the sliding window in which restarts are counted, in seconds."""
 
-    backoff_s: float = attrs.field(default=0.0, validator=_non_negative)
+    backoff_s: float = attrs.field(default=0.0, validator=_backoff)
     """Pause before each restart, in seconds (``trio.sleep``, so virtual in tests)."""
 
 

@@ -22,7 +22,7 @@ from actors import (
     spawn,
 )
 from actors._reply import Reply
-from actors.testing import RecordingActor, wait_idle
+from actors.testing import LogEvent, RecordingActor, wait_idle
 
 
 @attrs.frozen
@@ -104,10 +104,23 @@ async def test_actor_class_with_no_handle_cannot_be_built() -> None:
 
 async def test_handler_error_in_ask_is_raised_in_caller_and_actor_survives() -> None:
     """The caller gets the very exception; the actor keeps its state and runs on."""
-    async with open_actor(Counter, name="counter") as ref:
+    raised: list[BaseException] = []
+
+    @attrs.define(eq=False)
+    class Remembering(Counter):
+        async def handle(self, message: Add | Get | Boom) -> int:
+            try:
+                return await super().handle(message)
+            except KeyError as exc:
+                raised.append(exc)
+                raise
+
+    async with open_actor(Remembering, name="counter") as ref:
         await ref.ask(Add(1))
-        with pytest.raises(KeyError, match="boom"):
+        with pytest.raises(KeyError, match="boom") as info:
             await ref.ask(Boom())
+        assert len(raised) == 1
+        assert info.value is raised[0]
         assert await ref.ask(Get()) == 1
         stats = ref.statistics()
         assert (stats.processed, stats.failed) == (3, 1)
@@ -184,6 +197,24 @@ async def test_open_actor_exit_drains_queued_messages_and_runs_on_stop() -> None
         assert actor.events == ["start"]
     assert actor.events == ["start", "msg0", "msg1", "msg2", "stop"]
     assert ref.stopped
+
+
+async def test_mailbox_size_defaults_to_64() -> None:
+    """Without mailbox_size, open_actor and spawn give a 64-message mailbox that really holds 64."""
+    async with trio.open_nursery() as nursery:
+        spawned = await spawn(nursery, RecordingActor, name="spawned")
+        assert spawned.statistics().mailbox_size == 64
+        await spawned.stop()
+    actor = Gate()
+    async with open_actor(actor, name="gate") as ref:
+        ref.tell_nowait("taken")
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(64):
+            ref.tell_nowait(i)
+        with pytest.raises(trio.WouldBlock):
+            ref.tell_nowait(64)
+        assert ref.statistics().mailbox_size == 64
+        actor.release.set()
 
 
 async def test_spawn_returns_once_on_start_has_run() -> None:
@@ -390,6 +421,51 @@ async def test_ask_timeout_leaves_actor_running(autojump_clock: trio.testing.Moc
         assert ref.statistics().asks_waiting == 0
 
 
+@pytest.mark.parametrize(
+    ("bad_timeout", "error", "match"),
+    [
+        (-1, ValueError, "timeout must be >= 0 seconds, got -1"),
+        (float("nan"), ValueError, "timeout must be >= 0 seconds, got nan"),
+        ("1", TypeError, "timeout must be a number of seconds or None, got '1'"),
+        (True, TypeError, "timeout must be a number of seconds or None, got True"),
+    ],
+)
+async def test_bad_ask_timeout_is_rejected_and_sends_nothing(
+    bad_timeout: Any, error: type[Exception], match: str
+) -> None:
+    """A bad timeout names the field and value; the message never reaches the actor."""
+    actor = RecordingActor()
+    async with open_actor(actor, name="rec") as ref:
+        with pytest.raises(error, match=match):
+            await ref.ask("lost", timeout=bad_timeout)
+        assert ref.statistics() == ActorStatistics(
+            mailbox_size=64,
+            queued=0,
+            max_queued=0,
+            processed=0,
+            failed=0,
+            restarts=0,
+            asks_waiting=0,
+        )
+        assert await ref.ask("kept", timeout=0.5) is None
+    assert actor.received == ["kept"]
+
+
+async def test_open_actor_block_raising_cancels_the_actor(actor_logs: list[LogEvent]) -> None:
+    """An exception in the block cancels the actor (queue dropped) and leaves in a group."""
+    actor = Gate()
+    with pytest.RaisesGroup(pytest.RaisesExc(ValueError, match="body failed")):
+        async with open_actor(actor, name="gate", mailbox_size=4) as ref:
+            ref.tell_nowait("current")
+            await trio.testing.wait_all_tasks_blocked()
+            ref.tell_nowait("queued")
+            raise ValueError("body failed")
+    assert actor.received == []
+    assert ref.stopped
+    [stopped] = [e for e in actor_logs if e["event"] == "actor_stopped"]
+    assert (stopped["drained"], stopped["dropped"], stopped["processed"]) == (False, 1, 0)
+
+
 async def test_cancel_before_enqueue_sends_nothing() -> None:
     """An ask cancelled while waiting for mailbox room never reaches the actor."""
     actor = Gate()
@@ -429,8 +505,8 @@ async def test_cancel_while_queued_drops_reply_and_keeps_actor() -> None:
     assert actor.received == ["busy", "abandoned", "mine"]
 
 
-async def test_cancel_while_handler_runs_drops_late_reply() -> None:
-    """An ask cancelled mid-handler leaves the actor running and its reply undelivered."""
+async def test_cancel_while_handler_runs_drops_late_reply(actor_logs: list[LogEvent]) -> None:
+    """An ask cancelled mid-handler leaves the actor running; its late reply goes quietly."""
     seq = trio.testing.Sequencer()
 
     @attrs.define(eq=False)
@@ -458,7 +534,10 @@ async def test_cancel_while_handler_runs_drops_late_reply() -> None:
             async with seq(2):
                 cancelled.cancel()
         assert await ref.ask("next") == "NEXT"
-        assert ref.statistics().asks_waiting == 0
+        stats = ref.statistics()
+        assert (stats.asks_waiting, stats.processed, stats.failed) == (0, 2, 0)
+    # Quietly: nothing is logged for the dropped reply.
+    assert [e["event"] for e in actor_logs] == ["actor_started", "actor_stopped"]
 
 
 async def test_concurrent_asks_with_cancellations_never_cross_replies(

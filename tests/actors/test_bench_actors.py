@@ -5,17 +5,23 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_actors.py"
 
 
-def test_bench_actors_writes_comparable_json(tmp_path: Path) -> None:
-    """main() returns and writes ask and tell figures side by side, with machine and versions."""
+def _load_bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_actors", BENCH)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_actors_writes_comparable_json(tmp_path: Path) -> None:
+    """main() returns and writes ask and tell figures side by side, with machine and versions."""
+    module = _load_bench()
     out = tmp_path / "actors.json"
     result = module.main(["--reps", "1", "--asks", "20", "--tells", "20", "--json", str(out)])
     written = json.loads(out.read_text())
@@ -23,3 +29,19 @@ def test_bench_actors_writes_comparable_json(tmp_path: Path) -> None:
     assert set(written["tell"]) == {"0", "64", "1024"}
     assert written["machine"]["versions"]["trio"]
     assert result["reps"] == written["reps"] == 1
+
+
+def test_bench_actors_records_the_ask_goal_as_met_or_missed(tmp_path: Path) -> None:
+    """The JSON states the issue's 1.3x ask goal with its value and whether it was met."""
+    module = _load_bench()
+    out = tmp_path / "actors.json"
+    module.main(["--reps", "1", "--asks", "20", "--tells", "20", "--json", str(out)])
+    written = json.loads(out.read_text())
+    ask = written["ask"]
+    ratio = ask["round_trip_us"]["actor"] / ask["round_trip_us"]["channels"]
+    [goal] = written["goals"].values()
+    assert goal == ask["goal"]
+    assert goal["max"] == ask["goal_ratio"] == 1.3
+    assert goal["value"] == ask["actor_vs_channels"] == ratio
+    assert goal["met"] is ask["within_goal"] is (ratio <= 1.3)
+    assert "1.3x" in goal["goal"]

@@ -8,7 +8,7 @@ import structlog
 import trio
 import trio.testing
 
-from actors import Actor, RestartPolicy, open_actor
+from actors import Actor, RestartLimitError, RestartPolicy, open_actor, spawn
 from actors.testing import LogEvent, RecordingActor, events_named, wait_idle
 
 
@@ -39,6 +39,7 @@ async def test_lifecycle_events_carry_actor_name(actor_logs: list[LogEvent]) -> 
     assert stopped[0]["processed"] == 2
     assert stopped[0]["drained"] is True
     assert stopped[0]["dropped"] == 0
+    assert stopped[0]["log_level"] == "info"
 
 
 async def test_stop_without_drain_logs_dropped_messages(actor_logs: list[LogEvent]) -> None:
@@ -101,7 +102,9 @@ async def test_crash_and_restart_are_logged(
         ("TypeError", "message must be a str, got 2"),
     ]
     assert all(isinstance(f["exc_info"], TypeError) for f in failed)
+    assert "in handle" in _rendered_traceback(failed[0])
     restarted = events_named(actor_logs, "actor_restarted")
+    assert [r["log_level"] for r in restarted] == ["warning"] * 2
     assert [r["attempt"] for r in restarted] == [1, 2]
     assert [r["restarts"] for r in restarted] == [1, 2]
     assert all(r["actor"] == "picky" for r in restarted)
@@ -154,3 +157,182 @@ async def test_tell_with_room_logs_nothing_per_message(actor_logs: list[LogEvent
             await ref.tell(i)
             assert await ref.ask(i) is None
     assert [e["event"] for e in actor_logs] == ["actor_started", "actor_stopped"]
+
+
+def _traceback_events(logs: list[LogEvent], error: BaseException) -> list[str]:
+    """Names of the events that carry ``error`` as their exc_info (its traceback)."""
+    return [e["event"] for e in logs if e.get("exc_info") is error]
+
+
+def _rendered_traceback(event: LogEvent) -> str:
+    """What a structlog renderer would print for the event's exc_info."""
+    rendered = structlog.processors.format_exc_info(None, "error", dict(event))
+    return str(rendered["exception"])
+
+
+@attrs.define(eq=False)
+class StartFails(Actor[int, int]):
+    """on_start raises ConnectionError for the first ``failures[0]`` builds."""
+
+    failures: list[int]
+    errors: list[BaseException] = attrs.field(factory=list)
+
+    async def on_start(self) -> None:
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            error = ConnectionError("backend not ready")
+            self.errors.append(error)
+            raise error
+
+    def handle(self, message: int) -> int:
+        return message
+
+
+async def test_on_start_crash_under_policy_is_logged_with_traceback(
+    actor_logs: list[LogEvent],
+) -> None:
+    """A restarted on_start failure logs actor_hook_failed with its traceback, once per crash."""
+    failures = [2]
+    errors: list[BaseException] = []
+    policy = RestartPolicy(max_restarts=2, within_s=10)
+    async with open_actor(lambda: StartFails(failures, errors), name="db", restart=policy) as ref:
+        assert await ref.ask(1) == 1
+    hook_failed = events_named(actor_logs, "actor_hook_failed")
+    assert [(e["actor"], e["hook"], e["log_level"]) for e in hook_failed] == [
+        ("db", "on_start", "error")
+    ] * 2
+    assert [(e["error_type"], e["error"]) for e in hook_failed] == [
+        ("ConnectionError", "backend not ready")
+    ] * 2
+    assert len(errors) == 2
+    for error in errors:
+        assert _traceback_events(actor_logs, error) == ["actor_hook_failed"]
+    assert "in on_start" in _rendered_traceback(hook_failed[0])
+    restarted = events_named(actor_logs, "actor_restarted")
+    assert [r["cause"] for r in restarted] == [repr(e) for e in errors]
+    assert all("exc_info" not in r for r in restarted)
+
+
+async def test_factory_crash_under_policy_is_logged_with_traceback(
+    actor_logs: list[LogEvent],
+) -> None:
+    """A factory that raises is a crash too, logged with hook="factory" and its traceback."""
+    errors: list[BaseException] = []
+
+    def build() -> RecordingActor:
+        if not errors:
+            errors.append(OSError("no config"))
+            raise errors[0]
+        return RecordingActor()
+
+    policy = RestartPolicy(max_restarts=1, within_s=10)
+    async with open_actor(build, name="built", restart=policy) as ref:
+        await ref.tell(1)
+    [failed] = events_named(actor_logs, "actor_hook_failed")
+    assert (failed["hook"], failed["error_type"], failed["log_level"]) == (
+        "factory",
+        "OSError",
+        "error",
+    )
+    assert _traceback_events(actor_logs, errors[0]) == ["actor_hook_failed"]
+    assert "in build" in _rendered_traceback(failed)
+
+
+async def test_first_on_start_failure_without_policy_is_logged_once(
+    actor_logs: list[LogEvent],
+) -> None:
+    """spawn raises the on_start error; the log has it once with its traceback, then stopped."""
+    actor = StartFails([1])
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ConnectionError) as info:
+            await spawn(nursery, actor, name="db")
+    assert _traceback_events(actor_logs, info.value) == ["actor_hook_failed"]
+    assert [e["event"] for e in actor_logs] == ["actor_hook_failed", "actor_stopped"]
+    assert events_named(actor_logs, "actor_hook_failed")[0]["actor"] == "db"
+
+
+@attrs.define(eq=False)
+class StopFails(RecordingActor):
+    """on_stop raises ValueError."""
+
+    async def on_stop(self) -> None:
+        msg = "flush failed"
+        raise ValueError(msg)
+
+
+@pytest.mark.parametrize("policy", [None, RestartPolicy(max_restarts=3, within_s=10)])
+async def test_on_stop_failure_is_logged_once_and_not_restarted(
+    actor_logs: list[LogEvent], policy: RestartPolicy | None
+) -> None:
+    """on_stop raising reaches the nursery, logged once with traceback; never restarted."""
+    with pytest.RaisesGroup(pytest.RaisesExc(ValueError, match="flush failed")) as group:
+        async with open_actor(StopFails, name="flusher", restart=policy) as ref:
+            await ref.tell(1)
+    error = group.value.exceptions[0]
+    assert _traceback_events(actor_logs, error) == ["actor_hook_failed"]
+    [failed] = events_named(actor_logs, "actor_hook_failed")
+    assert (failed["actor"], failed["hook"], failed["log_level"]) == ("flusher", "on_stop", "error")
+    assert "in on_stop" in _rendered_traceback(failed)
+    assert events_named(actor_logs, "actor_restarted") == []
+    assert ref.statistics().restarts == 0
+    [stopped] = events_named(actor_logs, "actor_stopped")
+    assert (stopped["drained"], stopped["processed"]) == (True, 1)
+
+
+async def test_restart_limit_is_logged_with_its_cause_once(
+    actor_logs: list[LogEvent], autojump_clock: trio.testing.MockClock
+) -> None:
+    """At the limit: one actor_restart_limit_reached error; the cause's traceback logged once."""
+    policy = RestartPolicy(max_restarts=1, within_s=10)
+    with pytest.RaisesGroup(RestartLimitError) as group:
+        async with open_actor(Picky, name="picky", restart=policy, mailbox_size=4) as ref:
+            ref.tell_nowait(1)
+            ref.tell_nowait(2)
+            await trio.sleep_forever()
+    cause = group.value.exceptions[0].__cause__
+    assert isinstance(cause, TypeError)
+    assert _traceback_events(actor_logs, cause) == ["actor_message_failed"]
+    [limit] = events_named(actor_logs, "actor_restart_limit_reached")
+    assert limit == {
+        "event": "actor_restart_limit_reached",
+        "actor": "picky",
+        "crashes": 2,
+        "within_s": 10,
+        "max_restarts": 1,
+        "restarts": 1,
+        "cause": repr(cause),
+        "log_level": "error",
+    }
+    assert [e["event"] for e in actor_logs if e["event"].startswith("actor_")] == [
+        "actor_started",
+        "actor_message_failed",
+        "actor_restarted",
+        "actor_message_failed",
+        "actor_restart_limit_reached",
+        "actor_stopped",
+    ]
+
+
+async def test_restart_limit_from_on_start_is_logged_with_its_cause_once(
+    actor_logs: list[LogEvent],
+) -> None:
+    """An on_start that keeps failing: every crash's traceback once, then the limit event."""
+    errors: list[BaseException] = []
+    policy = RestartPolicy(max_restarts=1, within_s=10)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(RestartLimitError) as info:
+            await spawn(nursery, lambda: StartFails([9], errors), name="db", restart=policy)
+    assert info.value.__cause__ is errors[-1]
+    assert len(errors) == 2
+    for error in errors:
+        assert _traceback_events(actor_logs, error) == ["actor_hook_failed"]
+    assert [e["event"] for e in actor_logs] == [
+        "actor_hook_failed",
+        "actor_restarted",
+        "actor_hook_failed",
+        "actor_restart_limit_reached",
+        "actor_stopped",
+    ]
+    [limit] = events_named(actor_logs, "actor_restart_limit_reached")
+    assert limit["cause"] == repr(errors[-1])
+    assert "exc_info" not in limit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import trio
@@ -211,17 +213,61 @@ async def _open_instance_with_policy() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"max_restarts": -1, "within_s": 1}, "max_restarts must be >= 0, got -1"),
-        ({"max_restarts": 1, "within_s": 0}, "within_s must be > 0, got 0"),
-        ({"max_restarts": 1, "within_s": 1, "backoff_s": -0.5}, "backoff_s must be >= 0, got -0.5"),
+        ({"max_restarts": -1, "within_s": 1}, ValueError, "max_restarts must be >= 0, got -1"),
+        (
+            {"max_restarts": 1.5, "within_s": 1},
+            TypeError,
+            "max_restarts must be an integer, got 1.5",
+        ),
+        (
+            {"max_restarts": "3", "within_s": 1},
+            TypeError,
+            "max_restarts must be an integer, got '3'",
+        ),
+        (
+            {"max_restarts": True, "within_s": 1},
+            TypeError,
+            "max_restarts must be an integer, got True",
+        ),
+        ({"max_restarts": 1, "within_s": 0}, ValueError, "within_s must be > 0, got 0"),
+        ({"max_restarts": 1, "within_s": math.nan}, ValueError, "within_s must be > 0, got nan"),
+        ({"max_restarts": 1, "within_s": "9"}, TypeError, "within_s must be a number of seconds"),
+        (
+            {"max_restarts": 1, "within_s": 1, "backoff_s": -0.5},
+            ValueError,
+            "backoff_s must be >= 0 and finite, got -0.5",
+        ),
+        (
+            {"max_restarts": 1, "within_s": 1, "backoff_s": math.nan},
+            ValueError,
+            "backoff_s must be >= 0 and finite, got nan",
+        ),
+        (
+            {"max_restarts": 1, "within_s": 1, "backoff_s": math.inf},
+            ValueError,
+            "backoff_s must be >= 0 and finite, got inf",
+        ),
+        (
+            {"max_restarts": 1, "within_s": 1, "backoff_s": None},
+            TypeError,
+            "backoff_s must be a number of seconds, got None",
+        ),
     ],
 )
-def test_restart_policy_validates_fields(kwargs: dict[str, float], message: str) -> None:
-    """Each bad field is named with its value."""
-    with pytest.raises(ValueError, match=message):
+def test_restart_policy_validates_fields(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """Each bad field is named with its value, with a TypeError for the wrong kind of value."""
+    with pytest.raises(error, match=message):
         RestartPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_restart_policy_accepts_an_unbounded_window() -> None:
+    """within_s=inf counts every crash ever; ints and floats are both fine."""
+    policy = RestartPolicy(max_restarts=2, within_s=math.inf, backoff_s=1)
+    assert (policy.max_restarts, policy.within_s, policy.backoff_s) == (2, math.inf, 1)
 
 
 def test_restart_policy_is_frozen() -> None:
