@@ -214,7 +214,15 @@ def run(reps: int, asks: int, tells: int) -> dict[str, object]:
         "tell": tell_result,
         # The goals, one entry each, so a summary can print MET or MISSED. Tell throughput
         # is reported against its floor but has no target of its own.
-        "goals": {"ask_within_1.3x_of_channels": ask_goal},
+        # The shape every benchmark uses, which benchmarks/run.py summarises.
+        "goals": [
+            {
+                "name": "ask round trip / two memory channels",
+                "target": f"<= {ASK_GOAL_RATIO}",
+                "measured": round(ask_ratio, 2),
+                "met": ask_goal["met"],
+            }
+        ],
         "machine": machine(),
     }
 
@@ -246,10 +254,11 @@ def print_table(result: dict[str, object]) -> None:
             f"{row['channels_msgs_per_s']:>14,.0f} {row['actor_vs_channels']:>11.2f}x"
         )
     goals = result["goals"]
-    assert isinstance(goals, dict)
+    assert isinstance(goals, list)
     print()
-    for goal in goals.values():
-        print(f"{'MET' if goal['met'] else 'MISSED':<7} {goal['goal']} ({goal['value']:.2f}x)")
+    for goal in goals:
+        verdict = "MET" if goal["met"] else "MISSED"
+        print(f"{verdict:<7} {goal['name']}: {goal['measured']}x (goal {goal['target']}x)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

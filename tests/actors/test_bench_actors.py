@@ -39,9 +39,10 @@ def test_bench_actors_records_the_ask_goal_as_met_or_missed(tmp_path: Path) -> N
     written = json.loads(out.read_text())
     ask = written["ask"]
     ratio = ask["round_trip_us"]["actor"] / ask["round_trip_us"]["channels"]
-    [goal] = written["goals"].values()
-    assert goal == ask["goal"]
-    assert goal["max"] == ask["goal_ratio"] == 1.3
-    assert goal["value"] == ask["actor_vs_channels"] == ratio
-    assert goal["met"] is ask["within_goal"] is (ratio <= 1.3)
-    assert "1.3x" in goal["goal"]
+    assert ask["goal"]["max"] == ask["goal_ratio"] == 1.3
+    assert ask["goal"]["value"] == ask["actor_vs_channels"] == ratio
+    assert "1.3x" in ask["goal"]["goal"]
+    [goal] = written["goals"]  # the list benchmarks/run.py summarises
+    assert goal["target"] == "<= 1.3"
+    assert goal["measured"] == round(ratio, 2)
+    assert goal["met"] is ask["goal"]["met"] is ask["within_goal"] is (ratio <= 1.3)
