@@ -9,12 +9,15 @@ The same server, from the command line::
 
     stage-runtime serve --topology examples/topology.toml --bind 127.0.0.1:8000
 
-Query it (the second identical prompt is restored from every stage's activation cache)::
+Query it (the second identical prompt is restored from every stage's activation cache; prompts
+shorter than the topology's ``min_tokens = 64``, i.e. 64 bytes of text, are never cached)::
 
     curl -s localhost:8000/v1/prefill \\
-        -d '{"text": "Summarise the following report in three sentences.", "session_id": "s1"}'
+        -d '{"text": "Summarise the report in three sentences, then list its open questions.",
+             "session_id": "s1"}'
     curl -s localhost:8000/v1/prefill \\
-        -d '{"text": "Summarise the following report in three sentences.", "session_id": "s1"}'
+        -d '{"text": "Summarise the report in three sentences, then list its open questions.",
+             "session_id": "s1"}'
     curl -s localhost:8000/v1/prefill \\
         -d '{"tokens": [101, 2023, 2003, 1037, 3231], "session_id": "s2", "request_id": "r-1"}'
     curl -s localhost:8000/v1/stats
@@ -23,8 +26,9 @@ Query it (the second identical prompt is restored from every stage's activation 
     curl -s localhost:8000/v1/prefill -d '{"tokens": [], "session_id": "s1"}'  # 400: "tokens"
 
 ``"text"`` is tokenized byte by byte (UTF-8 bytes as token ids 0..255); real deployments send
-``"tokens"`` from their model's tokenizer. ``Ctrl-C`` (or SIGTERM) drains: ``/readyz`` turns 503,
-in-flight prefills finish, then the pipeline stops; a second ``Ctrl-C`` stops at once.
+``"tokens"`` from their model's tokenizer. ``Ctrl-C`` (or SIGTERM) drains: new connections are
+refused, in-flight prefills finish (any still running after ``shutdown_timeout_s``, 30 s, get a
+``503``), then the pipeline stops; a second ``Ctrl-C`` stops at once.
 
 :func:`main` is the self-contained tour the tests run: it serves on a free port, sends a few real
 requests with httpx and shuts down.
