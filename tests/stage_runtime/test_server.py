@@ -251,7 +251,13 @@ async def test_repeated_prompt_is_restored_by_every_stage() -> None:
         assert stage["restored_tokens"] > 0
         assert stage["restored_tokens"] + stage["computed_tokens"] == 100
     assert 0 < one["elapsed_s"] <= round_trip_s + 1e-6
+    cache_fields = {"entries", "resident_bytes", "lookups", "hits", "misses", "evictions"}
+    assert all(cache_fields <= set(stage["cache"]) for stage in stats["stages"])
+    assert all({"queued", "processed"} <= set(stage["mailbox"]) for stage in stats["stages"])
     assert [stage["cache"]["hits"] for stage in stats["stages"]] == [1, 1, 1, 1]
+    # One restore missed (the first), one hit; the store counted each ladder candidate probed.
+    assert [stage["cache"]["accounting"]["misses"] for stage in stats["stages"]] == [1, 1, 1, 1]
+    assert all(stage["cache"]["misses"] >= 1 for stage in stats["stages"])
     assert all(stage["cache"]["entries"] > 0 for stage in stats["stages"])
     assert all(stage["mailbox"]["processed"] > 0 for stage in stats["stages"])
     assert stats["server"]["prefills"] == 2
@@ -1122,8 +1128,13 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
 async def test_serve_command_reports_draining_during_grace_and_a_second_signal_hastens() -> None:
     """During --drain-grace the listener stays open with readiness 503; SIGTERM again ends it."""
     with trio.fail_after(60):
-        async with serve_process("--drain-grace", "600") as child:
+        options = ("--drain-grace", "600", "--retry-after", "9", "--max-body-bytes", "64")
+        async with serve_process(*options) as child:
             started = await child.next_event("server_started")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                too_big = await client.post(
+                    "/v1/prefill", json={"tokens": prompt(40), "session_id": "big"}
+                )
             child.process.send_signal(signal.SIGTERM)
             await child.next_event("server_drain_started")
             async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
@@ -1138,6 +1149,9 @@ async def test_serve_command_reports_draining_during_grace_and_a_second_signal_h
     assert health.status_code == 200
     assert refused.status_code == 503
     assert refused.json()["error"] == "draining"
+    assert refused.headers["retry-after"] == "9"  # --retry-after reached the app
+    assert (too_big.status_code, too_big.json()["field"]) == (413, "body")  # so did the limit
+    assert "at most 64 bytes" in too_big.json()["message"]
     assert status == 0
 
 
