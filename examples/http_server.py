@@ -4,6 +4,7 @@ Start it (needs the ``server`` extra: ``pip install -e '.[server]'``)::
 
     python examples/http_server.py                 # http://127.0.0.1:8000, Ctrl-C to stop
     python examples/http_server.py 0.0.0.0:9000    # another address
+    python examples/http_server.py 127.0.0.1:0     # a free port (the first line shows it)
 
 The same server, from the command line::
 
@@ -37,6 +38,7 @@ requests with httpx and shuts down.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +59,16 @@ PROMPT = "Summarise the following report in three sentences, then list the open 
 
 async def serve_until_interrupted(bind: str = "127.0.0.1:8000") -> None:
     """Serve the 4-stage pipeline on ``bind`` until SIGINT/SIGTERM, then drain and stop."""
-    async with open_pipeline(TOPOLOGY, reference_model_factory(width=64)) as pipeline:
+    async with (
+        open_pipeline(TOPOLOGY, reference_model_factory(width=64)) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
         app = create_app(pipeline, settings=ServerSettings(max_inflight=32))
-        print(f"serving {len(pipeline.stage_configs)} stages on http://{bind} (Ctrl-C to stop)")
-        await serve(app, bind=bind, handle_signals=True)
+        # start() returns once the socket listens, with the real URL (port 0 picks a free one).
+        server = await nursery.start(partial(serve, app, bind=bind, handle_signals=True))
+        stages = len(pipeline.stage_configs)
+        print(f"serving {stages} stages on {server.url} (Ctrl-C to stop)", flush=True)
+    # The nursery returns once the server has drained; leaving open_pipeline stops the stages.
 
 
 async def main() -> dict[str, Any]:

@@ -1300,3 +1300,41 @@ async def test_a_bug_answers_500_without_leaking_the_exception_text(
     assert "secret" not in answer.text
     [failed] = [e for e in capture_stage_logs if e["event"] == "request_failed"]
     assert failed["path"] == "/v1/stats"
+
+
+async def test_http_server_example_run_as_a_program_serves_until_sigint() -> None:
+    """``python examples/http_server.py 127.0.0.1:0`` prints its real URL, serves the docs'
+    repeated prompt (restored the second time) and exits 0 after draining on Ctrl-C."""
+    argv = [sys.executable, str(ROOT / "examples" / "http_server.py"), "127.0.0.1:0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with trio.fail_after(60):
+        process = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        try:
+            assert process.stdout is not None
+            output = b""
+            while b"\n" not in output:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"example exited before printing its address: {output!r}"
+                output += chunk
+            line = output.decode().splitlines()[0]
+            match = re.fullmatch(r"serving 4 stages on (http://127\.0\.0\.1:(\d+)) \(.*\)", line)
+            assert match, line
+            assert int(match[2]) > 0
+            async with httpx.AsyncClient(base_url=match[1], timeout=TIMEOUT_S) as client:
+                body = {
+                    "text": "Summarise the report in three sentences, then list its "
+                    "open questions.",
+                    "session_id": "s1",
+                }
+                answers = [(await client.post("/v1/prefill", json=body)) for _ in range(2)]
+            process.send_signal(signal.SIGINT)
+            status = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert all(stage["restored_tokens"] > 0 for stage in answers[1].json()["stages"])
+    assert status == 0
