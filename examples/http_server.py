@@ -4,17 +4,21 @@ Start it (needs the ``server`` extra: ``pip install -e '.[server]'``)::
 
     python examples/http_server.py                 # http://127.0.0.1:8000, Ctrl-C to stop
     python examples/http_server.py 0.0.0.0:9000    # another address
+    python examples/http_server.py 127.0.0.1:0     # a free port (the first line shows it)
 
 The same server, from the command line::
 
     stage-runtime serve --topology examples/topology.toml --bind 127.0.0.1:8000
 
-Query it (the second identical prompt is restored from every stage's activation cache)::
+Query it (the second identical prompt is restored from every stage's activation cache; prompts
+shorter than the topology's ``min_tokens = 64``, i.e. 64 bytes of text, are never cached)::
 
     curl -s localhost:8000/v1/prefill \\
-        -d '{"text": "Summarise the following report in three sentences.", "session_id": "s1"}'
+        -d '{"text": "Summarise the report in three sentences, then list its open questions.",
+             "session_id": "s1"}'
     curl -s localhost:8000/v1/prefill \\
-        -d '{"text": "Summarise the following report in three sentences.", "session_id": "s1"}'
+        -d '{"text": "Summarise the report in three sentences, then list its open questions.",
+             "session_id": "s1"}'
     curl -s localhost:8000/v1/prefill \\
         -d '{"tokens": [101, 2023, 2003, 1037, 3231], "session_id": "s2", "request_id": "r-1"}'
     curl -s localhost:8000/v1/stats
@@ -23,8 +27,9 @@ Query it (the second identical prompt is restored from every stage's activation 
     curl -s localhost:8000/v1/prefill -d '{"tokens": [], "session_id": "s1"}'  # 400: "tokens"
 
 ``"text"`` is tokenized byte by byte (UTF-8 bytes as token ids 0..255); real deployments send
-``"tokens"`` from their model's tokenizer. ``Ctrl-C`` (or SIGTERM) drains: ``/readyz`` turns 503,
-in-flight prefills finish, then the pipeline stops; a second ``Ctrl-C`` stops at once.
+``"tokens"`` from their model's tokenizer. ``Ctrl-C`` (or SIGTERM) drains: new connections are
+refused, in-flight prefills finish (any still running after ``shutdown_timeout_s``, 30 s, get a
+``503``), then the pipeline stops; a second ``Ctrl-C`` stops at once.
 
 :func:`main` is the self-contained tour the tests run: it serves on a free port, sends a few real
 requests with httpx and shuts down.
@@ -33,6 +38,7 @@ requests with httpx and shuts down.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +59,16 @@ PROMPT = "Summarise the following report in three sentences, then list the open 
 
 async def serve_until_interrupted(bind: str = "127.0.0.1:8000") -> None:
     """Serve the 4-stage pipeline on ``bind`` until SIGINT/SIGTERM, then drain and stop."""
-    async with open_pipeline(TOPOLOGY, reference_model_factory(width=64)) as pipeline:
+    async with (
+        open_pipeline(TOPOLOGY, reference_model_factory(width=64)) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
         app = create_app(pipeline, settings=ServerSettings(max_inflight=32))
-        print(f"serving {len(pipeline.stage_configs)} stages on http://{bind} (Ctrl-C to stop)")
-        await serve(app, bind=bind, handle_signals=True)
+        # start() returns once the socket listens, with the real URL (port 0 picks a free one).
+        server = await nursery.start(partial(serve, app, bind=bind, handle_signals=True))
+        stages = len(pipeline.stage_configs)
+        print(f"serving {stages} stages on {server.url} (Ctrl-C to stop)", flush=True)
+    # The nursery returns once the server has drained; leaving open_pipeline stops the stages.
 
 
 async def main() -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -126,7 +127,8 @@ class ServerSettings:
     """``Retry-After`` sent with ``503`` answers."""
 
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    """How long a graceful shutdown waits for in-flight requests before cancelling them."""
+    """How long a graceful shutdown lets in-flight prefills run; those still running then are
+    cancelled and answered ``503`` (``"error": "shutdown_timeout"``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -187,6 +189,8 @@ class PipelineApp:
     _prefill_tokens: int = attrs.field(default=0, init=False)
     _restored_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
     _computed_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
+    _shutdown_deadline: float = attrs.field(default=math.inf, init=False)
+    _prefill_deadlines: set[trio.CancelScope] = attrs.field(factory=set, init=False)
 
     @property
     def draining(self) -> bool:
@@ -213,6 +217,24 @@ class PipelineApp:
         if not self._draining:
             self._draining = True
             log.info("server_drain_started", inflight=self._inflight)
+
+    def start_shutdown(self) -> None:
+        """Drain, and give in-flight prefills ``shutdown_timeout_s`` more to finish.
+
+        A prefill still running at that deadline is cancelled and its client answered ``503``
+        with ``Retry-After`` (``"error": "shutdown_timeout"``), so no admitted request goes
+        unanswered. Calling it again keeps the first deadline.
+        """
+        self.drain()
+        if self._shutdown_deadline == math.inf:
+            self._shutdown_deadline = trio.current_time() + self.settings.shutdown_timeout_s
+            log.info(
+                "server_shutdown_started",
+                inflight=self._inflight,
+                shutdown_timeout_s=self.settings.shutdown_timeout_s,
+            )
+            for scope in self._prefill_deadlines:
+                scope.deadline = self._shutdown_deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
@@ -251,7 +273,7 @@ class PipelineApp:
             fields = dict(response.log_fields)
         if response is not None:
             try:
-                await self._send(send, response)
+                await self._send(send, response, head=method == "HEAD")
             except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
                 # The client hung up while the answer was being written (hypercorn can then
                 # race its own close against our write); nobody is left to read it.
@@ -271,20 +293,26 @@ class PipelineApp:
         )
 
     @staticmethod
-    async def _send(send: Send, response: _Response) -> None:
+    async def _send(send: Send, response: _Response, *, head: bool = False) -> None:
         headers = [
             (b"content-type", response.content_type.encode()),
             (b"content-length", str(len(response.body)).encode()),
             *((name.lower().encode(), value.encode()) for name, value in response.headers),
         ]
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+        # A HEAD answer carries the GET answer's headers (content-length included), no body.
+        body = b"" if head else response.body
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Response:
         allowed = _ROUTES.get(path)
         if allowed is None:
             return _error(404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {path}")
+        if method == "HEAD" and "GET" in allowed:
+            method = "GET"  # same answer, body dropped by _send
         if method not in allowed:
+            if "GET" in allowed:
+                allowed = (*allowed, "HEAD")
             response = _error(
                 405,
                 "method_not_allowed",
@@ -381,19 +409,42 @@ class PipelineApp:
         error: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
-            try:
-                result = await self.pipeline.prefill(
-                    request.tokens,
-                    session_id=request.session_id,
-                    request_id=request.request_id,
-                    cache_salt=request.cache_salt,
-                )
-            except Exception as exc:
-                # Kept out of the nursery, which would wrap it in an exception group.
-                error = exc
+            # Its deadline is the shutdown's (see start_shutdown); a hang-up cancels the nursery,
+            # which this scope does not catch, so the two causes stay apart.
+            with trio.CancelScope(deadline=self._shutdown_deadline) as shutdown_scope:
+                self._prefill_deadlines.add(shutdown_scope)
+                try:
+                    result = await self.pipeline.prefill(
+                        request.tokens,
+                        session_id=request.session_id,
+                        request_id=request.request_id,
+                        cache_salt=request.cache_salt,
+                    )
+                except Exception as exc:
+                    # Kept out of the nursery, which would wrap it in an exception group.
+                    error = exc
+                finally:
+                    self._prefill_deadlines.discard(shutdown_scope)
             nursery.cancel_scope.cancel()
         if error is not None:
             response = self._prefill_error(error, request)
+            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
+        if shutdown_scope.cancelled_caught:
+            log.warning(
+                "prefill_cancelled",
+                reason="shutdown_timeout",
+                session_id=request.session_id,
+                request_id=request.request_id,
+            )
+            self._rejected["shutdown_timeout"] += 1
+            message = (
+                f"server shut down before the prefill finished (shutdown_timeout_s="
+                f"{self.settings.shutdown_timeout_s}): retry on another instance"
+            )
+            response = attrs.evolve(
+                _error(503, "shutdown_timeout", message),
+                headers=(("retry-after", self._retry_after),),
+            )
             return attrs.evolve(response, log_fields=request_fields + response.log_fields)
         if result is None:
             # Only the disconnect watcher cancels the nursery before a result exists.
@@ -559,11 +610,14 @@ class PipelineApp:
             ),
             MetricFamily(
                 name="stage_runtime_prefill_rejected_total",
-                help="Prefills refused with 503, by reason.",
+                help=(
+                    "Prefills answered 503, by reason: overloaded, draining, or shutdown_timeout "
+                    "(still running when a shutdown's timeout expired)."
+                ),
                 type="counter",
                 samples=[
                     Sample(value=self._rejected[reason], labels=(("reason", reason),))
-                    for reason in ("overloaded", "draining")
+                    for reason in ("overloaded", "draining", "shutdown_timeout")
                 ],
             ),
             MetricFamily(

@@ -5,7 +5,9 @@ Shutdown runs in three steps, so that no admitted request is lost:
 1. :meth:`RunningServer.drain`: readiness turns ``503`` and new prefills are refused with
    ``503`` + ``Retry-After``; the listener stays open so load balancers can see the change;
 2. :meth:`RunningServer.shutdown`: the listener closes, idle keep-alive connections are closed,
-   and every in-flight request runs to completion (up to ``shutdown_timeout_s``);
+   and every in-flight request runs to completion; a prefill still running ``shutdown_timeout_s``
+   later is cancelled and answered ``503`` (``shutdown_timeout``), so every admitted request
+   gets an answer;
 3. :func:`serve` returns; the caller then leaves ``open_pipeline``, which stops the stages.
 """
 
@@ -17,7 +19,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
 __all__ = ["RunningServer", "open_server", "serve"]
 
 log = structlog.get_logger(__name__)
+
+ANSWER_MARGIN_S: Final = 2.0
+"""Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers
+of prefills cut off at ``shutdown_timeout_s`` are written before hypercorn drops connections."""
 
 
 @attrs.define(eq=False)
@@ -77,7 +83,7 @@ class RunningServer:
     def shutdown(self) -> None:
         """Drain, stop accepting connections, and let :func:`serve` return once in-flight
         requests are answered."""
-        self.app.drain()
+        self.app.start_shutdown()
         self._shutdown_requested.set()
 
     def abort(self) -> None:
@@ -118,7 +124,7 @@ def _hypercorn_config(sock: socket.socket, *, shutdown_timeout_s: float) -> Conf
     config = Config()
     # Hypercorn adopts the bound socket through its file descriptor (and closes it when done).
     config.bind = [f"fd://{sock.detach()}"]
-    config.graceful_timeout = shutdown_timeout_s
+    config.graceful_timeout = shutdown_timeout_s + ANSWER_MARGIN_S
     # Hypercorn's own messages go to a stdlib logger; the application decides where they end up.
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = None  # `request_served` is the access log

@@ -29,6 +29,7 @@ import numpy.typing as npt
 import pytest
 import structlog
 import trio
+import trio.lowlevel
 import trio.testing
 
 from stage_runtime.config import CacheMode, KvCacheConfig, StageConfig
@@ -36,6 +37,7 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import ModelFactory, StageModel, reference_model_factory
 from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
 from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
+from stage_runtime.server import serve as real_serve
 from stage_runtime.server.command import add_serve_arguments, run_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,7 +251,13 @@ async def test_repeated_prompt_is_restored_by_every_stage() -> None:
         assert stage["restored_tokens"] > 0
         assert stage["restored_tokens"] + stage["computed_tokens"] == 100
     assert 0 < one["elapsed_s"] <= round_trip_s + 1e-6
+    cache_fields = {"entries", "resident_bytes", "lookups", "hits", "misses", "evictions"}
+    assert all(cache_fields <= set(stage["cache"]) for stage in stats["stages"])
+    assert all({"queued", "processed"} <= set(stage["mailbox"]) for stage in stats["stages"])
     assert [stage["cache"]["hits"] for stage in stats["stages"]] == [1, 1, 1, 1]
+    # One restore missed (the first), one hit; the store counted each ladder candidate probed.
+    assert [stage["cache"]["accounting"]["misses"] for stage in stats["stages"]] == [1, 1, 1, 1]
+    assert all(stage["cache"]["misses"] >= 1 for stage in stats["stages"])
     assert all(stage["cache"]["entries"] > 0 for stage in stats["stages"])
     assert all(stage["mailbox"]["processed"] > 0 for stage in stats["stages"])
     assert stats["server"]["prefills"] == 2
@@ -523,8 +531,9 @@ async def test_admission_control_answers_503_with_retry_after_beyond_max_infligh
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "3"
     assert refused.json()["error"] == "overloaded"
-    assert 'stage_runtime_prefill_rejected_total{reason="overloaded"} 1' in metrics
-    assert "stage_runtime_prefill_inflight 2" in metrics
+    _, series = parse_prometheus_text(metrics)
+    assert series['stage_runtime_prefill_rejected_total{reason="overloaded"}'] == 1
+    assert series["stage_runtime_prefill_inflight"] == 2
     assert [answer.status_code for answer in answers] == [200, 200]
     assert after.status_code == 200
     assert h.pipeline.entered == 3  # the refused request never reached the pipeline
@@ -652,6 +661,109 @@ async def test_graceful_shutdown_drains_inflight_requests_then_stops_pipeline() 
     assert pipeline_running_after_server
 
 
+async def test_prefills_still_running_at_the_shutdown_timeout_are_answered_503(
+    capture_stage_logs: LogEvents,
+) -> None:
+    """Past shutdown_timeout_s an in-flight prefill is cancelled and answered 503, not dropped."""
+    gate = trio.Event()
+    answers: list[httpx.Response] = []
+    settings = ServerSettings(shutdown_timeout_s=0.01, retry_after_s=7)
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=settings, model_factory=gated_factory(gate)) as h:
+
+            async def in_flight(index: int) -> None:
+                async with httpx.AsyncClient(base_url=h.server.url, timeout=TIMEOUT_S) as own:
+                    body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
+                    answers.append(await own.post("/v1/prefill", json=body))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(3):
+                    nursery.start_soon(in_flight, index)
+                await h.pipeline.wait_until(lambda p: p.entered == 3)
+                h.server.shutdown()  # the gate stays shut: no prefill can finish in time
+            await h.server.wait_stopped()
+            gate.set()  # let the stages finish the abandoned work so the pipeline can stop
+            _, series = parse_prometheus_text(await h.server.app.metrics_text())
+
+    assert [answer.status_code for answer in answers] == [503, 503, 503]
+    for answer in answers:
+        assert answer.json()["error"] == "shutdown_timeout"
+        assert "shutdown_timeout_s=0.01" in answer.json()["message"]
+        assert answer.headers["retry-after"] == "7"
+    prefills = [e for e in served_events(capture_stage_logs) if e["path"] == "/v1/prefill"]
+    assert sorted(e["session_id"] for e in prefills) == ["s0", "s1", "s2"]
+    assert {(e["status"], e["error"]) for e in prefills} == {(503, "shutdown_timeout")}
+    cancelled = [e for e in capture_stage_logs if e["event"] == "prefill_cancelled"]
+    assert {e["reason"] for e in cancelled} == {"shutdown_timeout"}
+    assert len(cancelled) == 3
+    assert series['stage_runtime_prefill_rejected_total{reason="shutdown_timeout"}'] == 3
+    assert series["stage_runtime_prefill_inflight"] == 0
+
+
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_a_signal_drains_with_requests_in_flight_and_none_is_lost(
+    first: signal.Signals, capture_stage_logs: LogEvents
+) -> None:
+    """SIGINT or SIGTERM: readiness 503 and new prefills refused while the held ones finish.
+
+    The second signal ends the drain grace period and closes the listener; the held requests
+    still complete with 200, and only then does the pipeline stop.
+    """
+    gate = trio.Event()
+    answers: list[httpx.Response] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with open_pipeline(four_stages(), gated_factory(gate), environ={}) as pipeline:
+            observed = ObservedPipeline(inner=pipeline)
+            app = create_app(observed)
+            async with trio.open_nursery() as nursery:
+                server: RunningServer = await nursery.start(
+                    partial(
+                        real_serve,
+                        app,
+                        bind="127.0.0.1:0",
+                        handle_signals=True,
+                        drain_grace_s=600,  # only the second signal ends it
+                    )
+                )
+
+                async def in_flight(index: int) -> None:
+                    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as own:
+                        body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
+                        answers.append(await own.post("/v1/prefill", json=body))
+
+                for index in range(3):
+                    nursery.start_soon(in_flight, index)
+                await observed.wait_until(lambda p: p.entered == 3)
+                signal.raise_signal(first)
+                async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as client:
+                    # The OS delivers the signal to trio's signal receiver asynchronously, and
+                    # the app exposes no event for it: checkpoint until the flag flips.
+                    while not app.draining:
+                        await trio.lowlevel.checkpoint()
+                    ready = await client.get("/readyz")
+                    refused = await client.post(
+                        "/v1/prefill", json={"tokens": [1], "session_id": "late"}
+                    )
+                    metrics = (await client.get("/metrics")).text
+                signal.raise_signal(signal.SIGTERM)
+                while not server.closing:
+                    await trio.lowlevel.checkpoint()
+                assert not answers  # still held at the gate
+                gate.set()
+            stopped_before_pipeline = server.stopped and not pipeline.draining
+
+    assert (ready.status_code, ready.json()) == (503, {"status": "draining"})
+    assert refused.status_code == 503
+    assert refused.json()["error"] == "draining"
+    assert parse_prometheus_text(metrics)[1]["stage_runtime_ready"] == 0
+    assert [answer.status_code for answer in answers] == [200, 200, 200]  # none lost
+    assert stopped_before_pipeline
+    events = [e["event"] for e in capture_stage_logs]
+    assert events.index("shutdown_requested") < events.index("shutdown_hastened")
+    [requested] = [e for e in capture_stage_logs if e["event"] == "shutdown_requested"]
+    assert requested["signal"] == first.name
+
+
 # -- probes, metrics, logs ----------------------------------------------------------------------
 
 
@@ -670,7 +782,76 @@ async def test_healthz_and_readyz_report_ok_while_serving() -> None:
     assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
 
 
-_METRIC_LINE = re.compile(r"^([a-z_:][a-z0-9_:]*)(\{[^}]*\})? (\S+)$")
+async def test_probes_answer_head_with_the_get_headers_and_no_body() -> None:
+    """HEAD on the GET routes (curl -I, load-balancer checks) answers like GET, without a body."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            head = await h.client.head("/healthz")
+            get = await h.client.get("/healthz")
+            head_metrics = await h.client.head("/metrics")
+            head_prefill = await h.client.head("/v1/prefill")
+            post_probe = await h.client.post("/readyz")
+    assert head.status_code == 200
+    assert head.content == b""
+    assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+    assert head_metrics.status_code == 200
+    assert head_metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert head_prefill.status_code == 405
+    assert head_prefill.headers["allow"] == "POST"
+    assert post_probe.status_code == 405
+    assert post_probe.headers["allow"] == "GET, HEAD"
+
+
+_METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+_SAMPLE = re.compile(
+    rf"^(?P<name>{_METRIC_NAME})(?P<labels>\{{{_LABEL}(?:,{_LABEL})*\}})? "
+    r"(?P<value>NaN|[+-]Inf|[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)$"
+)
+_TYPES = {"counter", "gauge", "summary", "histogram", "untyped"}
+
+
+def parse_prometheus_text(text: str) -> tuple[dict[str, str], dict[str, float]]:
+    """Check the text exposition format strictly; return ``{family: type}`` and
+    ``{series: value}``.
+
+    Per family: one ``# HELP``, then one ``# TYPE`` with a known type, then its samples, all
+    together (a family never reappears later); sample names are the family's (plus ``_sum`` /
+    ``_count`` for summaries); label syntax and escapes are valid; no series appears twice.
+    """
+    assert text.endswith("\n")
+    families: dict[str, str] = {}
+    samples: dict[str, float] = {}
+    current: str | None = None
+    helped: str | None = None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split(" ", 3)[2]
+            assert re.fullmatch(_METRIC_NAME, name), line
+            assert name not in families, f"{name} documented twice"
+            assert name != helped, f"{name} documented twice"
+            helped, current = name, None
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name == helped, f"TYPE of {name} not right after its HELP"
+            assert kind in _TYPES, line
+            families[name] = kind
+            current = name
+        else:
+            assert not line.startswith("#"), line
+            match = _SAMPLE.match(line)
+            assert match, f"not a valid sample line: {line!r}"
+            assert current is not None, f"sample before any TYPE: {line!r}"
+            suffixes = ("", "_sum", "_count") if families[current] == "summary" else ("",)
+            assert match["name"] in {current + suffix for suffix in suffixes}, (
+                f"sample {match['name']} outside its family (current: {current})"
+            )
+            series = match["name"] + (match["labels"] or "")
+            assert series not in samples, f"duplicate series {series}"
+            samples[series] = float(match["value"])
+    for name, kind in families.items():
+        assert kind != "counter" or name.endswith("_total"), name
+    return families, samples
 
 
 async def test_metrics_are_valid_prometheus_text_matching_stats() -> None:
@@ -688,25 +869,8 @@ async def test_metrics_are_valid_prometheus_text_matching_stats() -> None:
     assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     text = response.text
     assert text.endswith("\n")
-    declared: dict[str, str] = {}
-    helped: set[str] = set()
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            helped.add(line.split()[2])
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            assert name in helped, f"TYPE before HELP for {name}"
-            assert name not in declared, f"{name} declared twice"
-            declared[name] = kind
-        else:
-            match = _METRIC_LINE.match(line)
-            assert match, line
-            name = match.group(1)
-            family = re.sub(r"_(sum|count)$", "", name) if name not in declared else name
-            assert family in declared, f"sample {name} before its TYPE"
-            samples[name + (match.group(2) or "")] = float(match.group(3))
-    assert all(name.endswith("_total") for name, kind in declared.items() if kind == "counter")
+    declared, samples = parse_prometheus_text(text)
+    assert declared["stage_runtime_prefill_duration_seconds"] == "summary"
     for stage in stats["stages"]:
         label = f'{{stage_id="{stage["stage_id"]}"}}'
         assert samples[f"stage_runtime_cache_hits_total{label}"] == stage["cache"]["hits"]
@@ -899,15 +1063,6 @@ def test_serve_command_exits_1_when_the_address_is_taken(
     assert f"cannot listen on {bind}" in capsys.readouterr().err
 
 
-SERVE_SCRIPT = (
-    "import argparse, sys\n"
-    "from stage_runtime.server.command import add_serve_arguments, run_serve\n"
-    "parser = argparse.ArgumentParser()\n"
-    "add_serve_arguments(parser)\n"
-    "sys.exit(run_serve(parser.parse_args(sys.argv[1:])))\n"
-)
-
-
 @attrs.define(eq=False)
 class ServeProcess:
     """``run_serve`` in a child process, with its JSON log lines readable one event at a time."""
@@ -933,9 +1088,10 @@ class ServeProcess:
 
 @asynccontextmanager
 async def serve_process(*options: str) -> AsyncIterator[ServeProcess]:
-    """Start the serve command on a free port (JSON logs: stderr is a pipe); kill it if needed."""
+    """Start ``stage-runtime serve`` (as ``python -m stage_runtime serve``, the console script's
+    entry point) on a free port (JSON logs: stderr is a pipe); kill it if needed."""
     topology = ROOT / "examples" / "topology.toml"
-    argv = [sys.executable, "-c", SERVE_SCRIPT, "--topology", str(topology), *options]
+    argv = [sys.executable, "-m", "stage_runtime", "serve", "--topology", str(topology), *options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = await trio.lowlevel.open_process(
         [*argv, "--bind", "127.0.0.1:0"], stderr=subprocess.PIPE, env=env
@@ -972,8 +1128,13 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
 async def test_serve_command_reports_draining_during_grace_and_a_second_signal_hastens() -> None:
     """During --drain-grace the listener stays open with readiness 503; SIGTERM again ends it."""
     with trio.fail_after(60):
-        async with serve_process("--drain-grace", "600") as child:
+        options = ("--drain-grace", "600", "--retry-after", "9", "--max-body-bytes", "64")
+        async with serve_process(*options) as child:
             started = await child.next_event("server_started")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                too_big = await client.post(
+                    "/v1/prefill", json={"tokens": prompt(40), "session_id": "big"}
+                )
             child.process.send_signal(signal.SIGTERM)
             await child.next_event("server_drain_started")
             async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
@@ -988,6 +1149,9 @@ async def test_serve_command_reports_draining_during_grace_and_a_second_signal_h
     assert health.status_code == 200
     assert refused.status_code == 503
     assert refused.json()["error"] == "draining"
+    assert refused.headers["retry-after"] == "9"  # --retry-after reached the app
+    assert (too_big.status_code, too_big.json()["field"]) == (413, "body")  # so did the limit
+    assert "at most 64 bytes" in too_big.json()["message"]
     assert status == 0
 
 
@@ -1005,6 +1169,99 @@ async def test_http_server_example_main_restores_the_repeated_prompt() -> None:
     assert all(stage["restored_tokens"] == 0 for stage in result["first"]["stages"])
     assert all(stage["restored_tokens"] > 0 for stage in result["second"]["stages"])
     assert len(result["stats"]["stages"]) == 4
+
+
+_CURL = re.compile(
+    r"curl -si? localhost:8000(?P<path>/[\w/]*)(?:\s*\\\n)?(?:\s+-d '(?P<body>[^']*)')?"
+    r"(?P<comment>[^\n]*)"
+)
+
+
+async def replay_curl_commands(text: str) -> list[tuple[str, str | None, str, httpx.Response]]:
+    """Run every ``curl localhost:8000/...`` command of ``text`` against a real server.
+
+    The server is the one the docs describe: the example topology, the reference model at
+    width 64, default settings. Returns ``(path, body, trailing comment, response)`` in order.
+    """
+    commands = [(m["path"], m["body"], m["comment"]) for m in _CURL.finditer(text)]
+    assert commands, "no curl commands found"
+    replies = []
+    topology = ROOT / "examples" / "topology.toml"
+    with trio.fail_after(TIMEOUT_S):
+        async with (
+            open_pipeline(topology, reference_model_factory(width=64), environ={}) as pipeline,
+            open_server(create_app(pipeline), bind="127.0.0.1:0") as server,
+            httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as client,
+        ):
+            for path, body, comment in commands:
+                if body is None:
+                    response = await client.get(path)
+                else:
+                    # curl -d sends a form content type; the server reads the body as JSON anyway.
+                    response = await client.post(
+                        path,
+                        content=body.encode(),
+                        headers={"content-type": "application/x-www-form-urlencoded"},
+                    )
+                replies.append((path, body, comment, response))
+    return replies
+
+
+def check_documented_curl_replies(
+    replies: list[tuple[str, str | None, str, httpx.Response]],
+) -> None:
+    """Each command answers as its comment says (200 unless ``# 400: "field"``), and a prompt
+    sent again right after itself is restored by every stage, as the docs promise."""
+    previous_body: str | None = None
+    repeats = 0
+    for path, body, comment, response in replies:
+        expected = re.search(r'# (\d{3}): "(\w+)"', comment)
+        if expected is None:
+            assert response.status_code == 200, (path, body, response.text)
+        else:
+            assert response.status_code == int(expected[1]), (path, body, response.text)
+            assert response.json()["field"] == expected[2]
+        if body is not None and body == previous_body:
+            restored = [stage["restored_tokens"] for stage in response.json()["stages"]]
+            assert all(count > 0 for count in restored), (body, restored)
+            repeats += 1
+        previous_body = body
+    assert repeats >= 1, "the docs show a repeated prompt"
+
+
+async def test_the_curl_commands_of_the_http_server_example_answer_as_documented() -> None:
+    """examples/http_server.py's docstring: its curl commands, replayed against a real server."""
+    spec = importlib.util.spec_from_file_location(
+        "http_server_example_doc", ROOT / "examples" / "http_server.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.__doc__ is not None
+    replies = await replay_curl_commands(module.__doc__)
+    check_documented_curl_replies(replies)
+    assert {path for path, *_ in replies} >= {
+        "/v1/prefill",
+        "/v1/stats",
+        "/metrics",
+        "/readyz",
+    }
+
+
+async def test_the_curl_commands_of_the_readme_answer_as_documented() -> None:
+    """The README server section's curl commands, replayed against a real server."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("<!-- section: server -->", 1)[1].split("<!-- section:", 1)[0]
+    replies = await replay_curl_commands(section)
+    check_documented_curl_replies(replies)
+    assert {path for path, *_ in replies} == {
+        "/v1/prefill",
+        "/v1/stats",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+    }
 
 
 @attrs.define(eq=False)
@@ -1043,3 +1300,41 @@ async def test_a_bug_answers_500_without_leaking_the_exception_text(
     assert "secret" not in answer.text
     [failed] = [e for e in capture_stage_logs if e["event"] == "request_failed"]
     assert failed["path"] == "/v1/stats"
+
+
+async def test_http_server_example_run_as_a_program_serves_until_sigint() -> None:
+    """``python examples/http_server.py 127.0.0.1:0`` prints its real URL, serves the docs'
+    repeated prompt (restored the second time) and exits 0 after draining on Ctrl-C."""
+    argv = [sys.executable, str(ROOT / "examples" / "http_server.py"), "127.0.0.1:0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with trio.fail_after(60):
+        process = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        try:
+            assert process.stdout is not None
+            output = b""
+            while b"\n" not in output:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"example exited before printing its address: {output!r}"
+                output += chunk
+            line = output.decode().splitlines()[0]
+            match = re.fullmatch(r"serving 4 stages on (http://127\.0\.0\.1:(\d+)) \(.*\)", line)
+            assert match, line
+            assert int(match[2]) > 0
+            async with httpx.AsyncClient(base_url=match[1], timeout=TIMEOUT_S) as client:
+                body = {
+                    "text": "Summarise the report in three sentences, then list its "
+                    "open questions.",
+                    "session_id": "s1",
+                }
+                answers = [(await client.post("/v1/prefill", json=body)) for _ in range(2)]
+            process.send_signal(signal.SIGINT)
+            status = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert all(stage["restored_tokens"] > 0 for stage in answers[1].json()["stages"])
+    assert status == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ from stage_runtime.server import (
     parse_prefill_request,
     render_metrics,
 )
+from stage_runtime.server.command import configure_logging
 
 
 def _body(**fields: object) -> bytes:
@@ -290,3 +293,46 @@ def test_parse_never_fails_with_anything_but_invalid_request(body: bytes) -> Non
     else:
         assert request.tokens.size > 0
         assert request.session_id
+
+
+class _Stream(io.StringIO):
+    """A stderr stand-in that says whether it is a terminal."""
+
+    def __init__(self, *, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        """What the test asked for."""
+        return self._tty
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "terminal"])
+def test_request_logs_are_json_lines_unless_stderr_is_a_terminal(
+    tty: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serve command's logging (format auto) writes JSON to a pipe and text to a terminal."""
+    stream = _Stream(tty=tty)
+    monkeypatch.setattr(sys, "stderr", stream)
+    saved = structlog.get_config()
+    try:
+        configure_logging(level="info", log_format="auto")
+        structlog.get_logger("test").info(
+            "request_served", status=200, tokens=3, restored_tokens={"stage-0": 0}, elapsed_s=0.1
+        )
+    finally:
+        structlog.reset_defaults()
+        structlog.configure(**saved)
+    [line] = stream.getvalue().splitlines()
+    if tty:
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)  # the console renderer colours a terminal
+        assert plain != line
+        assert not plain.startswith("{")
+        assert "request_served" in plain
+        assert "status=200" in plain
+    else:
+        event = json.loads(line)
+        assert event["event"] == "request_served"
+        assert (event["status"], event["tokens"], event["level"]) == (200, 3, "info")
+        assert event["restored_tokens"] == {"stage-0": 0}
+        assert event["timestamp"].endswith("Z")
