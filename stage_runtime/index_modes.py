@@ -44,7 +44,6 @@ from stage_runtime.integration import (
     activation_key_slot,
 )
 from stage_runtime.paged import (
-    EvictedPage,
     PageChain,
     PagedActivationIndex,
     PagedRestore,
@@ -448,17 +447,6 @@ class PagedActivationRestore:
         )
 
 
-def _evicted_entry(page: EvictedPage) -> EvictedEntry:
-    return EvictedEntry(
-        key=page.key,
-        token_count=page.token_count,
-        payload_bytes=page.payload_bytes,
-        reason=page.reason,
-        entries_after=page.entries_after,
-        resident_bytes_after=page.resident_bytes_after,
-    )
-
-
 @attrs.define(eq=False)
 class PagedStageIntegration(KvStageIntegration):
     """A stage's activation cache in paged mode; same API as the ladder integration.
@@ -592,7 +580,7 @@ class PagedStageIntegration(KvStageIntegration):
         )
         if outcome.covered_tokens == 0 and not outcome.evicted:
             return []
-        evicted = tuple(_evicted_entry(page) for page in outcome.evicted)
+        evicted: tuple[EvictedEntry, ...] = outcome.evicted
         return [
             ResidentActivationRecord(
                 page_id=outcome.last_entry or chain.label,
@@ -609,7 +597,7 @@ class PagedStageIntegration(KvStageIntegration):
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every page; returns them with reason ``"cleared"``."""
         self._chain_memo = None
-        return tuple(_evicted_entry(page) for page in self.index.clear())
+        return self.index.clear()
 
     def stats(self) -> ResidentCacheStats:
         """The index's counters in the ladder's shape (one lookup per restore call)."""

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
+from stage_runtime.cache import EvictedEntry
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.identity import TokenArray, as_token_array
 
@@ -150,11 +151,10 @@ def page_chain(
     parent = root_key
     n = int(ids.size)
     full = n // page_tokens
+    hasher = blake3.blake3
     for i in range(full):
-        h = blake3.blake3(_PAGE_DOMAIN)
-        h.update(parent)
-        h.update(raw[i * width : (i + 1) * width])
-        parent = h.digest()
+        # One call per page over the concatenation (the same digest as three updates).
+        parent = hasher(b"".join((_PAGE_DOMAIN, parent, raw[i * width : (i + 1) * width]))).digest()
         keys.append(parent)
     tail_key = None
     if n % page_tokens:
@@ -179,22 +179,16 @@ def page_chain(
 
 
 @attrs.frozen(kw_only=True)
-class EvictedPage:
-    """One entry the index evicted (the paged twin of the ladder's ``EvictedEntry``)."""
+class EvictedPage(EvictedEntry):
+    """One entry the index evicted: the ladder's ``EvictedEntry`` plus where it sat in its chain.
 
-    key: str
-    """Printable entry name."""
+    Being an ``EvictedEntry``, it goes into records and ``activation_evicted`` events as is; its
+    ``entries_after`` and ``resident_bytes_after`` are always set.
+    """
+
     kind: EntryKind
     token_start: int
     """First token the entry covers."""
-    token_count: int
-    """Tokens the entry covers."""
-    payload_bytes: int
-    reason: Literal["max_entries", "max_bytes", "cleared"]
-    entries_after: int
-    """Entries resident right after this one left."""
-    resident_bytes_after: int
-    """Payload bytes resident right after this one left."""
 
 
 @attrs.frozen(kw_only=True)
@@ -389,6 +383,12 @@ class PagedActivationIndex:
     )
     _misses: MissTracker = attrs.field(init=False)
     _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
+    _unpushed: _Entry | None = attrs.field(default=None, init=False)
+    """The entry the running record stored last, not yet in the leaf heap."""
+    _unfootprinted: dict[bytes, tuple[PageChain, _Entry]] = attrs.field(factory=dict, init=False)
+    """Resident entries not yet added to the footprint, in the order they were stored: the
+    footprint copies each page's tokens, which only :meth:`unique_prefix_bytes` needs, so entries
+    evicted before it is read never pay for it."""
     _lookups: int = attrs.field(default=0, init=False)
     _hits: int = attrs.field(default=0, init=False)
     _miss_counts: dict[str, int] = attrs.field(
@@ -493,8 +493,23 @@ class PagedActivationIndex:
         bpt = payload.size // n
         p = chain.page_tokens
         parent: _Entry | None = None
-        for i, key in enumerate(chain.page_keys):
+        keys = chain.page_keys
+        entries = self._entries
+        first_new = 0
+        # Pages already cached come first (a cached page's parent is always cached): refresh them
+        # through _put; every page after the first missing one is new, and takes the fast path.
+        while first_new < len(keys) and keys[first_new] in entries:
+            first_new += 1
+        for i, key in enumerate(keys):
             segment = payload[i * p * bpt : (i + 1) * p * bpt]
+            if i >= first_new:
+                entry = self._put_new_page(
+                    chain, key, parent, i, segment, bpt, meta, evicted, stored
+                )
+                if entry is None:
+                    return self._outcome(stored, parent, truncated=True, evicted=evicted)
+                parent = entry
+                continue
             entry = self._put(
                 chain,
                 key,
@@ -542,6 +557,9 @@ class PagedActivationIndex:
         truncated: bool,
         evicted: list[EvictedPage],
     ) -> PagedRecordOutcome:
+        if self._unpushed is not None:
+            self._push_if_leaf(self._unpushed)
+            self._unpushed = None
         return PagedRecordOutcome(
             stored_entries=stored[0],
             stored_bytes=stored[1],
@@ -578,18 +596,27 @@ class PagedActivationIndex:
                 or existing.payload.size != segment.size
             ):
                 # A re-record with different rows replaces them in place; like the ladder's
-                # re-record, this is not an eviction.
-                self._resident_bytes += int(segment.size) - int(existing.payload.size)
+                # re-record, this is not an eviction, but the bounds still hold: a larger
+                # replacement evicts other leaves first, and is refused (the old rows stay) when
+                # only this prompt's own chain could make room.
+                grow = int(segment.size) - int(existing.payload.size)
+                if grow > 0 and not self._make_room(
+                    grow, parent, existing, evicted, new_entry=False
+                ):
+                    return None
+                self._resident_bytes += grow
                 existing.payload = _stored(segment)
                 existing.meta = meta
                 existing.bytes_per_token = bpt
+                self._uncount_footprint(key)
+                self._unfootprinted[key] = (chain, existing)
             self._touch(existing, hit=False)
             stored[2] += 1
             return existing
-        if not self._make_room(int(segment.size), parent, evicted):
+        if not self._make_room(int(segment.size), parent, None, evicted, new_entry=True):
             return None
         self._clock += 1
-        name = f"{chain.label}:{kind}:{token_start}+{token_count}:{key.hex()[:16]}"
+        name = f"{chain.label}:{kind}:{token_start}+{token_count}:{key[:8].hex()}"
         entry = _Entry(
             key=key,
             name=name,
@@ -610,30 +637,113 @@ class PagedActivationIndex:
         self._resident_bytes += int(segment.size)
         if parent is not None:
             parent.children += 1
-        heapq.heappush(self._leaves, _leaf_item(entry))
+        # The new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
+        # next page of the chain makes it inner at once, and until then it is the protected
+        # parent of that page anyway.
+        previous = self._unpushed
+        if previous is not None and previous is not parent:
+            self._push_if_leaf(previous)
+        self._unpushed = entry
         self._misses.cached(key)
-        if kind == "exact":
-            segments = chain.segments(token_count)
-        else:
-            segments = [(group, chain.tokens[token_start : token_start + token_count])]
-        self._footprint.add(key, segments, bpt if bpt else max(int(segment.size) // token_count, 1))
+        self._unfootprinted[key] = (chain, entry)
         self._records += 1
         stored[0] += 1
         stored[1] += int(segment.size)
         return entry
 
-    def _make_room(self, size: int, protect: _Entry | None, evicted: list[EvictedPage]) -> bool:
+    def _put_new_page(
+        self,
+        chain: PageChain,
+        key: bytes,
+        parent: _Entry | None,
+        i: int,
+        segment: Payload,
+        bpt: int,
+        meta: Hashable,
+        evicted: list[EvictedPage],
+        stored: list[int],
+    ) -> _Entry | None:
+        """:meth:`_put` of full page ``i`` of ``chain``, known not to be cached (the hot path)."""
+        size = int(segment.size)
+        if (
+            len(self._entries) >= self.max_entries
+            or (self.max_bytes and self._resident_bytes + size > self.max_bytes)
+        ) and not self._make_room(size, parent, None, evicted, new_entry=True):
+            return None
+        self._clock += 1
+        p = chain.page_tokens
+        entry = _Entry(
+            key=key,
+            name=f"{chain.label}:page:{i * p}+{p}:{key[:8].hex()}",
+            kind="page",
+            parent=parent,
+            group=chain.root_key if i == 0 else chain.page_keys[i - 1],
+            token_start=i * p,
+            token_count=p,
+            payload=_stored(segment),
+            bytes_per_token=bpt,
+            meta=meta,
+            last_used=self._clock,
+        )
+        if self.eviction == "reuse":
+            entry.priority = self._inflation + 1.0
+        self._entries[key] = entry
+        self._kinds["page"] += 1
+        self._resident_bytes += size
+        if parent is not None:
+            parent.children += 1
+        previous = self._unpushed
+        if previous is not None and previous is not parent:
+            self._push_if_leaf(previous)
+        self._unpushed = entry
+        self._misses.cached(key)
+        self._unfootprinted[key] = (chain, entry)
+        self._records += 1
+        stored[0] += 1
+        stored[1] += size
+        return entry
+
+    def _uncount_footprint(self, key: bytes) -> None:
+        if self._unfootprinted.pop(key, None) is None:
+            self._footprint.remove(key)
+
+    def _count_footprint(self, chain: PageChain, entry: _Entry) -> None:
+        """Add ``entry``'s token rows to the unique-prefix footprint."""
+        if entry.kind == "exact":
+            segments = chain.segments(entry.token_count)
+        else:
+            start = entry.token_start
+            segments = [(entry.group, chain.tokens[start : start + entry.token_count])]
+        size = int(entry.payload.size)
+        bpt = entry.bytes_per_token or max(size // entry.token_count, 1)
+        self._footprint.add(entry.key, segments, bpt)
+
+    def _push_if_leaf(self, entry: _Entry) -> None:
+        if entry.children == 0 and self._entries.get(entry.key) is entry:
+            heapq.heappush(self._leaves, _leaf_item(entry))
+
+    def _make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[EvictedPage],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        """Evict leaves (never ``protect`` or ``also``) until ``size`` more bytes, and one more
+        entry when ``new_entry``, fit the bounds; False when only protected leaves remain."""
         held: list[tuple[float, int, int, _Entry]] = []
         ok = True
         while True:
-            if len(self._entries) + 1 > self.max_entries:
+            if new_entry and len(self._entries) + 1 > self.max_entries:
                 reason: Literal["max_entries", "max_bytes"] = "max_entries"
             elif self.max_bytes and self._resident_bytes + size > self.max_bytes:
                 reason = "max_bytes"
             else:
                 break
             victim = self._pop_leaf()
-            if victim is protect and victim is not None:
+            while victim is not None and (victim is protect or victim is also):
                 held.append(_leaf_item(victim))
                 victim = self._pop_leaf()
             if victim is None:
@@ -686,7 +796,7 @@ class PagedActivationIndex:
             parent.children -= 1
             if parent.children == 0 and self._entries.get(parent.key) is parent:
                 heapq.heappush(self._leaves, _leaf_item(parent))
-        self._footprint.remove(entry.key)
+        self._uncount_footprint(entry.key)
         if reason != "cleared":
             self._inflation = max(self._inflation, entry.priority)
             self._misses.evicted(entry.key)
@@ -801,6 +911,9 @@ class PagedActivationIndex:
         Tails that are a prefix of a cached page (or of another tail) count once. Computed
         lazily from what changed since the last call.
         """
+        for chain, entry in self._unfootprinted.values():
+            self._count_footprint(chain, entry)
+        self._unfootprinted.clear()
         return self._footprint.unique_bytes()
 
     def stats(self) -> PagedIndexStats:

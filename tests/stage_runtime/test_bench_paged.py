@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_paged.py"
 
@@ -43,4 +48,81 @@ def test_bench_paged_writes_json_and_a_plot(tmp_path: Path) -> None:
     assert document["checks"]["unbounded_paged_equals_theoretical_max"] is True
     assert "paged-reuse" in document["results"]["1024"]
     assert document["machine"]["blake3"]
+    goals = document["goals"]
+    assert goals["unbounded_paged_equals_theoretical_max"]["met"] is True
+    assert goals["unbounded_paged_equals_theoretical_max"]["measured"] == pytest.approx(
+        document["theoretical_max_hit_ratio"]
+    )
+    assert goals["bounded_paged_at_least_block_lru"]["met"] is None  # 1024 has no reference
+    assert goals["stretch_reuse_eviction_beats_lru_3000000"]["met"] is None
+    assert goals["memory_paged_resident_within_5pct_of_unique"]["met"] is True
+    assert set(goals["replay_wall_paged_within_1_5x_of_ladder"]["per_capacity"]) == {"1024", "0"}
+    assert document["all_required_goals_met"] is False  # the bounded goal was not measured
     assert "ladder vs paged" in done.stdout
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_paged", BENCH)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(hit: float, resident: int = 100, unique: int = 100, wall: float = 1.0) -> dict[str, Any]:
+    return {
+        "token_hit_ratio": hit,
+        "resident_bytes": resident,
+        "unique_prefix_bytes": unique,
+        "replay_wall_s": wall,
+    }
+
+
+def _results(**paged: Any) -> dict[str, dict[str, Any]]:
+    """Rows at 3M and unbounded; ``paged`` overrides the paged row at 3M."""
+    at_3m = {"hit": 0.32, **paged}
+    return {
+        "3000000": {
+            "ladder": _row(0.15, resident=400, wall=2.0),
+            "paged": _row(at_3m["hit"], at_3m.get("resident", 100), 100, at_3m.get("wall", 2.5)),
+            "paged-reuse": _row(at_3m.get("reuse", 0.33)),
+        },
+        "0": {
+            "ladder": _row(0.51, resident=430, wall=2.0),
+            "paged": _row(0.651),
+            "paged-reuse": _row(0.651),
+        },
+    }
+
+
+def test_goals_record_whether_each_target_is_met() -> None:
+    """Every goal of the issue is in the JSON with its measurement and a met flag that can fail."""
+    bench = _bench()
+    capacities = [3_000_000, 0]
+    good = bench.evaluate_goals(_results(), capacities, 0.651)
+    assert {name: goal["met"] for name, goal in good.items()} == {
+        "unbounded_paged_equals_theoretical_max": True,
+        "bounded_paged_at_least_block_lru": True,
+        "stretch_reuse_eviction_beats_lru_3000000": True,
+        "memory_paged_resident_within_5pct_of_unique": True,
+        "replay_wall_paged_within_1_5x_of_ladder": True,
+    }
+    assert good["replay_wall_paged_within_1_5x_of_ladder"]["per_capacity"]["3000000"] == {
+        "paged_over_ladder": 1.25,
+        "met": True,
+    }
+    assert good["memory_paged_resident_within_5pct_of_unique"]["per_capacity"]["0"][
+        "ladder_resident_over_unique"
+    ] == pytest.approx(4.3)
+    bad = bench.evaluate_goals(
+        _results(hit=0.3149, reuse=0.3149, resident=106, wall=3.01), capacities, 0.66
+    )
+    assert {name: goal["met"] for name, goal in bad.items()} == {
+        "unbounded_paged_equals_theoretical_max": False,
+        "bounded_paged_at_least_block_lru": False,
+        "stretch_reuse_eviction_beats_lru_3000000": False,
+        "memory_paged_resident_within_5pct_of_unique": False,
+        "replay_wall_paged_within_1_5x_of_ladder": False,
+    }
+    assert [goal["required"] for goal in bad.values()] == [True, True, False, True, True]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,6 +136,87 @@ def test_restore_uses_the_run_before_an_evicted_inner_page() -> None:
     assert found is not None
     assert found.token_count == 2
     np.testing.assert_array_equal(found.payload(), rows(b"ns", [1, 2]))
+
+
+def test_restore_refreshes_the_recency_of_every_page_it_used() -> None:
+    """A restore makes its pages the most recently used: the other chain's leaves go first."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=4)
+    record(index, [1, 2, 3, 4])  # oldest chain
+    record(index, [5, 6, 7, 8])
+    assert restored(index, [1, 2, 3, 4]) == 4  # refreshes both of its pages
+    outcome = record(index, [9, 9, 9, 9])
+    gone = [(e.token_start, e.token_count) for e in outcome.evicted]  # type: ignore[attr-defined]
+    assert gone == [(2, 2), (0, 2)]  # the unrestored chain, leaf then its page 0
+    assert restored(index, [1, 2, 3, 4]) == 4
+    assert restored(index, [5, 6, 7, 8]) == 0
+
+
+def test_leaf_first_eviction_under_the_byte_bound() -> None:
+    """max_bytes evicts leaves too, each event reporting the residency right after it."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, max_bytes=6 * BPT)
+    record(index, [1, 2, 3, 4, 5, 6])  # three pages; page 0 is the least recently used
+    outcome = record(index, [7, 8])
+    evicted = outcome.evicted  # type: ignore[attr-defined]
+    assert [(e.token_start, e.reason) for e in evicted] == [(4, "max_bytes")]
+    assert [(e.entries_after, e.resident_bytes_after) for e in evicted] == [(2, 4 * BPT)]
+    assert restored(index, [1, 2, 3, 4, 5, 6]) == 4
+    assert index.resident_bytes == 6 * BPT
+
+
+def test_re_record_with_larger_rows_keeps_the_byte_bound() -> None:
+    """Replacing a page by wider rows evicts other leaves; the footprint follows the new rows."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, max_bytes=4 * BPT)
+    record(index, [1, 2])
+    record(index, [3, 4])
+    wide = rows(b"ns", [1, 2], bpt=2 * BPT)
+    outcome = index.record(index.chain(b"ns", [1, 2]), wide, meta="wide")
+    assert [(e.token_start, e.token_count, e.reason) for e in outcome.evicted] == [
+        (0, 2, "max_bytes")
+    ]
+    assert index.resident_bytes == 4 * BPT
+    assert index.unique_prefix_bytes() == 4 * BPT
+    found = index.restore(index.chain(b"ns", [1, 2])).restore
+    assert found is not None
+    assert found.meta == "wide"
+    np.testing.assert_array_equal(found.payload(), wide)
+
+
+def test_re_record_that_cannot_fit_keeps_the_old_rows() -> None:
+    """A replacement larger than the bound allows is refused and changes nothing."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, max_bytes=2 * BPT)
+    record(index, [1, 2])
+    outcome = index.record(
+        index.chain(b"ns", [1, 2]), rows(b"ns", [1, 2], bpt=2 * BPT), meta="wide"
+    )
+    assert outcome.truncated
+    assert outcome.covered_tokens == 0
+    assert outcome.evicted == ()
+    assert index.resident_bytes == 2 * BPT
+    found = index.restore(index.chain(b"ns", [1, 2])).restore
+    assert found is not None
+    assert found.meta is None
+    np.testing.assert_array_equal(found.payload(), rows(b"ns", [1, 2]))
+
+
+def test_assembling_a_restore_copies_at_most_once() -> None:
+    """payload() of a multi-page restore allocates one prefix-sized array, no more."""
+    index = PagedActivationIndex(page_tokens=1024, max_entries=100)
+    tokens = list(range(8 * 1024 + 100))
+    bpt = 64
+    data = np.arange(len(tokens) * bpt, dtype=np.uint64).astype(np.uint8)
+    index.record(index.chain(b"ns", tokens), data)
+    found = index.restore(index.chain(b"ns", tokens)).restore
+    assert found is not None
+    assert len(found.pages) == 9
+    tracemalloc.start()
+    try:
+        assembled = found.payload()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert data.size <= peak < 1.5 * data.size
+    assert not any(np.shares_memory(assembled, page) for page in found.pages)
+    np.testing.assert_array_equal(assembled, data)
 
 
 def test_nothing_past_a_rejected_page_is_used() -> None:

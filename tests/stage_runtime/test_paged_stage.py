@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import attrs
 import numpy as np
 import numpy.typing as npt
@@ -193,6 +195,36 @@ def test_salted_tenant_cannot_hit_another_tenants_prefix(index: str) -> None:
     assert kv.accounting().misses_never_seen == 2
 
 
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_a_salted_tenant_cannot_probe_another_tenants_evictions(index: str) -> None:
+    """Another tenant's evicted prefix is a never_seen miss, not evicted: nothing leaks."""
+    kv, config = integration(index, max_entries=2 if index == "ladder" else 3)
+    tokens = list(range(1, 13))
+    record(kv, config, tokens, cache_salt="tenant-a")
+    record(kv, config, list(range(100, 113)), cache_salt="tenant-a")  # evicts the first prompt
+    reasons = []
+    for salt in ("tenant-b", None, "tenant-a"):
+        assert restored(kv, config, tokens, **({} if salt is None else {"cache_salt": salt})) == 0
+        reasons.append(kv.last_miss_reason)
+    assert reasons == ["never_seen", "never_seen", "evicted"]
+    acc = kv.accounting()
+    assert (acc.misses_never_seen, acc.misses_evicted, acc.misses_rejected) == (2, 1, 0)
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_a_salted_tenant_cannot_hit_another_tenants_shorter_prefix(index: str) -> None:
+    """A longer prompt of tenant b over tenant a's cached prefix restores nothing of it."""
+    kv, config = integration(index)
+    shared = list(range(1, 13))
+    record(kv, config, shared, cache_salt="tenant-a")
+    record(kv, config, [*shared, 77, 78, 79, 80], cache_salt="tenant-a")
+    longer = [*shared, 77, 78, 79, 80]
+    assert restored(kv, config, longer, cache_salt="tenant-b") == 0
+    assert restored(kv, config, shared, cache_salt="tenant-b") == 0
+    assert restored(kv, config, longer, cache_salt="tenant-a") == 16
+    assert kv.accounting().hits == 1
+
+
 def test_salted_hash_is_domain_separated_and_stable() -> None:
     """No salt keeps the upstream hash; salts give distinct, deterministic hashes."""
     h = "blake3:" + "ab" * 32
@@ -216,6 +248,24 @@ def test_streaming_restore_hands_out_page_views() -> None:
     for a, b in zip(first.pages(), second.pages(), strict=True):
         assert np.shares_memory(a.payload, b.payload)
     np.testing.assert_array_equal(first.frame().rows(), causal_rows(tokens))
+
+
+def test_a_paged_restore_is_assembled_with_at_most_one_copy() -> None:
+    """restore_resident_activation over several pages allocates one prefix-sized payload."""
+    kv, config = integration(page_tokens=256)
+    tokens = list(range(1, 2049))
+    frame = frame_of(tokens)
+    kv.record_resident_activation(config, MessageBase(), 0, tokens, WIDTH, frame)
+    tracemalloc.start()
+    try:
+        hit = kv.restore_resident_activation(config, MessageBase(), 0, tokens, WIDTH)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert hit is not None
+    assert hit.token_count == 2048
+    assert frame.payload.size <= peak < 1.5 * frame.payload.size
+    np.testing.assert_array_equal(hit.frame.payload, frame.payload)
 
 
 def test_opaque_and_flagged_frames_are_exact_length_entries_in_paged_mode() -> None:

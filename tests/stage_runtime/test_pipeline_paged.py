@@ -63,9 +63,12 @@ async def test_paged_pipeline_restores_a_shared_prefix_off_the_grid(
     assert events_named(logs, "activation_recorded")
 
 
-async def test_salted_tenants_do_not_share_in_a_pipeline() -> None:
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+async def test_salted_tenants_do_not_share_in_a_pipeline(index: str) -> None:
     """The same prompt under another salt restores nothing; under the same salt, everything."""
-    configs = paged(stage_configs(2, max_entries=64))
+    configs = stage_configs(2, max_entries=64)
+    if index == "paged":
+        configs = paged(configs)
     tokens = prompt(512)
     async with open_pipeline(configs, mix_factory(width=4), environ=NO_ENV) as pipeline:
         await pipeline.prefill(tokens, session_id="a", cache_salt="tenant-a")
