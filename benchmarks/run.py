@@ -74,21 +74,37 @@ def goal_rows(name: str, result: object) -> list[tuple[str, str, str, str, str]]
     """
     if not isinstance(result, dict):
         return []
+    goals = result.get("goals", [])
+    if isinstance(goals, dict):  # keyed by name, perhaps measured per capacity (bench_paged)
+        goals = [{"name": key, **value} for key, value in goals.items() if isinstance(value, dict)]
     rows = []
-    for goal in result.get("goals", []):
+    for goal in goals:
         if not isinstance(goal, dict):
             continue
-        verdict = "MET" if goal.get("met") is True else "MISSED"
-        rows.append(
-            (
-                name,
-                str(goal.get("name", "?")),
-                str(goal.get("target", "?")),
-                str(goal.get("measured", "?")),
-                verdict,
-            )
-        )
+        label = str(goal.get("name", "?"))
+        if goal.get("required") is False:
+            label += " (stretch)"
+        met = goal.get("met")
+        verdict = "MET" if met is True else "NOT RUN" if met is None and "met" in goal else "MISSED"
+        rows.append((name, label, str(goal.get("target", "?")), _measured(goal), verdict))
     return rows
+
+
+def _measured(goal: dict[str, object]) -> str:
+    """The goal's measurement; per capacity, each capacity's first figure and verdict."""
+    per_capacity = goal.get("per_capacity")
+    if "measured" in goal or not isinstance(per_capacity, dict):
+        value = goal.get("measured", "?")
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+    parts = []
+    for capacity, row in per_capacity.items():
+        if not isinstance(row, dict):
+            continue
+        figure = next((v for k, v in row.items() if k != "met" and isinstance(v, float)), None)
+        label = "unbounded" if capacity == "0" else capacity
+        shown = "?" if figure is None else f"{figure:.3g}"
+        parts.append(f"{label}: {shown}{'' if row.get('met') else ' (missed)'}")
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "trace": args.trace,
         "benchmarks": results,
         "goals_met": sum(row[4] == "MET" for row in goals),
-        "goals_missed": [f"{row[0]}: {row[1]}" for row in goals if row[4] != "MET"],
+        "goals_missed": [f"{row[0]}: {row[1]}" for row in goals if row[4] == "MISSED"],
     }
     Path(args.output).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     print(f"\n{'benchmark':<20} {'status':<8} {'time':>8}  figures")
@@ -150,11 +166,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{name:<20} {status:<8} {elapsed:>7.1f}s  {figures}")
     if goals:
         width = max(len(row[1]) for row in goals)
-        print(f"\n{'benchmark':<10} {'goal':<{width}} {'target':<36} {'measured':>10}  verdict")
+        print(f"\n{'benchmark':<10} {'goal':<{width}} {'verdict':<8} measured")
         for bench, goal, target, measured, verdict in goals:
-            print(f"{bench:<10} {goal:<{width}} {target:<36} {measured:>10}  {verdict}")
-        missed = sum(row[4] != "MET" for row in goals)
-        print(f"{len(goals) - missed} of {len(goals)} goals met, {missed} missed")
+            print(f"{bench:<10} {goal:<{width}} {verdict:<8} {measured}\n{'':<11}target: {target}")
+        met = sum(row[4] == "MET" for row in goals)
+        missed = sum(row[4] == "MISSED" for row in goals)
+        print(f"{met} of {len(goals)} goals met, {missed} missed")
     print(f"results written to {args.output}")
     return document
 

@@ -90,4 +90,25 @@ def test_goal_rows_say_met_or_missed() -> None:
         ("x", "unsure", "?", "None", "MISSED"),
     ]
     assert goal_rows("x", {"wall_s": 1.0}) == []
+    # bench_paged's form: keyed by name, measured per capacity, a stretch goal, one not run.
+    keyed = {
+        "goals": {
+            "wall": {
+                "required": True,
+                "target": "<= 1.5",
+                "per_capacity": {
+                    "1000000": {"paged_over_ladder": 2.05, "met": False},
+                    "0": {"paged_over_ladder": 0.9, "met": True},
+                },
+                "met": False,
+            },
+            "stretch": {"required": False, "target": "beat LRU", "measured": 0.324, "met": True},
+            "bounded": {"required": True, "target": ">= LRU", "per_capacity": {}, "met": None},
+        }
+    }
+    assert goal_rows("p", keyed) == [
+        ("p", "wall", "<= 1.5", "1000000: 2.05 (missed), unbounded: 0.9", "MISSED"),
+        ("p", "stretch (stretch)", "beat LRU", "0.324", "MET"),
+        ("p", "bounded", ">= LRU", "", "NOT RUN"),
+    ]
     assert goal_rows("x", ["not", "a", "dict"]) == []
