@@ -200,6 +200,13 @@ def test_2176_page_id_is_shared_between_2214_record_and_2231_lookup() -> None:
     assert record[2176] == lookup[2176]
     assert record[2214] != lookup[2231]
     assert 2214 not in lookup
+    # V-E: both prompts live in one namespace (same stage, start and chat template).
+    spaces = {
+        i.namespace
+        for tokens in (recorded, extended)
+        for i in kv.activation_lookup_identities(config, seed_base(), 0, tokens)
+    }
+    assert spaces == {prefix_namespace_hash(config, 0, "template")}
 
 
 def test_prefill_identity_metadata() -> None:
@@ -253,6 +260,71 @@ def test_extended_prompt_restores_2176_with_8704_bytes() -> None:
     assert restored.frame.payload.size == 8704
     assert restored.page_id.startswith("act:stage-0:0:2176:0:")
     assert restored.page_id.endswith(":w4096")
+
+
+SPEC_MODEL = "org/model:Q4_K_M"
+
+
+def spec_9_3() -> tuple[KvStageIntegration, StageConfig]:
+    """§9.3's config: the seed's with model "org/model:Q4_K_M" (V-C/V-E tests)."""
+    config = attrs.evolve(seed_config(), model_id=SPEC_MODEL)
+    return seed_integration(config), config
+
+
+def test_spec_9_3_vectors_with_the_spec_model() -> None:
+    """§9.3 vectors 1-7, same inputs and outputs, each on a fresh cache of the §9.3 config."""
+    base = seed_base()
+    t300, t2214 = list(range(300)), list(range(2214))
+    t2231 = t2214 + list(range(100_000, 100_017))
+    # 1. Frame(300, 1200): two records; the restore equals the original frame.
+    kv, config = spec_9_3()
+    frame = activation_frame(300, 1200)
+    assert len(kv.record_resident_activation(config, base, 0, t300, 4096, frame)) == 2
+    restored = kv.restore_resident_activation(config, base, 0, t300, 4096)
+    assert restored is not None
+    assert restored.frame.same_content(frame)
+    # 2. Frame(128, 64) for 300 tokens: nothing recorded, nothing restored.
+    kv, config = spec_9_3()
+    assert (
+        kv.record_resident_activation(config, base, 0, t300, 4096, activation_frame(128, 64)) == []
+    )
+    assert kv.restore_resident_activation(config, base, 0, t300, 4096) is None
+    # 3 and 4. Frame(2214, 8856): records [2214, 2176]; 2231 tokens restore 2176 (8704 bytes).
+    kv, config = spec_9_3()
+    records = kv.record_resident_activation(
+        config, base, 0, t2214, 4096, activation_frame(2214, 8856)
+    )
+    assert [r.token_count for r in records] == [2214, 2176]
+    assert len(records) == 2
+    restored = kv.restore_resident_activation(config, base, 0, t2231, 4096)
+    assert restored is not None
+    assert restored.identity.identity.token_count == restored.token_count == 2176
+    assert restored.frame.desc.token_count == 2176
+    assert restored.frame.payload.size == 8704
+    # 5. Recorded at width 4096, restored at 8192: None.
+    kv, config = spec_9_3()
+    kv.record_resident_activation(config, base, 0, t300, 4096, activation_frame(300, 1200))
+    assert kv.restore_resident_activation(config, base, 0, t300, 8192) is None
+    # 6. A 256-token, 64-byte entry under the 300-token key: None.
+    kv, config = spec_9_3()
+    key = activation_page_id(kv.prefill_identity(config, base, 0, t300).page_id, 4096)
+    kv.cache.record(key, 256, 64, activation_frame(256, 64))
+    assert kv.restore_resident_activation(config, base, 0, t300, 4096) is None
+    # 7. Frame(300, 600) with flags 1: exactly one record, of 300 tokens.
+    kv, config = spec_9_3()
+    flagged = activation_frame(300, 600, flags=1)
+    records = kv.record_resident_activation(config, base, 0, t300, 4096, flagged)
+    assert [r.token_count for r in records] == [300]
+
+
+def test_the_model_id_is_part_of_every_key() -> None:
+    """The seed's model and §9.3's model never share an entry (same tokens, same stage)."""
+    kv, spec_config = spec_9_3()
+    tokens = list(range(300))
+    kv.record_resident_activation(
+        spec_config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200)
+    )
+    assert kv.restore_resident_activation(seed_config(), seed_base(), 0, tokens, 4096) is None
 
 
 def test_binary_stats_summary() -> None:

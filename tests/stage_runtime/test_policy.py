@@ -156,6 +156,21 @@ def test_derive_max_resident_tokens(ctx: int, budget: int) -> None:
     assert derive_max_resident_tokens(ctx) == budget
 
 
+def test_spec_2_1_examples_in_full() -> None:
+    """The §2.1 examples, whole lists: (256, 128, N 2231) runs 2176 down to 256 by 128."""
+    assert policy(64, 32, 2).candidate_token_counts(160) == [160, 128, 96, 64]
+    assert policy(256, 128, 2).candidate_token_counts(2231) == [2231, *range(2176, 255, -128)]
+    assert policy(300, 128, 2).candidate_token_counts(1000) == [1000, 896, 768, 640, 512, 384, 300]
+    assert policy(300, 128, 2).candidate_token_counts(350) == [350, 300]
+
+
+def test_v_a_vectors_are_not_reproduced() -> None:
+    """§2.5: the superseded V-A answers ([160,159,127,95,64], record [160,64]) are not ours."""
+    assert policy(64, 32, 2).candidate_token_counts(160) != [160, 159, 127, 95, 64]
+    assert policy(64, 32, 2).record_candidate_token_counts(160) != [160, 64]
+    assert policy(256, 128, 2).record_candidate_token_counts(2214) != [2214, 256]
+
+
 # --- §2.4 edge cases ----------------------------------------------------------------------------
 
 
@@ -166,6 +181,24 @@ def test_derive_max_resident_tokens(ctx: int, budget: int) -> None:
 def test_edge_cases_on_and_below_the_grid(n: int, record: list[int]) -> None:
     """N <= min is exact; N on the grid records one stride below itself."""
     assert policy(256, 128, 2).record_candidate_token_counts(n) == record
+
+
+@pytest.mark.parametrize("limit", range(12))
+@pytest.mark.parametrize("n", [1, 200, 255, 256])
+def test_at_or_below_min_is_exact_at_every_limit(n: int, limit: int) -> None:
+    """§2.4: (min 256) N <= 256 gives [N] for lookup and record, no phantom candidates."""
+    p = policy(256, 128, limit, hint=4096)
+    assert p.candidate_token_counts(n) == [n]
+    assert p.record_candidate_token_counts(n) == [n]
+
+
+@pytest.mark.parametrize(
+    ("n", "lookup"),
+    [(2176, [2176, *range(2048, 255, -128)]), (384, [384, 256]), (257, [257, 256])],
+)
+def test_on_the_grid_lookup_starts_one_stride_below(n: int, lookup: list[int]) -> None:
+    """§2.4: N on the grid is not repeated; the grid starts at N - stride (257 floors to 256)."""
+    assert policy(256, 128, 0).candidate_token_counts(n) == lookup
 
 
 @pytest.mark.parametrize("stride", [0, 1])
