@@ -55,6 +55,33 @@ def test_from_config_none_without_settings_or_when_disabled() -> None:
         assert KvStageIntegration.from_config(cfg, environ={}) is None
 
 
+def test_a_kv_cache_block_without_mode_is_disabled() -> None:
+    """§6: the serde default mode is auto, so a block that omits mode turns nothing on."""
+    config = StageConfig.from_mapping(
+        {
+            "stage_id": "stage-0",
+            "model_id": "org/model",
+            "layer_start": 0,
+            "layer_end": 4,
+            "kv_cache": {"min_tokens": 256, "max_entries": 8},
+        }
+    )
+    assert config.kv_cache is not None
+    assert KvStageIntegration.from_config(config, environ={}) is None
+    # The environment is read only without a block: "on" does not enable this one.
+    assert KvStageIntegration.from_config(config, environ={"STAGE_RUNTIME_KV_CACHE": "on"}) is None
+
+
+@pytest.mark.parametrize(("value", "enabled"), [("", False), ("auto", False), ("record", True)])
+def test_environment_auto_is_disabled_and_record_records(value: str, enabled: bool) -> None:
+    """§6.1 without a block: ""/auto give auto (off); record gives a record-only cache."""
+    config = attrs.evolve(seed_config(), kv_cache=None)
+    kv = KvStageIntegration.from_config(config, environ={"STAGE_RUNTIME_KV_CACHE": value})
+    assert (kv is not None) is enabled
+    if kv is not None:
+        assert (kv.should_lookup(), kv.should_record()) == (False, True)
+
+
 def test_from_config_reads_environment_when_no_block() -> None:
     """Without a kv_cache block the environment configures the cache."""
     config = attrs.evolve(seed_config(), kv_cache=None)
@@ -769,25 +796,36 @@ OPS = st.lists(
         st.lists(st.integers(0, 3), min_size=1, max_size=10),
         st.sampled_from([0, 32]),
         st.sampled_from([4, 8]),
+        st.integers(0, 31),
     ),
     min_size=1,
     max_size=12,
 )
+# (min_tokens, stride, record limit): on-grid and off-grid minimums, capped and unit strides.
+SHAPES = st.sampled_from([(32, 16, 2), (33, 16, 2), (32, 40, 3), (5, 0, 0), (0, 16, 2)])
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=OPS)
+@given(ops=OPS, shape=SHAPES)
 def test_restore_matches_the_literal_spec_reading(
-    ops: list[tuple[str, list[int], int, int]],
+    ops: list[tuple[str, list[int], int, int, int]], shape: tuple[int, int, int]
 ) -> None:
     """The index-pruned restore gives the same answers, clock, recency and counters as probing
-    every candidate, whatever was recorded, planted or evicted before."""
-    config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=5)
+    every candidate, whatever was recorded, planted or evicted before, for prompt lengths on
+    and off the grid."""
+    min_tokens, stride, limit = shape
+    config = with_cache(
+        min_tokens=min_tokens,
+        shared_prefix_stride_tokens=stride,
+        shared_prefix_record_limit=limit,
+        max_entries=5,
+    )
     base = seed_base()
     fast, slow, full = seed_integration(config), seed_integration(config), seed_integration(config)
     full.probe_all = True
-    for op, blocks, start, width in ops:
+    for op, blocks, start, width, cut in ops:
         tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
+        tokens = tokens[: tokens.size - cut]  # 0 to 31 tokens short of a block boundary
         frame = ActivationFrame.virtual(token_count=tokens.size, bytes_per_token=width * 4)
         if op == "record":
             for kv in (fast, slow, full):
