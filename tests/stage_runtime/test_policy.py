@@ -360,3 +360,7 @@ def test_candidate_index_of_a_non_candidate_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="100 is not a candidate length of a 160-token prompt"):
         p.candidate_index(160, 100)
     assert p.candidate_index(160, 128) == 1
+    with pytest.raises(ConfigError, match="count must be an integer >= 0, got '128'"):
+        p.candidate_index(160, "128")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="token_count must be an integer >= 0, got -160"):
+        p.candidate_index(-160, 128)
