@@ -252,6 +252,17 @@ def test_prefill_identity_metadata() -> None:
     assert ident.namespace == prefix_namespace_hash(config, 5, "template")
     assert not ident.token_ids.flags.writeable
     np.testing.assert_array_equal(ident.token_ids, tokens)
+    assert (meta.topology_id, meta.stage_id, meta.stage_index) == ("topology", "stage-0", 0)
+    assert (meta.layer_start, meta.layer_end, meta.model_id) == (0, 4, config.model_id)
+    assert meta.runtime_abi_version == "stage-abi-0.1/native-kv-page-v2"
+    assert (meta.layout, meta.codec, meta.kv_dtype) == (
+        "layer-contiguous",
+        "fp16",
+        "ggml-native-kv",
+    )
+    other = attrs.evolve(seed_base(), tokenizer_id="tok", chat_template_id=None)
+    meta = kv.prefill_identity(config, other, 0, tokens).identity
+    assert (meta.tokenizer_id, meta.chat_template_id) == ("tok", "")
 
 
 def test_prefix_is_shared_across_sessions() -> None:

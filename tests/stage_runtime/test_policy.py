@@ -300,6 +300,79 @@ def test_policy_properties(min_tokens: int, stride: int, limit: int, hint: int, 
             assert record[1] == lookup[1]
 
 
+def reference_lookup(min_tokens: int, stride: int, n: int) -> list[int]:
+    """Spec §2.1 read literally: walk down from the grid floor, clamping each step at min."""
+    if n == 0:
+        return []
+    if min_tokens == 0 or n <= min_tokens:
+        return [n]
+    s = min(max(stride, 1), max(min_tokens, 1))
+    c = n - n % s
+    if c == n:
+        c = n - s
+    c = max(c, min_tokens)
+    out = [n]
+    while True:
+        out.append(c)
+        if c == min_tokens:
+            return sorted(set(out), reverse=True)
+        c = max(c - s, min_tokens)
+
+
+def reference_record(min_tokens: int, stride: int, limit: int, hint: int, n: int) -> list[int]:
+    """Spec §2.2 read literally (V-D/V-E), listing the grid and searching it for each target."""
+    grid = reference_lookup(min_tokens, stride, n)
+    if limit == 0 or len(grid) <= limit:
+        return grid
+    selected = [n]
+    shared = grid[1:]
+    if limit == 1 or not shared:
+        return selected
+    selected.append(shared[0])
+    slots = limit - 2
+    floor, ceiling = min(max(min_tokens, 1), max(n, 1)), max(n, 1)
+    if ceiling <= floor:
+        targets = [min_tokens]
+    else:
+        targets = [
+            max(int(floor * (ceiling / floor) ** (i / (slots + 1)) + 0.5), 1)
+            for i in range(1, slots + 1)
+        ]
+    pinned = 0
+    for target in targets:
+        if len(selected) >= limit:
+            break
+        left = [x for x in shared if x not in selected]
+        if not left:
+            break
+        pick = min(left, key=lambda x: abs(x - target))  # ties: the first, i.e. larger, wins
+        if hint > 0 and pinned + pick > hint:
+            break
+        pinned += pick
+        selected.append(pick)
+    return sorted(set(selected), reverse=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    min_tokens=st.integers(0, 400),
+    stride=st.integers(0, 200),
+    limit=st.integers(0, 12),
+    hint=st.one_of(st.just(0), st.integers(1, 30000)),
+    n=st.integers(0, 30000),
+)
+def test_lists_equal_a_literal_transcription_of_the_spec(
+    min_tokens: int, stride: int, limit: int, hint: int, n: int
+) -> None:
+    """Lookup grid and record ladder equal §2.1/§2.2 read step by step (rounding half away
+    from zero, ties to the larger value, the budget stopping the rungs)."""
+    p = policy(min_tokens, stride, limit, hint)
+    assert p.candidate_token_counts(n) == reference_lookup(min_tokens, stride, n)
+    assert p.record_candidate_token_counts(n) == reference_record(
+        min_tokens, stride, limit, hint, n
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     min_tokens=st.integers(0, 300),
