@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -209,6 +210,7 @@ def _to_kv_cache(value: object) -> KvCacheConfig | None:
 
 _ENV_MODE: Final = ("STAGE_RUNTIME_KV_CACHE", "STAGE_RUNTIME_PREFIX_CACHE")
 _ENV_PREFIX: Final = "STAGE_RUNTIME_KV_CACHE_"
+_DECIMAL: Final = re.compile(r"[+-]?[0-9]+")
 
 _ENV_MODE_VALUES: Final[dict[str, CacheMode]] = {
     "": CacheMode.AUTO,
@@ -345,11 +347,11 @@ class KvCacheConfig:
             if raw is None or not raw.strip():
                 continue
             variables[field] = name
-            try:
-                values[field] = int(raw.strip())
-            except ValueError:
+            # ASCII decimal digits only: int() would also take "1_000" and non-ASCII digits.
+            if _DECIMAL.fullmatch(raw.strip()) is None:
                 msg = f"{name} must be an integer, got {raw!r}"
-                raise ConfigError(msg) from None
+                raise ConfigError(msg)
+            values[field] = int(raw.strip())
         raw_payload = env.get(_ENV_PREFIX + "PAYLOAD")
         if raw_payload is not None:
             payload = _ENV_PAYLOAD_VALUES.get(raw_payload.strip().lower().replace("_", "-"))
@@ -488,15 +490,14 @@ class StageConfig:
         """Load from a TOML file (top-level keys are fields; ``[kv_cache]`` is a table).
 
         Raises:
-            ConfigError: the file cannot be read or parsed, or holds a bad value.
+            ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
+                a bad value; the message starts with the file name and gives the line
+                where the parser reports one, and names the field of a bad value.
         """
         source = os.fspath(path)
+        text = _read_text(source)
         try:
-            with open(source, "rb") as handle:
-                document = tomllib.load(handle)
-        except OSError as exc:
-            msg = f"{source}: cannot read config file: {exc.strerror}"
-            raise ConfigError(msg) from exc
+            document = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             msg = f"{source}: invalid TOML: {exc}"
             raise ConfigError(msg) from exc
@@ -507,15 +508,14 @@ class StageConfig:
         """Load from a JSON file holding one object.
 
         Raises:
-            ConfigError: the file cannot be read or parsed, or holds a bad value.
+            ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
+                a bad value; the message starts with the file name and gives the line
+                where the parser reports one, and names the field of a bad value.
         """
         source = os.fspath(path)
+        text = _read_text(source)
         try:
-            with open(source, encoding="utf-8") as handle:
-                document = json.load(handle)
-        except OSError as exc:
-            msg = f"{source}: cannot read config file: {exc.strerror}"
-            raise ConfigError(msg) from exc
+            document = json.loads(text)
         except json.JSONDecodeError as exc:
             msg = f"{source}: invalid JSON: {exc}"
             raise ConfigError(msg) from exc
@@ -587,7 +587,24 @@ class MessageBase:
 
 
 # --------------------------------------------------------------------------------------------
-# building from mappings
+# building from mappings and files
+
+
+def _read_text(source: str) -> str:
+    """The UTF-8 text of a config file; errors name the file (and the line of a bad byte)."""
+    try:
+        with open(source, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        msg = f"{source}: cannot read config file: {exc.strerror}"
+        raise ConfigError(msg) from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        msg = f"{source}: line {line}: config file must be UTF-8, got byte {data[exc.start]:#04x}"
+        raise ConfigError(msg) from None
+
 
 _T = TypeVar("_T")
 

@@ -410,7 +410,19 @@ def page_id(config: StageConfig, token_start: int, token_count: int, prefix_hash
 
     The ``"blake3:"`` (or legacy ``"sha256:"``) prefix is stripped before taking the first 16
     hex digits; a shorter digest is used whole.
+
+    Raises:
+        ConfigError: ``config`` is not a StageConfig, a count is not an integer >= 0, or
+            ``prefix_hash`` is not a string.
     """
+    if not isinstance(config, StageConfig):
+        msg = f"config must be a StageConfig, got {type(config).__name__}"
+        raise ConfigError(msg)
+    token_start = _key_count("token_start", token_start)
+    token_count = _key_count("token_count", token_count)
+    if not isinstance(prefix_hash, str):
+        msg = f"prefix_hash must be a string, got {prefix_hash!r}"
+        raise ConfigError(msg)
     if prefix_hash.startswith(("blake3:", "sha256:")):  # both schemes are 7 characters
         digest = prefix_hash[7:23]
     else:
@@ -422,5 +434,23 @@ def activation_page_id(page_id: str, width: int) -> str:
     """The activation cache key of a page at an activation width: ``"act:{page_id}:w{width}"``.
 
     Negative widths become ``w0``, as upstream. Different widths never alias.
+
+    Raises:
+        ConfigError: ``page_id`` is not a string or ``width`` is not an integer.
     """
-    return f"act:{page_id}:w{max(width, 0)}"
+    if not isinstance(page_id, str):
+        msg = f"page_id must be a string, got {page_id!r}"
+        raise ConfigError(msg)
+    if not isinstance(width, int | np.integer) or isinstance(width, bool):
+        msg = f"width must be an integer, got {width!r}"
+        raise ConfigError(msg)
+    return f"act:{page_id}:w{max(int(width), 0)}"
+
+
+def _key_count(name: str, value: object) -> int:
+    if type(value) is int and value >= 0:  # the usual case, decided at once
+        return value
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+        msg = f"{name} must be an integer >= 0, got {value!r}"
+        raise ConfigError(msg)
+    return int(value)

@@ -46,9 +46,9 @@ def derive_max_resident_tokens(ctx_size: int) -> int:
     return ctx_size // 2
 
 
-def _check_n(token_count: object) -> int:
+def _check_n(token_count: object, name: str = "token_count") -> int:
     if not isinstance(token_count, int) or isinstance(token_count, bool) or token_count < 0:
-        msg = f"token_count must be an integer >= 0, got {token_count!r}"
+        msg = f"{name} must be an integer >= 0, got {token_count!r}"
         raise ConfigError(msg)
     return token_count
 
@@ -136,8 +136,11 @@ class CandidatePolicy:
         """Position of ``count`` in ``candidate_token_counts(token_count)``, in O(1).
 
         Raises:
-            ConfigError: ``count`` is not a candidate length of ``token_count``.
+            ConfigError: ``token_count`` or ``count`` is not an integer >= 0, or ``count`` is not
+                a candidate length of ``token_count``.
         """
+        _check_n(token_count)
+        _check_n(count, "count")
         if not self.is_candidate(token_count, count):
             msg = f"{count!r} is not a candidate length of a {token_count!r}-token prompt"
             raise ConfigError(msg)

@@ -159,6 +159,79 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
         StageConfig.from_json(listed)
 
 
+TOML_BASE = 'stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "message"),
+    [
+        # parse errors: the parser's line (and column) follow the file name
+        (
+            ".toml",
+            TOML_BASE + "ctx_size = \n",
+            r"invalid TOML: Invalid value \(at line 5, column 12\)",
+        ),
+        (
+            ".toml",
+            TOML_BASE + "ctx_size = 1\nctx_size = 2\n",
+            r"invalid TOML: Cannot overwrite a value \(at line 6, column 13\)",
+        ),
+        (".json", '{\n "stage_id": "s",\n}', r"invalid JSON: .*: line 3 column 1 \(char 20\)"),
+        # bad values: no parser line, but the file, field (with its table) and value
+        (".toml", TOML_BASE + "ctx_size = 0\n", "ctx_size must be >= 1, got 0$"),
+        (".toml", TOML_BASE + 'flash_attn = "fast"\n', "flash_attn must be one of .*got 'fast'$"),
+        (".toml", TOML_BASE + "kv_cache = 5\n", "kv_cache must be a table of cache settings"),
+        (".toml", TOML_BASE + "[kv_cache]\nstride = 1\n", "unknown field kv_cache.stride "),
+        (
+            ".toml",
+            'stage_id = "s"\nlayer_start = 0\nlayer_end = 1\n',
+            "missing required field model_id$",
+        ),
+        (
+            ".json",
+            '{"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": 4, '
+            '"kv_cache": {"mode": "lookup-record", "min_tokens": -3}}',
+            "kv_cache.min_tokens must be >= 0, got -3$",
+        ),
+        (
+            ".json",
+            '{"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": true}',
+            "layer_end must be an integer, got True$",
+        ),
+    ],
+)
+def test_file_errors_name_file_line_and_field(
+    tmp_path: Path, suffix: str, text: str, message: str
+) -> None:
+    """Every error from a file starts with its path; parse errors carry the parser's line,
+    value errors name the field (with its table) and the value."""
+    path = tmp_path / f"stage{suffix}"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {message}"):
+        StageConfig.load(path)
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_non_utf8_file_is_a_config_error_naming_file_and_line(tmp_path: Path, suffix: str) -> None:
+    """A byte that is not UTF-8 is a ConfigError (not a UnicodeDecodeError) with its line."""
+    path = tmp_path / f"stage{suffix}"
+    body = (
+        b'stage_id = "s"\nmodel_id = "\xff"\n' if suffix == ".toml" else b'{\n"model_id": "\xff"}'
+    )
+    path.write_bytes(body)
+    expected = f"^{re.escape(str(path))}: line 2: config file must be UTF-8, got byte 0xff$"
+    with pytest.raises(ConfigError, match=expected):
+        StageConfig.load(path)
+
+
+def test_a_directory_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """A path that cannot be read as a file names itself and the reason."""
+    folder = tmp_path / "dir.toml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(folder))}: cannot read config file"):
+        StageConfig.load(folder)
+
+
 def test_message_base_defaults() -> None:
     """A message base needs no arguments; the namespace is chat_template_id."""
     base = MessageBase(session_id="session", chat_template_id="template", seq=1)
@@ -242,6 +315,39 @@ def test_env_bounds_and_payload() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "payload"),
+    [
+        ("", CachePayload.AUTO),
+        ("auto", CachePayload.AUTO),
+        ("resident", CachePayload.RESIDENT_KV),
+        ("Resident_KV", CachePayload.RESIDENT_KV),
+        ("kv", CachePayload.RESIDENT_KV),
+        ("kv-recurrent", CachePayload.KV_RECURRENT),
+        ("kvrecurrent", CachePayload.KV_RECURRENT),
+        ("full", CachePayload.FULL_STATE),
+        (" full-state ", CachePayload.FULL_STATE),
+        ("fullstate", CachePayload.FULL_STATE),
+    ],
+)
+def test_env_payload_spellings(value: str, payload: CachePayload) -> None:
+    """Spec §6.1: every payload spelling the upstream accepts (trimmed, lowercased, _ -> -)."""
+    cfg = KvCacheConfig.from_env(
+        {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_PAYLOAD": value}
+    )
+    assert cfg is not None
+    assert cfg.payload is payload
+
+
+def test_env_numbers_accept_surrounding_space_and_a_plus_sign() -> None:
+    """Values are trimmed; an explicit + is an integer as Rust's parse reads it."""
+    cfg = KvCacheConfig.from_env(
+        {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS": " +256 "}
+    )
+    assert cfg is not None
+    assert cfg.min_tokens == 256
+
+
+@pytest.mark.parametrize(
     ("name", "value", "message"),
     [
         ("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "eight", "MAX_ENTRIES must be an integer, got 'e"),
@@ -261,6 +367,22 @@ def test_env_bounds_and_payload() -> None:
             "^STAGE_RUNTIME_KV_CACHE_PAGE_TOKENS must be >= 1, got 0$",
         ),
         ("STAGE_RUNTIME_KV_CACHE_PAYLOAD", "weights", "PAYLOAD must be one of"),
+        (
+            "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS",
+            "1_000",
+            "MIN_TOKENS must be an integer, got '1_000'",
+        ),
+        (
+            "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS",
+            "\u0663",
+            "MIN_TOKENS must be an integer, got '\u0663'",
+        ),
+        ("STAGE_RUNTIME_KV_CACHE_SHARED_STRIDE_TOKENS", "1.5", "STRIDE_TOKENS must be an integer"),
+        (
+            "STAGE_RUNTIME_KV_CACHE_SHARED_RECORD_LIMIT",
+            "-2",
+            "^STAGE_RUNTIME_KV_CACHE_SHARED_RECORD_LIMIT must be >= 0, got -2$",
+        ),
     ],
 )
 def test_env_bad_values_are_named(name: str, value: str, message: str) -> None:

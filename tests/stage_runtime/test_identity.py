@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import struct
+from typing import Any
 
 import attrs
 import blake3
@@ -170,6 +172,9 @@ CHANGES: list[dict[str, object]] = [
     {"manifest_sha256": "abc"},
     {"manifest_sha256": "absent"},
     {"source_model_sha256": "abc"},
+    {"source_model_sha256": "absent"},
+    {"package_ref": "pkg"},
+    {"package_ref": "absent"},
     {"layer_start": 1},
     {"layer_end": 5},
     {"stage_id": "stage-1"},
@@ -259,6 +264,42 @@ def test_activation_page_id_includes_width_and_clamps_negative() -> None:
     assert activation_page_id("p", 4096) == "act:p:w4096"
     assert activation_page_id("p", -3) == "act:p:w0"
     assert activation_page_id("p", 4096) != activation_page_id("p", 8192)
+
+
+H = "blake3:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("builder", "args", "message"),
+    [
+        (page_id, ("cfg", 0, 1, H), "config must be a StageConfig, got str"),
+        (page_id, (None, -1, 1, H), "token_start must be an integer >= 0, got -1"),
+        (page_id, (None, 0, 1.0, H), "token_count must be an integer >= 0, got 1.0"),
+        (page_id, (None, 0, True, H), "token_count must be an integer >= 0, got True"),
+        (page_id, (None, 0, 1, None), "prefix_hash must be a string, got None"),
+        (activation_page_id, (None, 4096), "page_id must be a string, got None"),
+        (activation_page_id, ("p", True), "width must be an integer, got True"),
+        (activation_page_id, ("p", "4096"), "width must be an integer, got '4096'"),
+    ],
+)
+def test_key_builders_refuse_bad_arguments(
+    builder: Any, args: tuple[Any, ...], message: str
+) -> None:
+    """A bad argument is a ConfigError naming it, never a silent key like ``wTrue``."""
+    if builder is page_id and args[0] is None:
+        args = (config(), *args[1:])
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        builder(*args)
+
+
+def test_key_builders_take_numpy_integers() -> None:
+    """numpy integers format as the plain numbers they hold."""
+    cfg = config()
+    start: Any = np.uint64(5)
+    count: Any = np.int32(300)
+    width: Any = np.int64(-2)
+    assert page_id(cfg, start, count, H) == page_id(cfg, 5, 300, H)
+    assert activation_page_id("p", width) == "act:p:w0"
 
 
 # --- one pass -----------------------------------------------------------------------------------

@@ -55,6 +55,33 @@ def test_from_config_none_without_settings_or_when_disabled() -> None:
         assert KvStageIntegration.from_config(cfg, environ={}) is None
 
 
+def test_a_kv_cache_block_without_mode_is_disabled() -> None:
+    """§6: the serde default mode is auto, so a block that omits mode turns nothing on."""
+    config = StageConfig.from_mapping(
+        {
+            "stage_id": "stage-0",
+            "model_id": "org/model",
+            "layer_start": 0,
+            "layer_end": 4,
+            "kv_cache": {"min_tokens": 256, "max_entries": 8},
+        }
+    )
+    assert config.kv_cache is not None
+    assert KvStageIntegration.from_config(config, environ={}) is None
+    # The environment is read only without a block: "on" does not enable this one.
+    assert KvStageIntegration.from_config(config, environ={"STAGE_RUNTIME_KV_CACHE": "on"}) is None
+
+
+@pytest.mark.parametrize(("value", "enabled"), [("", False), ("auto", False), ("record", True)])
+def test_environment_auto_is_disabled_and_record_records(value: str, enabled: bool) -> None:
+    """§6.1 without a block: ""/auto give auto (off); record gives a record-only cache."""
+    config = attrs.evolve(seed_config(), kv_cache=None)
+    kv = KvStageIntegration.from_config(config, environ={"STAGE_RUNTIME_KV_CACHE": value})
+    assert (kv is not None) is enabled
+    if kv is not None:
+        assert (kv.should_lookup(), kv.should_record()) == (False, True)
+
+
 def test_from_config_reads_environment_when_no_block() -> None:
     """Without a kv_cache block the environment configures the cache."""
     config = attrs.evolve(seed_config(), kv_cache=None)
@@ -200,6 +227,13 @@ def test_2176_page_id_is_shared_between_2214_record_and_2231_lookup() -> None:
     assert record[2176] == lookup[2176]
     assert record[2214] != lookup[2231]
     assert 2214 not in lookup
+    # V-E: both prompts live in one namespace (same stage, start and chat template).
+    spaces = {
+        i.namespace
+        for tokens in (recorded, extended)
+        for i in kv.activation_lookup_identities(config, seed_base(), 0, tokens)
+    }
+    assert spaces == {prefix_namespace_hash(config, 0, "template")}
 
 
 def test_prefill_identity_metadata() -> None:
@@ -218,6 +252,17 @@ def test_prefill_identity_metadata() -> None:
     assert ident.namespace == prefix_namespace_hash(config, 5, "template")
     assert not ident.token_ids.flags.writeable
     np.testing.assert_array_equal(ident.token_ids, tokens)
+    assert (meta.topology_id, meta.stage_id, meta.stage_index) == ("topology", "stage-0", 0)
+    assert (meta.layer_start, meta.layer_end, meta.model_id) == (0, 4, config.model_id)
+    assert meta.runtime_abi_version == "stage-abi-0.1/native-kv-page-v2"
+    assert (meta.layout, meta.codec, meta.kv_dtype) == (
+        "layer-contiguous",
+        "fp16",
+        "ggml-native-kv",
+    )
+    other = attrs.evolve(seed_base(), tokenizer_id="tok", chat_template_id=None)
+    meta = kv.prefill_identity(config, other, 0, tokens).identity
+    assert (meta.tokenizer_id, meta.chat_template_id) == ("tok", "")
 
 
 def test_prefix_is_shared_across_sessions() -> None:
@@ -253,6 +298,71 @@ def test_extended_prompt_restores_2176_with_8704_bytes() -> None:
     assert restored.frame.payload.size == 8704
     assert restored.page_id.startswith("act:stage-0:0:2176:0:")
     assert restored.page_id.endswith(":w4096")
+
+
+SPEC_MODEL = "org/model:Q4_K_M"
+
+
+def spec_9_3() -> tuple[KvStageIntegration, StageConfig]:
+    """§9.3's config: the seed's with model "org/model:Q4_K_M" (V-C/V-E tests)."""
+    config = attrs.evolve(seed_config(), model_id=SPEC_MODEL)
+    return seed_integration(config), config
+
+
+def test_spec_9_3_vectors_with_the_spec_model() -> None:
+    """§9.3 vectors 1-7, same inputs and outputs, each on a fresh cache of the §9.3 config."""
+    base = seed_base()
+    t300, t2214 = list(range(300)), list(range(2214))
+    t2231 = t2214 + list(range(100_000, 100_017))
+    # 1. Frame(300, 1200): two records; the restore equals the original frame.
+    kv, config = spec_9_3()
+    frame = activation_frame(300, 1200)
+    assert len(kv.record_resident_activation(config, base, 0, t300, 4096, frame)) == 2
+    restored = kv.restore_resident_activation(config, base, 0, t300, 4096)
+    assert restored is not None
+    assert restored.frame.same_content(frame)
+    # 2. Frame(128, 64) for 300 tokens: nothing recorded, nothing restored.
+    kv, config = spec_9_3()
+    assert (
+        kv.record_resident_activation(config, base, 0, t300, 4096, activation_frame(128, 64)) == []
+    )
+    assert kv.restore_resident_activation(config, base, 0, t300, 4096) is None
+    # 3 and 4. Frame(2214, 8856): records [2214, 2176]; 2231 tokens restore 2176 (8704 bytes).
+    kv, config = spec_9_3()
+    records = kv.record_resident_activation(
+        config, base, 0, t2214, 4096, activation_frame(2214, 8856)
+    )
+    assert [r.token_count for r in records] == [2214, 2176]
+    assert len(records) == 2
+    restored = kv.restore_resident_activation(config, base, 0, t2231, 4096)
+    assert restored is not None
+    assert restored.identity.identity.token_count == restored.token_count == 2176
+    assert restored.frame.desc.token_count == 2176
+    assert restored.frame.payload.size == 8704
+    # 5. Recorded at width 4096, restored at 8192: None.
+    kv, config = spec_9_3()
+    kv.record_resident_activation(config, base, 0, t300, 4096, activation_frame(300, 1200))
+    assert kv.restore_resident_activation(config, base, 0, t300, 8192) is None
+    # 6. A 256-token, 64-byte entry under the 300-token key: None.
+    kv, config = spec_9_3()
+    key = activation_page_id(kv.prefill_identity(config, base, 0, t300).page_id, 4096)
+    kv.cache.record(key, 256, 64, activation_frame(256, 64))
+    assert kv.restore_resident_activation(config, base, 0, t300, 4096) is None
+    # 7. Frame(300, 600) with flags 1: exactly one record, of 300 tokens.
+    kv, config = spec_9_3()
+    flagged = activation_frame(300, 600, flags=1)
+    records = kv.record_resident_activation(config, base, 0, t300, 4096, flagged)
+    assert [r.token_count for r in records] == [300]
+
+
+def test_the_model_id_is_part_of_every_key() -> None:
+    """The seed's model and §9.3's model never share an entry (same tokens, same stage)."""
+    kv, spec_config = spec_9_3()
+    tokens = list(range(300))
+    kv.record_resident_activation(
+        spec_config, seed_base(), 0, tokens, 4096, activation_frame(300, 1200)
+    )
+    assert kv.restore_resident_activation(seed_config(), seed_base(), 0, tokens, 4096) is None
 
 
 def test_binary_stats_summary() -> None:
@@ -697,25 +807,36 @@ OPS = st.lists(
         st.lists(st.integers(0, 3), min_size=1, max_size=10),
         st.sampled_from([0, 32]),
         st.sampled_from([4, 8]),
+        st.integers(0, 31),
     ),
     min_size=1,
     max_size=12,
 )
+# (min_tokens, stride, record limit): on-grid and off-grid minimums, capped and unit strides.
+SHAPES = st.sampled_from([(32, 16, 2), (33, 16, 2), (32, 40, 3), (5, 0, 0), (0, 16, 2)])
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=OPS)
+@given(ops=OPS, shape=SHAPES)
 def test_restore_matches_the_literal_spec_reading(
-    ops: list[tuple[str, list[int], int, int]],
+    ops: list[tuple[str, list[int], int, int, int]], shape: tuple[int, int, int]
 ) -> None:
     """The index-pruned restore gives the same answers, clock, recency and counters as probing
-    every candidate, whatever was recorded, planted or evicted before."""
-    config = with_cache(min_tokens=32, shared_prefix_stride_tokens=16, max_entries=5)
+    every candidate, whatever was recorded, planted or evicted before, for prompt lengths on
+    and off the grid."""
+    min_tokens, stride, limit = shape
+    config = with_cache(
+        min_tokens=min_tokens,
+        shared_prefix_stride_tokens=stride,
+        shared_prefix_record_limit=limit,
+        max_entries=5,
+    )
     base = seed_base()
     fast, slow, full = seed_integration(config), seed_integration(config), seed_integration(config)
     full.probe_all = True
-    for op, blocks, start, width in ops:
+    for op, blocks, start, width, cut in ops:
         tokens = np.concatenate([np.arange(32, dtype=np.int32) + 100 * b for b in blocks])
+        tokens = tokens[: tokens.size - cut]  # 0 to 31 tokens short of a block boundary
         frame = ActivationFrame.virtual(token_count=tokens.size, bytes_per_token=width * 4)
         if op == "record":
             for kv in (fast, slow, full):

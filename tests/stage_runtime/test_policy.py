@@ -156,6 +156,21 @@ def test_derive_max_resident_tokens(ctx: int, budget: int) -> None:
     assert derive_max_resident_tokens(ctx) == budget
 
 
+def test_spec_2_1_examples_in_full() -> None:
+    """The §2.1 examples, whole lists: (256, 128, N 2231) runs 2176 down to 256 by 128."""
+    assert policy(64, 32, 2).candidate_token_counts(160) == [160, 128, 96, 64]
+    assert policy(256, 128, 2).candidate_token_counts(2231) == [2231, *range(2176, 255, -128)]
+    assert policy(300, 128, 2).candidate_token_counts(1000) == [1000, 896, 768, 640, 512, 384, 300]
+    assert policy(300, 128, 2).candidate_token_counts(350) == [350, 300]
+
+
+def test_v_a_vectors_are_not_reproduced() -> None:
+    """§2.5: the superseded V-A answers ([160,159,127,95,64], record [160,64]) are not ours."""
+    assert policy(64, 32, 2).candidate_token_counts(160) != [160, 159, 127, 95, 64]
+    assert policy(64, 32, 2).record_candidate_token_counts(160) != [160, 64]
+    assert policy(256, 128, 2).record_candidate_token_counts(2214) != [2214, 256]
+
+
 # --- §2.4 edge cases ----------------------------------------------------------------------------
 
 
@@ -166,6 +181,24 @@ def test_derive_max_resident_tokens(ctx: int, budget: int) -> None:
 def test_edge_cases_on_and_below_the_grid(n: int, record: list[int]) -> None:
     """N <= min is exact; N on the grid records one stride below itself."""
     assert policy(256, 128, 2).record_candidate_token_counts(n) == record
+
+
+@pytest.mark.parametrize("limit", range(12))
+@pytest.mark.parametrize("n", [1, 200, 255, 256])
+def test_at_or_below_min_is_exact_at_every_limit(n: int, limit: int) -> None:
+    """§2.4: (min 256) N <= 256 gives [N] for lookup and record, no phantom candidates."""
+    p = policy(256, 128, limit, hint=4096)
+    assert p.candidate_token_counts(n) == [n]
+    assert p.record_candidate_token_counts(n) == [n]
+
+
+@pytest.mark.parametrize(
+    ("n", "lookup"),
+    [(2176, [2176, *range(2048, 255, -128)]), (384, [384, 256]), (257, [257, 256])],
+)
+def test_on_the_grid_lookup_starts_one_stride_below(n: int, lookup: list[int]) -> None:
+    """§2.4: N on the grid is not repeated; the grid starts at N - stride (257 floors to 256)."""
+    assert policy(256, 128, 0).candidate_token_counts(n) == lookup
 
 
 @pytest.mark.parametrize("stride", [0, 1])
@@ -267,6 +300,79 @@ def test_policy_properties(min_tokens: int, stride: int, limit: int, hint: int, 
             assert record[1] == lookup[1]
 
 
+def reference_lookup(min_tokens: int, stride: int, n: int) -> list[int]:
+    """Spec §2.1 read literally: walk down from the grid floor, clamping each step at min."""
+    if n == 0:
+        return []
+    if min_tokens == 0 or n <= min_tokens:
+        return [n]
+    s = min(max(stride, 1), max(min_tokens, 1))
+    c = n - n % s
+    if c == n:
+        c = n - s
+    c = max(c, min_tokens)
+    out = [n]
+    while True:
+        out.append(c)
+        if c == min_tokens:
+            return sorted(set(out), reverse=True)
+        c = max(c - s, min_tokens)
+
+
+def reference_record(min_tokens: int, stride: int, limit: int, hint: int, n: int) -> list[int]:
+    """Spec §2.2 read literally (V-D/V-E), listing the grid and searching it for each target."""
+    grid = reference_lookup(min_tokens, stride, n)
+    if limit == 0 or len(grid) <= limit:
+        return grid
+    selected = [n]
+    shared = grid[1:]
+    if limit == 1 or not shared:
+        return selected
+    selected.append(shared[0])
+    slots = limit - 2
+    floor, ceiling = min(max(min_tokens, 1), max(n, 1)), max(n, 1)
+    if ceiling <= floor:
+        targets = [min_tokens]
+    else:
+        targets = [
+            max(int(floor * (ceiling / floor) ** (i / (slots + 1)) + 0.5), 1)
+            for i in range(1, slots + 1)
+        ]
+    pinned = 0
+    for target in targets:
+        if len(selected) >= limit:
+            break
+        left = [x for x in shared if x not in selected]
+        if not left:
+            break
+        pick = min(left, key=lambda x: abs(x - target))  # ties: the first, i.e. larger, wins
+        if hint > 0 and pinned + pick > hint:
+            break
+        pinned += pick
+        selected.append(pick)
+    return sorted(set(selected), reverse=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    min_tokens=st.integers(0, 400),
+    stride=st.integers(0, 200),
+    limit=st.integers(0, 12),
+    hint=st.one_of(st.just(0), st.integers(1, 30000)),
+    n=st.integers(0, 30000),
+)
+def test_lists_equal_a_literal_transcription_of_the_spec(
+    min_tokens: int, stride: int, limit: int, hint: int, n: int
+) -> None:
+    """Lookup grid and record ladder equal §2.1/§2.2 read step by step (rounding half away
+    from zero, ties to the larger value, the budget stopping the rungs)."""
+    p = policy(min_tokens, stride, limit, hint)
+    assert p.candidate_token_counts(n) == reference_lookup(min_tokens, stride, n)
+    assert p.record_candidate_token_counts(n) == reference_record(
+        min_tokens, stride, limit, hint, n
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     min_tokens=st.integers(0, 300),
@@ -327,3 +433,7 @@ def test_candidate_index_of_a_non_candidate_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="100 is not a candidate length of a 160-token prompt"):
         p.candidate_index(160, 100)
     assert p.candidate_index(160, 128) == 1
+    with pytest.raises(ConfigError, match="count must be an integer >= 0, got '128'"):
+        p.candidate_index(160, "128")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="token_count must be an integer >= 0, got -160"):
+        p.candidate_index(-160, 128)
