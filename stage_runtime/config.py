@@ -240,6 +240,18 @@ def _env_mode(environ: Mapping[str, str]) -> CacheMode | None:
     return None
 
 
+def _environment(environ: object) -> Mapping[str, str]:
+    """``os.environ`` for None, else ``environ`` once it is known to be a mapping."""
+    if environ is None:
+        return os.environ
+    if not isinstance(environ, Mapping):
+        msg = (
+            f"environ must be a mapping of variable names to strings, got {type(environ).__name__}"
+        )
+        raise ConfigError(msg)
+    return environ
+
+
 def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     """Whether either mode variable turns the cache off (spec §6.1, V-E kill switch).
 
@@ -247,7 +259,7 @@ def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     ``false``, ``disabled`` or ``disable`` disables the cache even when the stage
     configuration has a ``kv_cache`` block.
     """
-    env = os.environ if environ is None else environ
+    env = _environment(environ)
     for name in _ENV_MODE:
         raw = env.get(name)
         normal = None if raw is None else raw.strip().lower().replace("_", "-")
@@ -327,7 +339,7 @@ class KvCacheConfig:
             ConfigError: a bound or payload variable is set but not valid (the upstream ignores
                 such values; we refuse them, naming the variable).
         """
-        env = os.environ if environ is None else environ
+        env = _environment(environ)
         mode = _env_mode(env)
         if mode is None:
             return None

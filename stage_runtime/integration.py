@@ -18,7 +18,6 @@ one pass over the tokens.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
@@ -39,6 +38,7 @@ from stage_runtime.config import (
     KvCacheConfig,
     MessageBase,
     StageConfig,
+    _environment,
     kill_switch_engaged,
 )
 from stage_runtime.errors import ConfigError, FrameError
@@ -315,7 +315,7 @@ class KvStageIntegration:
         if not isinstance(config, StageConfig):
             msg = f"config must be a StageConfig, got {type(config).__name__}"
             raise ConfigError(msg)
-        env = os.environ if environ is None else environ
+        env = _environment(environ)
         if kill_switch_engaged(env):
             return None
         cache_config = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -15,6 +16,7 @@ from stage_runtime import (
     ConfigError,
     FlashAttention,
     KvCacheConfig,
+    KvStageIntegration,
     LoadMode,
     MessageBase,
     StageConfig,
@@ -410,3 +412,16 @@ def test_kill_switch_vectors(kv: str | None, prefix: str | None, engaged: bool) 
     if prefix is not None:
         env["STAGE_RUNTIME_PREFIX_CACHE"] = prefix
     assert kill_switch_engaged(env) is engaged
+
+
+@pytest.mark.parametrize("environ", [["STAGE_RUNTIME_KV_CACHE=1"], "STAGE_RUNTIME_KV_CACHE=1", 3])
+def test_an_environment_that_is_not_a_mapping_is_a_config_error(environ: Any) -> None:
+    name = type(environ).__name__
+    pattern = f"environ must be a mapping of variable names to strings, got {name}"
+    config = StageConfig(stage_id="s", model_id="m", layer_start=0, layer_end=1)
+    with pytest.raises(ConfigError, match=pattern):
+        KvCacheConfig.from_env(environ)
+    with pytest.raises(ConfigError, match=pattern):
+        kill_switch_engaged(environ)
+    with pytest.raises(ConfigError, match=pattern):
+        KvStageIntegration.from_config(config, environ=environ)
