@@ -392,3 +392,120 @@ def test_progress_bar_shows_on_terminals_only_and_never_with_json_stdout(
     assert (f"{len(TINY)}/{len(TINY)}" in captured.err) == bar
     if json_out:
         assert json.loads(captured.out)["requests"] == len(TINY)
+
+
+def test_console_script_is_stage_runtime() -> None:
+    """`stage-runtime` is installed as a console script running cli.main."""
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert {ep.name: ep.value for ep in scripts}["stage-runtime"] == "stage_runtime.cli:main"
+
+
+def test_every_flag_reaches_the_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shared flag lands in the configuration the replay used (JSON config) and acts."""
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    argv = [
+        "replay",
+        str(trace),
+        "--stages",
+        "3",
+        "--block-size",
+        "16",
+        "--min-tokens",
+        "8",
+        "--stride",
+        "4",
+        "--record-limit",
+        "3",
+        "--max-entries",
+        "7",
+        "--capacity-tokens",
+        "100",
+        "--bytes-per-token",
+        "6",
+        "--concurrency",
+        "2",
+        "--limit-requests",
+        "2",
+        "--prefill-us-per-token",
+        "10,20,30",
+        "--restore-ns-per-byte",
+        "2",
+        "--json",
+        "-",
+    ]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    config = document["config"]
+    assert {
+        key: config[key] for key in ("stages", "block_size", "min_tokens", "stride_tokens")
+    } == {
+        "stages": 3,
+        "block_size": 16,
+        "min_tokens": 8,
+        "stride_tokens": 4,
+    }
+    assert (config["record_limit"], config["max_entries"], config["concurrency"]) == (3, 7, 2)
+    assert (config["capacity_tokens"], config["bytes_per_token"], config["max_bytes"]) == (
+        100,
+        6,
+        600,
+    )
+    assert config["prefill_s_per_token"] == pytest.approx([10e-6, 20e-6, 30e-6])
+    assert config["restore_s_per_byte"] == pytest.approx(2e-9)
+    assert config["source"]["limit_requests"] == 2
+    assert document["requests"] == 2
+    assert document["prompt_tokens"] == 40 + 32
+    assert len(document["stages"]) == 3
+
+
+def test_simulate_flags_shape_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    """simulate's workload flags give that many requests of those lengths, and are reported."""
+    argv = [
+        "simulate",
+        "--groups",
+        "2",
+        "--prompts-per-group",
+        "3",
+        "--system-prompt-tokens",
+        "100",
+        "--question-tokens",
+        "20",
+        "--conversations",
+        "1",
+        "--turns",
+        "4",
+        "--tokens-per-turn",
+        "50",
+        "--rate",
+        "2",
+        "--seed",
+        "5",
+        "--block-size",
+        "16",
+        "--json",
+        "-",
+    ]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["requests"] == 2 * 3 + 4
+    assert document["prompt_tokens"] == 2 * 3 * (100 + 20) + 50 * (1 + 2 + 3 + 4)
+    source = document["config"]["source"]
+    assert (source["kind"], source["seed"], source["requests_per_s"]) == ("synthetic", 5, 2.0)
+
+
+def test_bundled_excerpt_ships_with_its_attribution() -> None:
+    """The demo's excerpt is package data, next to an attribution naming source and licence,
+    and its stated size and sharing are the excerpt's."""
+    from importlib import resources
+
+    from stage_runtime.sim import read_demo_trace, theoretical_max_hit_ratio
+
+    text = resources.files("stage_runtime.data").joinpath("ATTRIBUTION.md").read_text()
+    attribution = " ".join(text.split())  # as one line: the file wraps at 100 columns
+    for fragment in ("kvcache-ai/Mooncake", "Apache License 2.0", "300 requests", "62.9%"):
+        assert fragment in attribution
+    requests = read_demo_trace().requests
+    assert len(requests) == 300
+    assert f"{sum(r.input_length for r in requests):,} prompt tokens" in attribution
+    ratio = theoretical_max_hit_ratio(requests, block_size=512).ratio
+    assert f"{ratio:.1%}" == "62.9%"
