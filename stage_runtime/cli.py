@@ -80,6 +80,8 @@ _NON_NEGATIVE = int_at_least(0)
 _MAX_BLOCK_SIZE = 1 << 20
 _MAX_BYTES_PER_TOKEN = 1 << 24
 _MAX_CACHE_BYTES = 2**64 - 1
+_DEMO_BLOCK_SIZE = 512
+"""Tokens per hash id in the bundled excerpt (as in every Mooncake trace)."""
 _CTX_SIZE = 262_144
 """The simulated stages' context (SimConfig's ctx_size): no synthetic prompt may be longer."""
 
@@ -135,6 +137,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--page-tokens",
         type=_POSITIVE,
+        metavar="N",
         default=None,
         help="tokens per page with --index paged (default: the stride)",
     )
@@ -419,6 +422,13 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
     if args.command == "simulate":
         _check_prompt_lengths(args)
+    if args.command == "demo" and args.block_size < _DEMO_BLOCK_SIZE:
+        # Every line of the excerpt would be refused, the first one named as if it were bad.
+        msg = (
+            f"--block-size {args.block_size} is smaller than the bundled excerpt's "
+            f"{_DEMO_BLOCK_SIZE}-token blocks; the demo needs --block-size >= {_DEMO_BLOCK_SIZE}"
+        )
+        raise _UsageError(msg)
 
 
 def _check_prompt_lengths(args: argparse.Namespace) -> None:

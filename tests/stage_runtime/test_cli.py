@@ -94,6 +94,11 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
             "--turns 5,000 x --tokens-per-turn 512 make the last turn longer than the stages' "
             "context (262,144 tokens)",
         ),
+        (
+            ["demo", "--block-size", "256"],
+            "--block-size 256 is smaller than the bundled excerpt's 512-token blocks; the demo "
+            "needs --block-size >= 512",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
     ],
