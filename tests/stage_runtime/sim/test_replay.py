@@ -275,3 +275,16 @@ def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:
     )
     with pytest.raises(ConfigError, match="one cost per stage \\(2\\), got 3"):
         _config(cost=CostModel(stage_prefill_s_per_token=[P, P, P]))
+
+
+def test_concurrency_1_keeps_file_order_and_more_follows_timestamps() -> None:
+    """Timestamps against file order: one at a time replays the file's order (the second line
+    restores the first's prefix); with concurrency 2 the earlier arrival goes first instead."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.5),  # first in the file, arrives last
+        _request(1, [1, 2, 4], 40, arrival_s=0.0),
+    ]
+    in_file_order = run_replay(trace, _config(concurrency=1))
+    assert [o.restored_tokens[0] for o in in_file_order.outcomes] == [0, 32]
+    by_arrival = run_replay(trace, _config(concurrency=2))
+    assert [o.restored_tokens[0] for o in by_arrival.outcomes] == [32, 0]
