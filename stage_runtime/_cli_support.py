@@ -74,6 +74,25 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def int_between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[minimum, maximum]``."""
+    rule = f"an integer in [{minimum:,}, {maximum:,}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            msg = f"must be {rule}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if not minimum <= value <= maximum:
+            msg = f"must be {rule}, got {value}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    parse.__name__ = rule
+    return parse
+
+
 def _finite_number(text: str, rule: str) -> float:
     try:
         value = float(text)

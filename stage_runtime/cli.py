@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from stage_runtime._cli_support import (
     configure_logging,
     int_at_least,
+    int_between,
     non_negative_float,
     positive_float,
 )
@@ -74,6 +75,15 @@ def _capacities(text: str) -> list[int]:
 
 _POSITIVE = int_at_least(1)
 _NON_NEGATIVE = int_at_least(0)
+# Kept in step with stage_runtime.sim.driver's MAX_BLOCK_SIZE and MAX_BYTES_PER_TOKEN (the sim
+# package is imported lazily, so that --help and usage errors stay fast); a test checks they agree.
+_MAX_BLOCK_SIZE = 1 << 20
+_MAX_BYTES_PER_TOKEN = 1 << 24
+_MAX_CACHE_BYTES = 2**64 - 1
+_DEMO_BLOCK_SIZE = 512
+"""Tokens per hash id in the bundled excerpt (as in every Mooncake trace)."""
+_CTX_SIZE = 262_144
+"""The simulated stages' context (SimConfig's ctx_size): no synthetic prompt may be longer."""
 
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +93,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--block-size",
-        type=_POSITIVE,
+        type=int_between(1, _MAX_BLOCK_SIZE),
         metavar="N",
         default=512,
         help="tokens per trace hash id (512)",
@@ -127,6 +137,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--page-tokens",
         type=_POSITIVE,
+        metavar="N",
         default=None,
         help="tokens per page with --index paged (default: the stride)",
     )
@@ -147,7 +158,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--bytes-per-token",
-        type=_POSITIVE,
+        type=int_between(1, _MAX_BYTES_PER_TOKEN),
         metavar="N",
         default=8192,
         help="activation bytes per token (8192: 4096-wide bf16)",
@@ -383,6 +394,15 @@ def _check_usage(args: argparse.Namespace) -> None:
     if args.sweep_capacity is not None and args.capacity_tokens is not None:
         msg = "--capacity-tokens and --sweep-capacity are exclusive; use one"
         raise _UsageError(msg)
+    for capacity in args.sweep_capacity or [args.capacity_tokens or 0]:
+        if capacity * args.bytes_per_token > _MAX_CACHE_BYTES:
+            flag = "--sweep-capacity" if args.sweep_capacity else "--capacity-tokens"
+            msg = (
+                f"{flag} {capacity:,} x --bytes-per-token {args.bytes_per_token:,} is "
+                f"{capacity * args.bytes_per_token:,} bytes, more than a cache's byte bound "
+                f"allows ({_MAX_CACHE_BYTES:,})"
+            )
+            raise _UsageError(msg)
     stride = args.block_size if args.stride is None else args.stride
     if stride == 0 and args.record_limit > 0:
         msg = (
@@ -399,6 +419,32 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
         msg = "--groups and --conversations are both 0: the workload has no requests"
+        raise _UsageError(msg)
+    if args.command == "simulate":
+        _check_prompt_lengths(args)
+    if args.command == "demo" and args.block_size < _DEMO_BLOCK_SIZE:
+        # Every line of the excerpt would be refused, the first one named as if it were bad.
+        msg = (
+            f"--block-size {args.block_size} is smaller than the bundled excerpt's "
+            f"{_DEMO_BLOCK_SIZE}-token blocks; the demo needs --block-size >= {_DEMO_BLOCK_SIZE}"
+        )
+        raise _UsageError(msg)
+
+
+def _check_prompt_lengths(args: argparse.Namespace) -> None:
+    """Refuse synthetic prompts longer than the simulated stages' context."""
+    if args.groups and args.system_prompt_tokens + args.question_tokens > _CTX_SIZE:
+        msg = (
+            f"--system-prompt-tokens {args.system_prompt_tokens:,} + --question-tokens "
+            f"{args.question_tokens:,} make prompts longer than the stages' context "
+            f"({_CTX_SIZE:,} tokens)"
+        )
+        raise _UsageError(msg)
+    if args.conversations and args.turns * args.tokens_per_turn > _CTX_SIZE:
+        msg = (
+            f"--turns {args.turns:,} x --tokens-per-turn {args.tokens_per_turn:,} make the last "
+            f"turn longer than the stages' context ({_CTX_SIZE:,} tokens)"
+        )
         raise _UsageError(msg)
 
 
@@ -489,7 +535,15 @@ def _run_simulation(args: argparse.Namespace) -> int:
         }
         title = f"{PROG} {args.command}: {trace.path}"
     if not requests:
-        print(f"{PROG} {args.command}: error: no requests to replay", file=sys.stderr)
+        where = source.get("path", "the workload")
+        if skipped:
+            reason = f"every line was bad ({skipped:,} skipped; the first: {first_error})"
+        else:
+            reason = "it has no request lines (empty or blank)"
+        print(
+            f"{PROG} {args.command}: error: no requests to replay in {where}: {reason}",
+            file=sys.stderr,
+        )
         return 1
 
     json_to_stdout = args.json == "-"

@@ -17,6 +17,9 @@ from __future__ import annotations
 from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.driver import (
+    MAX_BLOCK_SIZE,
+    MAX_BYTES_PER_TOKEN,
+    MAX_CACHE_BYTES,
     ReplayResult,
     RequestOutcome,
     SimConfig,
@@ -49,6 +52,9 @@ from stage_runtime.sim.trace import (
 from stage_runtime.sim.workloads import WorkloadSpec, synthetic_workload
 
 __all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_BYTES_PER_TOKEN",
+    "MAX_CACHE_BYTES",
     "VOCAB_SIZE",
     "BlockTokenizer",
     "CostModel",

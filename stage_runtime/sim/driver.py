@@ -37,6 +37,9 @@ from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_BYTES_PER_TOKEN",
+    "MAX_CACHE_BYTES",
     "ReplayResult",
     "RequestOutcome",
     "SimConfig",
@@ -49,6 +52,17 @@ __all__ = [
     "validate_requests",
 ]
 
+MAX_BLOCK_SIZE = 1 << 20
+"""Largest ``block_size``: a million tokens per hash id (the Mooncake traces use 512). Token
+blocks are generated at this size, so an absurd value would exhaust memory, not fail."""
+
+MAX_BYTES_PER_TOKEN = 1 << 24
+"""Largest ``bytes_per_token``: 16 MiB, an 8-million-wide bf16 activation (a 4,096-wide model
+needs 8,192). Frames must keep their width within int32."""
+
+MAX_CACHE_BYTES = 2**64 - 1
+"""Largest per-stage byte bound (``capacity_tokens * bytes_per_token``) a cache accepts."""
+
 ProgressCallback = Callable[[int], None]
 """Called with the number of finished requests after each one finishes."""
 
@@ -60,6 +74,18 @@ def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], Non
             raise ConfigError(msg)
 
     return check
+
+
+def _between(minimum: int, maximum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    check = _at_least(minimum)
+
+    def between(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        check(instance, attribute, value)
+        if value > maximum:
+            msg = f"{attribute.name} must be <= {maximum:,}, got {value:,}"
+            raise ConfigError(msg)
+
+    return between
 
 
 def _optional_at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -95,7 +121,7 @@ class SimConfig:
     stages: int = attrs.field(default=4, validator=_at_least(1))
     """Pipeline stages."""
 
-    block_size: int = attrs.field(default=512, validator=_at_least(1))
+    block_size: int = attrs.field(default=512, validator=_between(1, MAX_BLOCK_SIZE))
     """Tokens per hash id."""
 
     min_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(0))
@@ -113,7 +139,7 @@ class SimConfig:
     capacity_tokens: int = attrs.field(default=0, validator=_at_least(0))
     """Per-stage cache capacity in tokens (``max_bytes = capacity * bytes_per_token``; 0: none)."""
 
-    bytes_per_token: int = attrs.field(default=8192, validator=_at_least(1))
+    bytes_per_token: int = attrs.field(default=8192, validator=_between(1, MAX_BYTES_PER_TOKEN))
     """Activation bytes per token (8,192: a 4,096-wide bf16 activation)."""
 
     concurrency: int = attrs.field(default=1, validator=_at_least(1))
@@ -148,6 +174,7 @@ class SimConfig:
                 f"got {per_stage}"
             )
             raise ConfigError(msg)
+        self.check_capacity(self.capacity_tokens)
         if self.stride == 0 and self.record_limit > 0:
             msg = (
                 f"stride 0 leaves no lookup grid for record_limit {self.record_limit} to pick "
@@ -164,6 +191,23 @@ class SimConfig:
     def stride(self) -> int:
         """``stride_tokens``, resolved."""
         return self.block_size if self.stride_tokens is None else self.stride_tokens
+
+    def check_capacity(self, capacity_tokens: int) -> None:
+        """Refuse a capacity that is negative or whose byte bound no cache can hold.
+
+        Raises:
+            ConfigError: naming the capacity and the bytes it comes to.
+        """
+        if capacity_tokens < 0:
+            msg = f"capacity_tokens must be >= 0, got {capacity_tokens}"
+            raise ConfigError(msg)
+        if capacity_tokens * self.bytes_per_token > MAX_CACHE_BYTES:
+            msg = (
+                f"capacity_tokens {capacity_tokens:,} x bytes_per_token {self.bytes_per_token:,} "
+                f"must be <= {MAX_CACHE_BYTES:,} bytes, got "
+                f"{capacity_tokens * self.bytes_per_token:,}"
+            )
+            raise ConfigError(msg)
 
     def max_bytes(self, capacity_tokens: int | None = None) -> int:
         """Per-stage byte bound for a capacity in tokens (this config's when None)."""
@@ -209,9 +253,8 @@ def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) ->
     Returns:
         A ``lookup-record`` cache with the config's bounds and ladder.
     """
-    if capacity_tokens is not None and capacity_tokens < 0:
-        msg = f"capacity_tokens must be >= 0, got {capacity_tokens}"
-        raise ConfigError(msg)
+    if capacity_tokens is not None:
+        config.check_capacity(capacity_tokens)
     return KvCacheConfig(
         mode=CacheMode.LOOKUP_RECORD,
         payload=CachePayload.RESIDENT_KV,
@@ -645,9 +688,7 @@ def run_sweep(
         One result per capacity, in the given order.
     """
     for capacity in capacities:
-        if capacity < 0:
-            msg = f"capacity_tokens must be >= 0, got {capacity}"
-            raise ConfigError(msg)
+        config.check_capacity(capacity)
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     results = []
     for done, capacity in enumerate(capacities):

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from stage_runtime.accounting import CacheAccounting
@@ -95,23 +95,68 @@ def _accounting_json(accounting: CacheAccounting | None) -> dict[str, object]:
     }
 
 
-def _misses(stage: StageSummary) -> str:
-    acc = stage.accounting
-    if acc is None:
-        return "-"
-    return f"{acc.misses_never_seen:,}/{acc.misses_evicted:,}/{acc.misses_rejected:,}"
+def _table(
+    console: Console,
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    caption: str | None = None,
+    left: int = 1,
+) -> Table:
+    """A report table whose cells are never cut short, on any console width.
 
-
-def _footprint(stage: StageSummary) -> str:
-    acc = stage.accounting
-    if acc is None:
-        return "-"
-    if acc.unique_prefix_bytes == 0:
-        return f"{_bytes(acc.resident_bytes)} / {_bytes(0)}"
-    return (
-        f"{_bytes(acc.resident_bytes)} / {_bytes(acc.unique_prefix_bytes)} "
-        f"({acc.residency_ratio:.2f}x)"
+    A column needs room for its widest cell and its header's longest word. When the headers do
+    not fit on one line in the console, every column gets exactly that room and the headers
+    wrap at their spaces; left to itself, rich would crop numbers instead ("5,663,..."). The
+    first ``left`` columns are labels (left-justified), the rest are figures.
+    """
+    needed = [
+        max([len(row[position]) for row in rows] + [len(word) for word in name.split()])
+        for position, name in enumerate(headers)
+    ]
+    table = Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
     )
+    for position, name in enumerate(headers):
+        justify: JustifyMethod = "left" if position < left else "right"
+        table.add_column(name, justify=justify, min_width=needed[position])
+    for row in rows:
+        table.add_row(*row)
+    # Two characters between columns (collapsed padding, no edges): the width on one line.
+    one_line = sum(max(len(name), width) for name, width in zip(headers, needed, strict=True))
+    if one_line + 2 * (len(headers) - 1) > console.width:
+        for column, width in zip(table.columns, needed, strict=True):
+            column.width = width
+    return table
+
+
+def _evictions(stages: Sequence[StageSummary]) -> str:
+    counts = {stage.evictions for stage in stages}
+    if len(counts) == 1:
+        return f"{counts.pop():,}"
+    return "/".join(f"{stage.evictions:,}" for stage in stages)
+
+
+def _accounting_cells(stage: StageSummary) -> list[str]:
+    """A stage's misses by reason and its resident vs unique-prefix bytes, as table cells."""
+    acc = stage.accounting
+    if acc is None:
+        return ["-"] * 6
+    return [
+        f"{acc.misses_never_seen:,}",
+        f"{acc.misses_evicted:,}",
+        f"{acc.misses_rejected:,}",
+        _bytes(acc.resident_bytes),
+        _bytes(acc.unique_prefix_bytes),
+        f"{acc.residency_ratio:.2f}x" if acc.unique_prefix_bytes else "-",
+    ]
 
 
 def _residency(stage: StageSummary) -> str:
@@ -128,8 +173,10 @@ def _bytes(value: float) -> str:
 
 
 def _seconds(value: float) -> str:
+    if value >= 1e6:  # absurd costs (--prefill-us-per-token 1e300) stay one short cell
+        return f"{value:.3g} s"
     if value >= 1:
-        return f"{value:.2f} s"
+        return f"{value:,.2f} s"
     return f"{value * 1000:.1f} ms"
 
 
@@ -175,44 +222,63 @@ def render_report(
     totals.add_row("simulated time (virtual clock)", _seconds(result.virtual_s))
     console.print(totals)
 
-    stages = Table(
-        title="per stage",
-        box=box.SIMPLE_HEAD,
-        caption=(
-            "misses: never seen/evicted/rejected (validation refused a cached entry); "
-            "resident / unique: bytes held vs bytes the distinct prefixes need, at the end"
-        ),
-    )
-    for name in ("stage", "restored", "computed", "hit ratio", "hits", "records", "evictions"):
-        stages.add_column(name, justify="left" if name == "stage" else "right")
-    stages.add_column("peak resident", justify="right")
-    stages.add_column("misses", justify="right")
-    stages.add_column("resident / unique", justify="right")
-    for stage in result.stages:
-        stages.add_row(
+    # Two narrow tables rather than one wide one: on an 80-column terminal a single table of
+    # ten columns had rich cut numbers short ("183,...").
+    stage_rows = [
+        [
             stage.stage_id,
             f"{stage.restored_tokens:,}",
             f"{stage.computed_tokens:,}",
             f"{stage.token_hit_ratio:.1%}",
-            f"{stage.hits:,}",
             f"{stage.records:,}",
             f"{stage.evictions:,}",
             _bytes(stage.resident_bytes_max),
-            _misses(stage),
-            _footprint(stage),
+        ]
+        for stage in result.stages
+    ]
+    stage_headers = ["stage", "restored", "computed", "hit ratio", "records", "evictions"]
+    stage_headers += ["peak resident"]
+    console.print(_table(console, "per stage", stage_headers, stage_rows))
+    console.print()
+    if any(stage.accounting is not None for stage in result.stages):
+        cache_headers = ["stage", "hits", "misses: never seen", "evicted", "rejected"]
+        cache_headers += ["resident", "unique", "ratio"]
+        cache_rows = [
+            [stage.stage_id, f"{stage.hits:,}", *_accounting_cells(stage)]
+            for stage in result.stages
+        ]
+        console.print(
+            _table(
+                console,
+                "lookups and bytes held at the end",
+                cache_headers,
+                cache_rows,
+                caption="hits: requests that restored tokens; rejected: validation refused a "
+                "cached entry; resident vs unique: bytes held vs bytes the distinct prefixes "
+                "need",
+            )
         )
-    console.print(stages)
 
-    ttft = Table(title="time to first token (simulated)", box=box.SIMPLE_HEAD)
-    for name in ("", "with cache", "without cache", "saved"):
-        ttft.add_column(name, justify="right")
+    console.print()
+    ttft_rows = []
     for name in ("p50", "p90", "p99"):
         cached = getattr(result.ttft_cached, name)
         uncached = getattr(result.ttft_uncached, name)
         saved = 1 - cached / uncached if uncached > 0 else 0.0
         saved = 0.0 if abs(saved) < 0.005 else saved  # no "-0%"
-        ttft.add_row(name, _seconds(cached), _seconds(uncached), f"{saved:.0%}")
-    console.print(ttft)
+        # A cache slower than none (a costly restore) shows a negative saving; past -999% the
+        # figure says nothing more and would only widen the table.
+        shown = "< -999%" if saved < -9.99 else f"{saved:.0%}"
+        ttft_rows.append([name, _seconds(cached), _seconds(uncached), shown])
+    console.print(
+        _table(
+            console,
+            "time to first token (simulated)",
+            ["", "with cache", "without cache", "saved"],
+            ttft_rows,
+            left=0,
+        )
+    )
     console.print(
         f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
         f"infinite cache could restore {result.theoretical.ratio:.1%}. Try --max-entries, "
@@ -229,7 +295,8 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     """Print a capacity sweep as one table: a row per capacity, smallest first, unbounded last.
 
     The capacity bounds each stage's cache; the hit ratio and resident/unique columns are stage
-    0's, evictions are listed stage by stage, and peak resident is the largest stage's.
+    0's, evictions are listed stage by stage, and peak resident is the largest stage's. TTFT
+    without the cache and the total wall time, the same for every row, follow the table.
     """
     console.print(f"[bold]{title}[/bold]")
     if not results:
@@ -240,38 +307,48 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
         f"{first.theoretical.ratio:.1%} (infinite cache, per block)"
     )
     stage_ids = " / ".join(stage.stage_id for stage in first.stages)
-    table = Table(
-        title="capacity sweep (capacity and max bytes bound each stage's cache)",
-        box=box.SIMPLE_HEAD,
-        caption=f"evictions per stage: {stage_ids}",
-    )
-    for name in (
-        "capacity",
-        "max bytes",
-        "hit ratio (stage 0)",
-        "evictions per stage",
-        "peak resident (largest stage)",
-        "resident / unique (stage 0)",
-        "TTFT p50",
-        "TTFT p90",
-        "wall",
-    ):
-        table.add_column(name, justify="right")
-    for result in sweep_order(results):
-        table.add_row(
-            _capacity(result.capacity_tokens),
+    rows = [
+        [
+            "unbounded" if result.capacity_tokens == 0 else f"{result.capacity_tokens:,}",
             _bytes(result.config.max_bytes(result.capacity_tokens))
             if result.capacity_tokens
             else "unbounded",
             f"{result.token_hit_ratio:.1%}",
-            " / ".join(f"{stage.evictions:,}" for stage in result.stages),
+            _evictions(result.stages),
             _bytes(max(stage.resident_bytes_max for stage in result.stages)),
             _residency(result.stages[0]),
             _seconds(result.ttft_cached.p50),
-            _seconds(result.ttft_cached.p90),
-            _seconds(result.wall_s),
+            _seconds(result.ttft_cached.p99),
+        ]
+        for result in sweep_order(results)
+    ]
+    headers = [
+        "capacity (tokens)",
+        "max bytes",
+        "hit ratio (stage 0)",
+        "evictions per stage",
+        "peak resident (largest stage)",
+        "held / unique (stage 0)",
+        "TTFT p50",
+        "TTFT p99",
+    ]
+    console.print(
+        _table(
+            console,
+            "capacity sweep (capacity and max bytes bound each stage's cache)",
+            headers,
+            rows,
+            left=0,
+            caption=f"evictions: one figure if every stage evicted as many, else {stage_ids}. "
+            "held / unique: resident bytes over the bytes the distinct prefixes need. An entry "
+            "larger than max bytes is kept alone, so peak resident can exceed max bytes.",
         )
-    console.print(table)
+    )
+    console.print(
+        f"TTFT without cache: p50 {_seconds(first.ttft_uncached.p50)}, p99 "
+        f"{_seconds(first.ttft_uncached.p99)}; wall time "
+        f"{_seconds(sum(result.wall_s for result in results))} for {len(results)} replays"
+    )
 
 
 def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) -> None:

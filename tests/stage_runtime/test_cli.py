@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -65,6 +66,39 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         (["demo", "--prefill-us-per-token", "-3"], "every cost must be a finite number >= 0"),
         (["demo", "--prefill-us-per-token", "1,2"], "one cost or one per stage (4), got 2"),
         (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
+        (
+            ["demo", "--block-size", "2000000000"],
+            "argument --block-size: must be an integer in [1, 1,048,576], got 2000000000",
+        ),
+        (
+            ["demo", "--bytes-per-token", "99999999999999999999999"],
+            "argument --bytes-per-token: must be an integer in [1, 16,777,216], got "
+            "99999999999999999999999",
+        ),
+        (
+            ["demo", "--capacity-tokens", "99999999999999999999"],
+            "--capacity-tokens 99,999,999,999,999,999,999 x --bytes-per-token 8,192 is "
+            "819,199,999,999,999,999,991,808 bytes, more than a cache's byte bound allows",
+        ),
+        (
+            ["demo", "--sweep-capacity", "0,3000000000000000", "--bytes-per-token", "8192"],
+            "--sweep-capacity 3,000,000,000,000,000 x --bytes-per-token 8,192",
+        ),
+        (
+            ["simulate", "--system-prompt-tokens", "1000000000"],
+            "--system-prompt-tokens 1,000,000,000 + --question-tokens 384 make prompts longer "
+            "than the stages' context (262,144 tokens)",
+        ),
+        (
+            ["simulate", "--turns", "5000"],
+            "--turns 5,000 x --tokens-per-turn 512 make the last turn longer than the stages' "
+            "context (262,144 tokens)",
+        ),
+        (
+            ["demo", "--block-size", "256"],
+            "--block-size 256 is smaller than the bundled excerpt's 512-token blocks; the demo "
+            "needs --block-size >= 512",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
     ],
@@ -125,16 +159,16 @@ def test_missing_trace_is_named_as_a_trace_that_cannot_be_read(
     )
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_structlog() -> Iterator[None]:
-    """main() configures structlog like a program does; put the test's configuration back."""
+    """main() configures structlog like a program does; put the test's configuration back
+    (for every test here: a replay run in-process would leave later tests' log capture off)."""
     saved = structlog.get_config()
     yield
     structlog.reset_defaults()
     structlog.configure(**saved)
 
 
-@pytest.mark.usefixtures("restore_structlog")
 @pytest.mark.parametrize(
     ("flags", "shown", "hidden"),
     [
@@ -182,6 +216,9 @@ def test_demo_prints_a_report_and_writes_json(tmp_path: Path) -> None:
     assert document["requests"] == 300
     assert 0 < document["token_hit_ratio"] <= document["theoretical_max_hit_ratio"]
     assert document["config"]["stages"] == 4
+    before, _, theoretical = _readme_demo_figures()  # what the README says the demo prints
+    assert f"token hit ratio {before:.1f}%" in " ".join(done.stdout.split())
+    assert round(100 * document["theoretical_max_hit_ratio"], 1) == theoretical
 
 
 def test_replay_sweep_json_to_stdout_is_pure_json(tmp_path: Path) -> None:
@@ -264,3 +301,216 @@ def test_plot_without_matplotlib_is_refused_before_replaying(
     err = capsys.readouterr().err
     assert "pip install 'stage-runtime[plot]'" in err
     assert err.count("\n") == 1
+
+
+def test_cli_limits_agree_with_the_simulation() -> None:
+    """The CLI's copies of the simulation's limits (kept to import it lazily) are the same."""
+    from stage_runtime import cli, sim
+
+    assert cli._MAX_BLOCK_SIZE == sim.MAX_BLOCK_SIZE
+    assert cli._MAX_BYTES_PER_TOKEN == sim.MAX_BYTES_PER_TOKEN
+    assert cli._MAX_CACHE_BYTES == sim.MAX_CACHE_BYTES
+    assert sim.SimConfig().ctx_size == cli._CTX_SIZE
+
+
+@pytest.mark.parametrize(
+    ("lines", "skip", "reason"),
+    [
+        (["", "  "], False, "it has no request lines (empty or blank)"),
+        (
+            ["{", json.dumps(dict(TINY[0], hash_ids=[]))],
+            True,
+            "every line was bad (2 skipped; the first: {trace}:1: is not valid JSON",
+        ),
+    ],
+    ids=["blank", "all-bad"],
+)
+def test_a_trace_without_requests_is_named_with_the_reason(
+    lines: list[str], skip: bool, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing to replay: exit 1, one line naming the file and why (blank, or every line bad)."""
+    trace = _trace(tmp_path, lines)
+    argv = ["replay", str(trace), *SMALL] + (["--skip-bad-lines"] if skip else [])
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith(
+        f"stage-runtime replay: error: no requests to replay in {trace}: "
+        + reason.format(trace=trace)
+    )
+
+
+def _readme_simulation_commands() -> dict[str, str]:
+    """The simulation section's ``stage-runtime`` example lines: command -> its comment."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("<!-- section: simulation -->", 1)[1].split("<!-- section:", 1)[0]
+    commands = {}
+    for line in section.splitlines():
+        if line.startswith("stage-runtime ") and "#" in line:
+            command, comment = line.split("#", 1)
+            commands[command.strip()] = comment.strip()
+    return commands
+
+
+def _readme_demo_figures() -> tuple[float, float, float]:
+    """The README's "30.5% -> 60.1% restored (max 62.9%)": default demo, bigger caches, theory."""
+    comment = _readme_simulation_commands()["stage-runtime demo --max-entries 512 --record-limit 4"]
+    match = re.fullmatch(r"([\d.]+)% -> ([\d.]+)% restored \(max ([\d.]+)%\)", comment)
+    assert match is not None, comment
+    before, after, theoretical = (float(group) for group in match.groups())
+    return before, after, theoretical
+
+
+def test_readme_demo_figures_are_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The README's demo line with bigger caches restores what its comment says (the default
+    demo's figure is checked by test_demo_prints_a_report_and_writes_json)."""
+    _, after, theoretical = _readme_demo_figures()
+    assert main(["demo", "--max-entries", "512", "--record-limit", "4", "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert round(100 * document["token_hit_ratio"], 1) == after
+    assert round(100 * document["theoretical_max_hit_ratio"], 1) == theoretical
+
+
+@pytest.mark.parametrize(
+    ("terminal", "json_out", "bar"),
+    [("1", False, True), ("1", True, False), ("0", False, False)],
+    ids=["terminal", "terminal-json-stdout", "not-a-terminal"],
+)
+def test_progress_bar_shows_on_terminals_only_and_never_with_json_stdout(
+    terminal: str,
+    json_out: bool,
+    bar: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bar goes to stderr on a terminal; piped, or with --json -, there is none."""
+    monkeypatch.setenv("TTY_COMPATIBLE", terminal)  # rich's switch for "this is a terminal"
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    argv = ["replay", str(trace), *SMALL] + (["--json", "-"] if json_out else [])
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert ("replaying" in captured.err) == bar
+    assert (f"{len(TINY)}/{len(TINY)}" in captured.err) == bar
+    if json_out:
+        assert json.loads(captured.out)["requests"] == len(TINY)
+
+
+def test_console_script_is_stage_runtime() -> None:
+    """`stage-runtime` is installed as a console script running cli.main."""
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert {ep.name: ep.value for ep in scripts}["stage-runtime"] == "stage_runtime.cli:main"
+
+
+def test_every_flag_reaches_the_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shared flag lands in the configuration the replay used (JSON config) and acts."""
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    argv = [
+        "replay",
+        str(trace),
+        "--stages",
+        "3",
+        "--block-size",
+        "16",
+        "--min-tokens",
+        "8",
+        "--stride",
+        "4",
+        "--record-limit",
+        "3",
+        "--max-entries",
+        "7",
+        "--capacity-tokens",
+        "100",
+        "--bytes-per-token",
+        "6",
+        "--concurrency",
+        "2",
+        "--limit-requests",
+        "2",
+        "--prefill-us-per-token",
+        "10,20,30",
+        "--restore-ns-per-byte",
+        "2",
+        "--json",
+        "-",
+    ]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    config = document["config"]
+    assert {
+        key: config[key] for key in ("stages", "block_size", "min_tokens", "stride_tokens")
+    } == {
+        "stages": 3,
+        "block_size": 16,
+        "min_tokens": 8,
+        "stride_tokens": 4,
+    }
+    assert (config["record_limit"], config["max_entries"], config["concurrency"]) == (3, 7, 2)
+    assert (config["capacity_tokens"], config["bytes_per_token"], config["max_bytes"]) == (
+        100,
+        6,
+        600,
+    )
+    assert config["prefill_s_per_token"] == pytest.approx([10e-6, 20e-6, 30e-6])
+    assert config["restore_s_per_byte"] == pytest.approx(2e-9)
+    assert config["source"]["limit_requests"] == 2
+    assert document["requests"] == 2
+    assert document["prompt_tokens"] == 40 + 32
+    assert len(document["stages"]) == 3
+
+
+def test_simulate_flags_shape_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    """simulate's workload flags give that many requests of those lengths, and are reported."""
+    argv = [
+        "simulate",
+        "--groups",
+        "2",
+        "--prompts-per-group",
+        "3",
+        "--system-prompt-tokens",
+        "100",
+        "--question-tokens",
+        "20",
+        "--conversations",
+        "1",
+        "--turns",
+        "4",
+        "--tokens-per-turn",
+        "50",
+        "--rate",
+        "2",
+        "--seed",
+        "5",
+        "--block-size",
+        "16",
+        "--json",
+        "-",
+    ]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["requests"] == 2 * 3 + 4
+    assert document["prompt_tokens"] == 2 * 3 * (100 + 20) + 50 * (1 + 2 + 3 + 4)
+    source = document["config"]["source"]
+    assert (source["kind"], source["seed"], source["requests_per_s"]) == ("synthetic", 5, 2.0)
+
+
+def test_bundled_excerpt_ships_with_its_attribution() -> None:
+    """The demo's excerpt is package data, next to an attribution naming source and licence,
+    and its stated size and sharing are the excerpt's."""
+    from importlib import resources
+
+    from stage_runtime.sim import read_demo_trace, theoretical_max_hit_ratio
+
+    text = resources.files("stage_runtime.data").joinpath("ATTRIBUTION.md").read_text()
+    attribution = " ".join(text.split())  # as one line: the file wraps at 100 columns
+    for fragment in ("kvcache-ai/Mooncake", "Apache License 2.0", "300 requests", "62.9%"):
+        assert fragment in attribution
+    requests = read_demo_trace().requests
+    assert len(requests) == 300
+    assert f"{sum(r.input_length for r in requests):,} prompt tokens" in attribution
+    ratio = theoretical_max_hit_ratio(requests, block_size=512).ratio
+    assert f"{ratio:.1%}" == "62.9%"

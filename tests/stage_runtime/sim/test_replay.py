@@ -109,8 +109,13 @@ def test_sweep_gives_one_result_per_capacity_in_order() -> None:
     results = run_sweep(trace, _config(), [32, 0])
     assert [r.capacity_tokens for r in results] == [32, 0]
     assert [r.restored_tokens for r in results] == [0, 32]
+    counts: list[int] = []
+    run_sweep(trace, _config(), [32, 0], progress=counts.append)
+    assert counts == list(range(1, 2 * len(trace) + 1))  # one tick per request, across runs
     with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
         run_sweep(trace, _config(), [-1])
+    with pytest.raises(ConfigError, match="capacity_tokens 9,223,372,036,854,775,808 x"):
+        run_sweep(trace, _config(), [32, 2**63])
 
 
 def test_concurrency_replays_arrivals_in_virtual_time() -> None:
@@ -165,6 +170,13 @@ def test_stage_configs_carry_the_cache_settings() -> None:
         ({"capacity_tokens": -1}, "capacity_tokens must be an integer >= 0, got -1"),
         ({"stages": 0}, "stages must be an integer >= 1, got 0"),
         ({"concurrency": 0}, "concurrency must be an integer >= 1, got 0"),
+        ({"block_size": 2**20 + 1}, "block_size must be <= 1,048,576, got 1,048,577"),
+        ({"bytes_per_token": 2**24 + 1}, "bytes_per_token must be <= 16,777,216, got 16,777,217"),
+        (
+            {"capacity_tokens": 2**63, "bytes_per_token": 2},
+            "capacity_tokens 9,223,372,036,854,775,808 x bytes_per_token 2 must be <= "
+            "18,446,744,073,709,551,615 bytes",
+        ),
     ],
 )
 def test_impossible_settings_are_refused(kwargs: dict[str, object], message: str) -> None:
@@ -263,3 +275,16 @@ def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:
     )
     with pytest.raises(ConfigError, match="one cost per stage \\(2\\), got 3"):
         _config(cost=CostModel(stage_prefill_s_per_token=[P, P, P]))
+
+
+def test_concurrency_1_keeps_file_order_and_more_follows_timestamps() -> None:
+    """Timestamps against file order: one at a time replays the file's order (the second line
+    restores the first's prefix); with concurrency 2 the earlier arrival goes first instead."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.5),  # first in the file, arrives last
+        _request(1, [1, 2, 4], 40, arrival_s=0.0),
+    ]
+    in_file_order = run_replay(trace, _config(concurrency=1))
+    assert [o.restored_tokens[0] for o in in_file_order.outcomes] == [0, 32]
+    by_arrival = run_replay(trace, _config(concurrency=2))
+    assert [o.restored_tokens[0] for o in by_arrival.outcomes] == [32, 0]

@@ -9,8 +9,10 @@ import attrs
 import pytest
 from rich.console import Console
 
+from stage_runtime.accounting import CacheAccounting
 from stage_runtime.sim import (
     CostModel,
+    Percentiles,
     ReplayResult,
     SimConfig,
     SimRequest,
@@ -126,9 +128,10 @@ def test_report_shows_misses_by_reason_and_resident_vs_unique_bytes(index: str) 
     console = Console(record=True, width=140)
     render_report(console, result, title="evictions")
     text = console.export_text()
-    assert "misses: never seen/evicted/rejected" in text
-    assert "2/1/0" in text
-    assert f"{rows * 2} B / 80 B ({rows / 40:.2f}x)" in text
+    assert "misses: never seen" in text
+    # stage, hits, never seen, evicted, rejected, resident, unique, ratio
+    row = ["stage-0", "0", "2", "1", "0", str(rows * 2), "B", "80", "B", f"{rows / 40:.2f}x"]
+    assert row in [line.split() for line in text.splitlines()]
 
 
 def test_sweep_report_has_a_row_per_capacity() -> None:
@@ -137,9 +140,12 @@ def test_sweep_report_has_a_row_per_capacity() -> None:
     console = Console(record=True, width=200)
     render_sweep(console, results, title="sweep")
     text = console.export_text()
-    assert "8 tokens" in text
-    assert "unbounded" in text
-    assert "resident / unique" in text
+    rows = [line.split() for line in text.splitlines()]
+    assert [row[0] for row in rows if row and row[0] in ("8", "unbounded")] == ["8", "unbounded"]
+    assert "capacity (tokens)" in text
+    assert "held / unique (stage 0)" in text
+    uncached = results[0].ttft_uncached
+    assert f"TTFT without cache: p50 {uncached.p50 * 1000:.1f} ms" in text
 
 
 def test_sweep_report_sorts_capacities_and_lists_evictions_stage_by_stage() -> None:
@@ -150,12 +156,21 @@ def test_sweep_report_sorts_capacities_and_lists_evictions_stage_by_stage() -> N
     render_sweep(console, results, title="sweep")
     text = console.export_text()
     rows = [line.split() for line in text.splitlines()]
-    rows = [row for row in rows if row and (row[0] == "unbounded" or row[1:2] == ["tokens"])]
+    rows = [row for row in rows if row and row[0] in ("8", "40", "unbounded")]
     assert [row[0] for row in rows] == ["8", "40", "unbounded"]
     smallest = sweep_order(results)[0]
-    per_stage = " / ".join(f"{stage.evictions:,}" for stage in smallest.stages)
-    assert sum(stage.evictions for stage in smallest.stages) > 0
-    assert per_stage in " ".join(rows[0])
+    [evictions] = {stage.evictions for stage in smallest.stages}
+    assert evictions > 0
+    # capacity, max bytes ("16 B"), hit ratio, evictions: every stage evicted as many, one figure
+    assert rows[0][:5] == ["8", "16", "B", "40.0%", str(evictions)]
+    # Stages that evicted differently are listed stage by stage.
+    uneven = attrs.evolve(
+        smallest,
+        stages=(smallest.stages[0], attrs.evolve(smallest.stages[1], evictions=evictions + 7)),
+    )
+    console = Console(record=True, width=200)
+    render_sweep(console, [uneven], title="uneven")
+    assert f" {evictions}/{evictions + 7} " in console.export_text()
 
 
 def test_plots_are_png_files(tmp_path: Path, result: ReplayResult) -> None:
@@ -165,3 +180,67 @@ def test_plots_are_png_files(tmp_path: Path, result: ReplayResult) -> None:
     write_plot(run_sweep(TRACE, CONFIG, [8, 0]), sweep)
     for path in (single, sweep):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _more_misses(accounting: CacheAccounting | None) -> CacheAccounting:
+    assert accounting is not None
+    return attrs.evolve(accounting, misses_never_seen=2_537, misses_evicted=1_188)
+
+
+def _big(result: ReplayResult) -> ReplayResult:
+    """The result with the figures of a full Mooncake replay (tens of millions of tokens)."""
+    stages = tuple(
+        attrs.evolve(
+            stage,
+            restored_tokens=5_663_580,
+            computed_tokens=55_531_048,
+            records=5_772,
+            evictions=5_438,
+            resident_bytes_max=16_320_875_520,
+            accounting=_more_misses(stage.accounting),
+        )
+        for stage in result.stages
+    )
+    return attrs.evolve(
+        result, requests=3_993, prompt_tokens=61_194_628, restored_tokens=5_663_580, stages=stages
+    )
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_report_tables_keep_every_figure_whole_on_narrow_consoles(
+    result: ReplayResult, width: int
+) -> None:
+    """On an 80-column terminal no figure is cut short ("5,663,..."); headers wrap instead."""
+    big = _big(result)
+    console = Console(record=True, width=width)
+    render_report(console, big, title="full trace")
+    text = console.export_text()
+    assert "\u2026" not in text  # rich's ellipsis: something was cropped
+    assert max(len(line) for line in text.splitlines()) <= width
+    for figure in ("5,663,580", "55,531,048", "5,772", "5,438", "15.2 GiB", "2,537", "1,188"):
+        assert figure in text
+    sweep = [attrs.evolve(big, capacity_tokens=1_048_576), attrs.evolve(big, capacity_tokens=0)]
+    console = Console(record=True, width=width)
+    render_sweep(console, sweep, title="sweep")
+    text = console.export_text()
+    assert "\u2026" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for figure in ("1,048,576", "2.0 MiB", "5,438", "15.2 GiB", "unbounded"):
+        assert figure in text
+
+
+def test_absurd_times_stay_short(result: ReplayResult) -> None:
+    """TTFTs of 1e300 s (absurd costs) print in scientific notation, not 300 digits."""
+    huge = attrs.evolve(
+        result,
+        ttft_cached=Percentiles(p50=9.13e298, p90=1e299, p99=2e299),
+        ttft_uncached=Percentiles(p50=1e299, p90=2e299, p99=1.0),
+    )
+    console = Console(record=True, width=80)
+    render_report(console, huge, title="absurd")
+    text = console.export_text()
+    rows = [line.split() for line in text.splitlines()]
+    assert ["p50", "9.13e+298", "s", "1e+299", "s", "9%"] in rows
+    assert ["p90", "1e+299", "s", "2e+299", "s", "50%"] in rows
+    assert ["p99", "2e+299", "s", "1.00", "s", "<", "-999%"] in rows  # slower with the cache
+    assert "\u2026" not in text

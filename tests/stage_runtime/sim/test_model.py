@@ -1,0 +1,60 @@
+"""The simulated stage model: virtual payloads of realistic size, costs in virtual time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from stage_runtime import ConfigError
+from stage_runtime.errors import FrameError
+from stage_runtime.sim import CostModel, SimulatedStageModel
+
+COST = CostModel(prefill_s_per_token=1e-3, restore_s_per_byte=1e-6)
+
+
+def test_frames_have_the_bytes_of_the_tokens_but_no_memory() -> None:
+    """A million-token frame reports 8 GB at 8,192 B per token and allocates nothing."""
+    model = SimulatedStageModel(bytes_per_token=8192, stage_index=2, layer_start=16, layer_end=24)
+    frame = model.embed(np.zeros(1_000_000, dtype=np.int32))
+    assert frame.is_virtual
+    assert frame.token_count == 1_000_000
+    assert frame.payload_bytes == 1_000_000 * 8192
+    assert frame.payload.strides[0] == 0  # every row is the same memory: a zero-stride view
+    assert (frame.desc.producer_stage_index, frame.desc.layer_start) == (2, 16)
+    assert model.activation_width == 4096  # bf16: two bytes per element
+
+
+async def test_forward_sleeps_computed_tokens_and_restored_bytes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """100 tokens, 60 restored: 40 computed x 1 ms + 60 x 4 B x 1 us = 40.24 ms of virtual time."""
+    model = SimulatedStageModel(bytes_per_token=4, cost=COST)
+    inputs = model.embed(np.zeros(100, dtype=np.int32))
+    start = trio.current_time()
+    out = await model.forward(inputs, 60, inputs.prefix(60))
+    assert trio.current_time() - start == pytest.approx(0.04024)
+    assert (out.token_count, out.payload_bytes, out.is_virtual) == (40, 160, True)
+
+
+async def test_without_sleep_forward_returns_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """sleep=False (one request at a time, costs added up by the driver) spends no time."""
+    model = SimulatedStageModel(bytes_per_token=4, cost=COST, sleep=False)
+    inputs = model.embed(np.zeros(100, dtype=np.int32))
+    start = trio.current_time()
+    out = await model.forward(inputs, 0, None)
+    assert trio.current_time() == start
+    assert out.token_count == 100
+
+
+async def test_bad_start_and_sizes_are_refused() -> None:
+    """A start outside the input and a size below one byte per token are named errors."""
+    model = SimulatedStageModel(bytes_per_token=4, cost=COST)
+    inputs = model.embed(np.zeros(10, dtype=np.int32))
+    with pytest.raises(FrameError, match="start must be in \\[0, 10\\) for a 10-token input"):
+        await model.forward(inputs, 10, None)
+    with pytest.raises(ConfigError, match="bytes_per_token must be >= 1, got 0"):
+        SimulatedStageModel(bytes_per_token=0)
