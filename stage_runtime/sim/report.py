@@ -10,6 +10,7 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from stage_runtime.accounting import CacheAccounting
+from stage_runtime.config import CacheIndex
 from stage_runtime.errors import ConfigError
 from stage_runtime.sim.driver import ReplayResult, StageSummary
 
@@ -279,10 +280,18 @@ def render_report(
             left=0,
         )
     )
+    if result.token_hit_ratio >= result.theoretical.ratio - 1e-9:
+        hint = "Nothing more was there to restore."
+    elif result.config.index is CacheIndex.LADDER:
+        hint = (
+            "Try --index paged (prompts share pages, so any shared prefix can be restored), "
+            "--max-entries or --sweep-capacity to see what closes the gap."
+        )
+    else:
+        hint = "Try --max-entries or --sweep-capacity to see what closes the gap."
     console.print(
         f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
-        f"infinite cache could restore {result.theoretical.ratio:.1%}. Try --max-entries, "
-        "--record-limit or --sweep-capacity to see what closes the gap."
+        f"infinite cache could restore {result.theoretical.ratio:.1%}. {hint}"
     )
 
 

@@ -244,3 +244,24 @@ def test_absurd_times_stay_short(result: ReplayResult) -> None:
     assert ["p90", "1e+299", "s", "2e+299", "s", "50%"] in rows
     assert ["p99", "2e+299", "s", "1.00", "s", "<", "-999%"] in rows  # slower with the cache
     assert "\u2026" not in text
+
+
+@pytest.mark.parametrize(
+    ("index", "hint"),
+    [
+        ("ladder", "Try --index paged"),  # the ladder recorded 64 and 48 tokens, not 32
+        ("paged", "Nothing more was there to restore."),  # pages 1 and 2 are shared
+    ],
+)
+def test_closing_line_points_at_what_closes_the_gap(index: str, hint: str) -> None:
+    trace = [
+        SimRequest(index=0, input_length=64, block_ids=(1, 2, 3, 5)),
+        SimRequest(index=1, input_length=40, block_ids=(1, 2, 9)),
+    ]
+    result = run_replay(trace, attrs.evolve(CONFIG, index=index, min_tokens=16, stride_tokens=16))
+    assert result.theoretical.ratio == pytest.approx(32 / 104)
+    console = Console(record=True, width=200)
+    render_report(console, result, title="hint")
+    text = console.export_text()
+    assert hint in text
+    assert ("Try --index paged" in text) is (index == "ladder")
