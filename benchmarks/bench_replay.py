@@ -25,7 +25,9 @@ from pathlib import Path
 
 import blake3
 import structlog
+import trio
 
+from actors import Actor, open_actor
 from stage_runtime.sim import BlockTokenizer, SimConfig, SimRequest, read_trace, run_replay
 
 TAKES_TRACE = True
@@ -69,6 +71,53 @@ def floor_seconds(
     return hashing, generating
 
 
+class _Nothing(Actor[object, None]):
+    """A cache actor that does no cache work: what the message pattern costs on its own."""
+
+    def handle(self, message: object) -> None:
+        return None
+
+
+async def _message_pattern(requests: int, stages: int, channel_size: int) -> float:
+    """Seconds for ``requests`` requests, one at a time, through ``stages`` trio tasks that each
+    own an actor and, per request, ask it twice (restore, record) and forward over a channel."""
+
+    async def stage(
+        inbox: trio.MemoryReceiveChannel[trio.Event],
+        outbox: trio.MemorySendChannel[trio.Event] | None,
+    ) -> None:
+        async with open_actor(_Nothing, name="nothing") as actor, inbox:
+            async for done in inbox:
+                await actor.ask(done)
+                await actor.ask(done)
+                if outbox is None:
+                    done.set()
+                else:
+                    await outbox.send(done)
+        if outbox is not None:
+            await outbox.aclose()
+
+    channels = [trio.open_memory_channel[trio.Event](channel_size) for _ in range(stages)]
+    async with trio.open_nursery() as nursery:
+        for i in range(stages):
+            following = channels[i + 1][0] if i + 1 < stages else None
+            nursery.start_soon(stage, channels[i][1], following)
+        entry = channels[0][0]
+        started = time.perf_counter()
+        for _ in range(requests):
+            done = trio.Event()
+            await entry.send(done)
+            await done.wait()
+        elapsed = time.perf_counter() - started
+        await entry.aclose()
+    return elapsed
+
+
+def message_floor_seconds(requests: int, *, stages: int, channel_size: int = 4) -> float:
+    """The architecture's own floor: the replay's trio messages with no cache or model work."""
+    return trio.run(_message_pattern, requests, stages, channel_size)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """Run the benchmark; print a table, write JSON and return the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     config = SimConfig(stages=args.stages)
 
     floors: list[float] = []
+    message_floors: list[float] = []
     generation: list[float] = []
     walls: list[float] = []
     cpus: list[float] = []
@@ -101,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         hash_s, gen_s = floor_seconds(requests, stages=config.stages, block_size=config.block_size)
         floors.append(hash_s)
         generation.append(gen_s)
+        message_floors.append(message_floor_seconds(len(requests), stages=config.stages))
         cpu_start = time.process_time()
         result = run_replay(requests, config)
         # CPU time too: on a shared machine wall time also counts other processes' turns.
@@ -109,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     assert result is not None
     wall = statistics.median(walls)
     floor = statistics.median(floors)
+    message_floor = statistics.median(message_floors)
     peak = _peak_rss_bytes()
     out: dict[str, object] = {
         "benchmark": NAME,
@@ -125,6 +177,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "floor_s_all": floors,
         "floor_description": "BLAKE3 over every prompt token once per stage",
         "token_generation_s": statistics.median(generation),
+        # Not the issue's floor: the same trio messages (two actor asks and a channel hop per
+        # stage and request) with no cache work, to show what the architecture alone costs.
+        "message_floor_s": message_floor,
+        "message_floor_s_all": message_floors,
+        "ratio_to_message_floor": wall / message_floor if message_floor > 0 else None,
         "ratio_to_floor": wall / floor if floor > 0 else None,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_bytes": peak,
@@ -158,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ("floor (BLAKE3 once per stage)", f"{floor:.2f} s"),
         ("ratio to floor", f"{wall / floor:.1f}x (goal <= 3x)" if floor > 0 else "n/a"),
         ("token generation (not in floor)", f"{statistics.median(generation):.2f} s"),
+        ("messages alone (2 asks + 1 hop)", f"{message_floor:.2f} s"),
+        ("ratio to messages + floor", f"{wall / (message_floor + floor):.1f}x"),
         ("replay speed", f"{tokens / wall:,.0f} tokens/s"),
         ("peak RSS", f"{peak / 2**20:,.0f} MiB (goal < 2048 MiB)"),
         (

@@ -52,6 +52,9 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     assert result["floor_s"] > 0
     assert result["ratio_to_floor"] == result["wall_s"] / result["floor_s"]
     assert result["peak_rss_bytes"] > 0
+    # The architecture's own floor: the same trio messages without cache work.
+    assert result["message_floor_s"] > 0
+    assert result["ratio_to_message_floor"] == result["wall_s"] / result["message_floor_s"]
     assert result["machine"]["trio"]
     assert "replay" in done.stdout
     # Goals are reported with a verdict each, missed ones by name in the combined JSON.
