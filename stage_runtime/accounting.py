@@ -83,10 +83,13 @@ class MissTracker:
 
     def evicted(self, key: Hashable) -> None:
         """Remember that ``key`` was evicted."""
-        self._tombstones[key] = None
-        self._tombstones.move_to_end(key)
-        while len(self._tombstones) > self.capacity:
-            self._tombstones.popitem(last=False)
+        tombstones = self._tombstones
+        if key in tombstones:
+            tombstones.move_to_end(key)
+        else:
+            tombstones[key] = None
+        while len(tombstones) > self.capacity:
+            tombstones.popitem(last=False)
 
     def cached(self, key: Hashable) -> None:
         """Forget ``key``'s tombstone: it is resident again."""

@@ -27,6 +27,7 @@ unchanged; the actor keeps running.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -272,10 +273,18 @@ def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
 
     The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
     record stores several pages and may evict between them, so it cannot be reconstructed from
-    the sizes before and after the call.
+    the sizes before and after the call. A paged record may evict hundreds of pages: the logger
+    is resolved once, and nothing is built when it drops info events anyway.
     """
+    if not evicted:
+        return
+    bound = log.bind()
+    enabled = getattr(bound, "is_enabled_for", None)
+    if enabled is not None and not enabled(logging.INFO):
+        return
+    info = bound.info
     for entry in evicted:
-        log.info(
+        info(
             "activation_evicted",
             page_id=entry.key,
             token_count=entry.token_count,

@@ -385,6 +385,7 @@ class LadderStageIntegration(KvStageIntegration):
 
 
 _Fingerprint = tuple[int, int, int, int]
+_NamespaceInputs = tuple[StageConfig, int, str | None, str | None, int]
 
 
 def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
@@ -458,6 +459,10 @@ class PagedStageIntegration(KvStageIntegration):
     """The pages, bounded by the config's ``max_entries`` and ``max_bytes``."""
 
     _chain_memo: PageChain | None = attrs.field(default=None, init=False, repr=False)
+    _namespace_memo: tuple[_NamespaceInputs, bytes, str] | None = attrs.field(
+        default=None, init=False, repr=False
+    )
+    """The last namespace and label computed, with what they were computed from."""
 
     def __attrs_post_init__(self) -> None:
         cfg = self.cache_config
@@ -643,7 +648,7 @@ class PagedStageIntegration(KvStageIntegration):
         width: int,
     ) -> PageChain:
         """The prompt's page keys, reusing the previous call's when it was the same prompt."""
-        namespace = paged_namespace(config, token_start, base, width)
+        namespace, label = self._namespace(config, token_start, base, width)
         memo = self._chain_memo
         if (
             memo is not None
@@ -652,7 +657,19 @@ class PagedStageIntegration(KvStageIntegration):
             and bool(np.array_equal(memo.tokens, array))
         ):
             return memo
-        label = f"act:{config.stage_id}:{token_start}:{config.layer_start}:w{width}"
-        chain = page_chain(namespace, array, page_tokens=self.index.page_tokens, label=label)
+        chain = self.index.chain(namespace, array, label=label)
         self._chain_memo = chain
         return chain
+
+    def _namespace(
+        self, config: StageConfig, token_start: int, base: MessageBase, width: int
+    ) -> tuple[bytes, str]:
+        """:func:`paged_namespace` and the entry label, reused while their inputs repeat."""
+        inputs = (config, token_start, base.chat_template_id, base.cache_salt, width)
+        memo = self._namespace_memo
+        if memo is not None and memo[0] == inputs:
+            return memo[1], memo[2]
+        namespace = paged_namespace(config, token_start, base, width)
+        label = f"act:{config.stage_id}:{token_start}:{config.layer_start}:w{width}"
+        self._namespace_memo = (inputs, namespace, label)
+        return namespace, label

@@ -141,7 +141,27 @@ def page_chain(
     if page_tokens < 1:
         msg = f"page_tokens must be >= 1, got {page_tokens}"
         raise ConfigError(msg)
-    ids = _private_tokens(tokens)
+    return _page_chain(namespace, _private_tokens(tokens), page_tokens, label, None)
+
+
+_RECENT_CHAINS = 256
+"""Recent prompts :meth:`PagedActivationIndex.chain` remembers to reuse their leading keys."""
+
+
+def _page_chain(
+    namespace: bytes,
+    ids: TokenArray,
+    page_tokens: int,
+    label: str,
+    recent: dict[bytes, PageChain] | None,
+) -> PageChain:
+    """:func:`page_chain` of validated private tokens.
+
+    With ``recent`` (earlier chains by their first page key), the keys of the leading pages this
+    prompt shares token for token with the latest earlier prompt that starts with the same page
+    (same namespace and page size) are taken from that chain instead of hashed again: they are
+    the same bytes either way. ``recent`` then remembers this chain (bounded, oldest dropped).
+    """
     root = blake3.blake3(_ROOT_DOMAIN)
     root.update(namespace)
     root_key = root.digest()
@@ -152,7 +172,23 @@ def page_chain(
     n = int(ids.size)
     full = n // page_tokens
     hasher = blake3.blake3
-    for i in range(full):
+    start = 0
+    like: PageChain | None = None
+    if recent is not None and full:
+        parent = hasher(b"".join((_PAGE_DOMAIN, parent, raw[:width]))).digest()
+        keys.append(parent)
+        start = 1
+        like = recent.pop(parent, None)
+        if like is not None and like.namespace == namespace and like.page_tokens == page_tokens:
+            end = min(full, len(like.page_keys)) * page_tokens
+            if end > page_tokens:
+                differ = np.flatnonzero(ids[page_tokens:end] != like.tokens[page_tokens:end])
+                same = (page_tokens + int(differ[0]) if differ.size else end) // page_tokens
+                if same > 1:
+                    keys.extend(like.page_keys[1:same])
+                    parent = keys[-1]
+                    start = same
+    for i in range(start, full):
         # One call per page over the concatenation (the same digest as three updates).
         parent = hasher(b"".join((_PAGE_DOMAIN, parent, raw[i * width : (i + 1) * width]))).digest()
         keys.append(parent)
@@ -166,7 +202,7 @@ def page_chain(
     exact.update(parent)
     exact.update(n.to_bytes(8, "little"))
     exact.update(raw[full * width :])
-    return PageChain(
+    chain = PageChain(
         namespace=namespace,
         label=label,
         page_tokens=page_tokens,
@@ -176,6 +212,11 @@ def page_chain(
         tail_key=tail_key,
         exact_key=exact.digest(),
     )
+    if recent is not None and keys:
+        recent[keys[0]] = chain
+        if len(recent) > _RECENT_CHAINS:
+            del recent[next(iter(recent))]
+    return chain
 
 
 @attrs.frozen(kw_only=True)
@@ -389,6 +430,8 @@ class PagedActivationIndex:
     """Resident entries not yet added to the footprint, in the order they were stored: the
     footprint copies each page's tokens, which only :meth:`unique_prefix_bytes` needs, so entries
     evicted before it is read never pay for it."""
+    _recent_chains: dict[bytes, PageChain] = attrs.field(factory=dict, init=False)
+    """Chains :meth:`chain` computed lately, by first page key, oldest first."""
     _lookups: int = attrs.field(default=0, init=False)
     _hits: int = attrs.field(default=0, init=False)
     _miss_counts: dict[str, int] = attrs.field(
@@ -424,8 +467,14 @@ class PagedActivationIndex:
         *,
         label: str = "act",
     ) -> PageChain:
-        """The :class:`PageChain` of ``tokens`` with this index's page size."""
-        return page_chain(namespace, tokens, page_tokens=self.page_tokens, label=label)
+        """The :class:`PageChain` of ``tokens`` with this index's page size.
+
+        The same keys as :func:`page_chain`; the leading pages a recent prompt shared token for
+        token are not hashed again (their keys are taken from that prompt's chain).
+        """
+        return _page_chain(
+            namespace, _private_tokens(tokens), self.page_tokens, label, self._recent_chains
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -500,16 +549,8 @@ class PagedActivationIndex:
         # through _put; every page after the first missing one is new, and takes the fast path.
         while first_new < len(keys) and keys[first_new] in entries:
             first_new += 1
-        for i, key in enumerate(keys):
+        for i, key in enumerate(keys[:first_new]):
             segment = payload[i * p * bpt : (i + 1) * p * bpt]
-            if i >= first_new:
-                entry = self._put_new_page(
-                    chain, key, parent, i, segment, bpt, meta, evicted, stored
-                )
-                if entry is None:
-                    return self._outcome(stored, parent, truncated=True, evicted=evicted)
-                parent = entry
-                continue
             entry = self._put(
                 chain,
                 key,
@@ -527,6 +568,12 @@ class PagedActivationIndex:
             if entry is None:
                 return self._outcome(stored, parent, truncated=True, evicted=evicted)
             parent = entry
+        if first_new < len(keys):
+            parent, complete = self._put_new_pages(
+                chain, first_new, parent, payload, bpt, meta, evicted, stored
+            )
+            if not complete:
+                return self._outcome(stored, parent, truncated=True, evicted=evicted)
         if chain.tail_key is not None:
             i = len(chain.page_keys)
             segment = payload[i * p * bpt :]
@@ -651,57 +698,83 @@ class PagedActivationIndex:
         stored[1] += int(segment.size)
         return entry
 
-    def _put_new_page(
+    def _put_new_pages(
         self,
         chain: PageChain,
-        key: bytes,
+        first: int,
         parent: _Entry | None,
-        i: int,
-        segment: Payload,
+        payload: Payload,
         bpt: int,
         meta: Hashable,
         evicted: list[EvictedPage],
         stored: list[int],
-    ) -> _Entry | None:
-        """:meth:`_put` of full page ``i`` of ``chain``, known not to be cached (the hot path)."""
-        size = int(segment.size)
-        if (
-            len(self._entries) >= self.max_entries
-            or (self.max_bytes and self._resident_bytes + size > self.max_bytes)
-        ) and not self._make_room(size, parent, None, evicted, new_entry=True):
-            return None
-        self._clock += 1
+    ) -> tuple[_Entry | None, bool]:
+        """:meth:`_put` of full pages ``first``.. of ``chain``, known not to be cached (the hot
+        path). Returns the last entry of the chain now stored and whether every page was."""
         p = chain.page_tokens
-        entry = _Entry(
-            key=key,
-            name=f"{chain.label}:page:{i * p}+{p}:{key[:8].hex()}",
-            kind="page",
-            parent=parent,
-            group=chain.root_key if i == 0 else chain.page_keys[i - 1],
-            token_start=i * p,
-            token_count=p,
-            payload=_stored(segment),
-            bytes_per_token=bpt,
-            meta=meta,
-            last_used=self._clock,
-        )
-        if self.eviction == "reuse":
-            entry.priority = self._inflation + 1.0
-        self._entries[key] = entry
-        self._kinds["page"] += 1
-        self._resident_bytes += size
-        if parent is not None:
-            parent.children += 1
-        previous = self._unpushed
-        if previous is not None and previous is not parent:
-            self._push_if_leaf(previous)
-        self._unpushed = entry
-        self._misses.cached(key)
-        self._unfootprinted[key] = (chain, entry)
-        self._records += 1
-        stored[0] += 1
-        stored[1] += size
-        return entry
+        size = p * bpt
+        keys = chain.page_keys
+        entries = self._entries
+        max_entries = self.max_entries
+        max_bytes = self.max_bytes
+        label = chain.label
+        # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored).
+        virtual = size > 1 and payload.strides[0] == 0
+        prior = 1.0 if self.eviction == "reuse" else None
+        cached = self._misses.cached
+        unfootprinted = self._unfootprinted
+        group = chain.root_key if first == 0 else keys[first - 1]
+        unpushed = self._unpushed
+        stop = len(keys)
+        for i in range(first, stop):
+            full = len(entries) >= max_entries or (
+                max_bytes and self._resident_bytes + size > max_bytes
+            )
+            if full and not self._make_room(size, parent, None, evicted, new_entry=True):
+                stop = i  # the bounds cannot fit this page: the chain ends before it
+                break
+            key = keys[i]
+            segment = payload[i * size : (i + 1) * size]
+            if not virtual:
+                segment = np.array(segment, dtype=np.uint8, copy=True)
+                segment.flags.writeable = False
+            self._clock += 1
+            start = i * p
+            entry = _Entry(
+                key,
+                f"{label}:page:{start}+{p}:{key[:8].hex()}",
+                "page",
+                parent,
+                group,
+                start,
+                p,
+                segment,
+                bpt,
+                meta,
+                self._clock,
+            )
+            if prior is not None:
+                entry.priority = self._inflation + prior
+            entries[key] = entry
+            self._resident_bytes += size
+            if parent is not None:
+                parent.children += 1
+            # A new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
+            # next page of the chain makes it inner at once.
+            if unpushed is not None and unpushed is not parent:
+                self._push_if_leaf(unpushed)
+            unpushed = entry
+            cached(key)
+            unfootprinted[key] = (chain, entry)
+            parent = entry
+            group = key
+        self._unpushed = unpushed
+        count = stop - first
+        self._kinds["page"] += count
+        self._records += count
+        stored[0] += count
+        stored[1] += count * size
+        return parent, stop == len(keys)
 
     def _uncount_footprint(self, key: bytes) -> None:
         if self._unfootprinted.pop(key, None) is None:
@@ -733,25 +806,41 @@ class PagedActivationIndex:
     ) -> bool:
         """Evict leaves (never ``protect`` or ``also``) until ``size`` more bytes, and one more
         entry when ``new_entry``, fit the bounds; False when only protected leaves remain."""
+        entries = self._entries
+        leaves = self._leaves
+        max_bytes = self.max_bytes
+        limit = self.max_entries - 1 if new_entry else len(entries)  # entries that may stay
         held: list[tuple[float, int, int, _Entry]] = []
         ok = True
         while True:
-            if new_entry and len(self._entries) + 1 > self.max_entries:
+            if len(entries) > limit:
                 reason: Literal["max_entries", "max_bytes"] = "max_entries"
-            elif self.max_bytes and self._resident_bytes + size > self.max_bytes:
+            elif max_bytes and self._resident_bytes + size > max_bytes:
                 reason = "max_bytes"
             else:
                 break
-            victim = self._pop_leaf()
-            while victim is not None and (victim is protect or victim is also):
-                held.append(_leaf_item(victim))
-                victim = self._pop_leaf()
+            # The least recently used resident leaf (as _pop_leaf), skipping the protected ones.
+            victim = None
+            while leaves:
+                item = heapq.heappop(leaves)
+                entry = item[3]
+                if (
+                    entry.children == 0
+                    and entry.last_used == item[1]
+                    and entry.priority == item[0]
+                    and entries.get(entry.key) is entry
+                ):
+                    if entry is protect or entry is also:
+                        held.append(item)
+                        continue
+                    victim = entry
+                    break
             if victim is None:
                 ok = False
                 break
             evicted.append(self._evict(victim, reason))
         for item in held:
-            heapq.heappush(self._leaves, item)
+            heapq.heappush(leaves, item)
         return ok
 
     def _pop_leaf(self) -> _Entry | None:
@@ -787,30 +876,38 @@ class PagedActivationIndex:
     def _evict(
         self, entry: _Entry, reason: Literal["max_entries", "max_bytes", "cleared"]
     ) -> EvictedPage:
-        del self._entries[entry.key]
-        self._kinds[entry.kind] -= 1
+        key = entry.key
+        entries = self._entries
+        del entries[key]
+        kind = entry.kind
+        self._kinds[kind] -= 1
         size = int(entry.payload.size)
-        self._resident_bytes -= size
+        resident = self._resident_bytes - size
+        self._resident_bytes = resident
         parent = entry.parent
         if parent is not None:
             parent.children -= 1
-            if parent.children == 0 and self._entries.get(parent.key) is parent:
-                heapq.heappush(self._leaves, _leaf_item(parent))
-        self._uncount_footprint(entry.key)
+            if parent.children == 0 and entries.get(parent.key) is parent:
+                heapq.heappush(
+                    self._leaves, (parent.priority, parent.last_used, id(parent), parent)
+                )
+        if self._unfootprinted.pop(key, None) is None:
+            self._footprint.remove(key)
         if reason != "cleared":
-            self._inflation = max(self._inflation, entry.priority)
-            self._misses.evicted(entry.key)
+            if entry.priority > self._inflation:
+                self._inflation = entry.priority
+            self._misses.evicted(key)
             self._evictions += 1
             self._evicted_bytes += size
         return EvictedPage(
             key=entry.name,
-            kind=entry.kind,
+            kind=kind,
             token_start=entry.token_start,
             token_count=entry.token_count,
             payload_bytes=size,
             reason=reason,
-            entries_after=len(self._entries),
-            resident_bytes_after=self._resident_bytes,
+            entries_after=len(entries),
+            resident_bytes_after=resident,
         )
 
     # ---------------------------------------------------------------- restore

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -60,6 +60,31 @@ def test_different_token_before_a_page_changes_every_later_key() -> None:
     assert a.page_keys[1] != b.page_keys[1]
     assert a.page_keys[0] != c.page_keys[0]
     assert a.page_keys == page_chain(b"ns", np.array([1, 2, 3, 4]), page_tokens=2).page_keys
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.sampled_from([b"ns", b"other"]),
+            st.lists(st.integers(min_value=0, max_value=3), max_size=14),
+        ),
+        max_size=12,
+    )
+)
+def test_index_chain_reusing_recent_prompts_gives_the_same_keys(
+    prompts: list[tuple[bytes, list[int]]],
+) -> None:
+    """``index.chain`` takes shared leading keys from recent prompts: byte-identical keys."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    for ns, tokens in prompts:
+        memo = index.chain(ns, tokens, label="x")
+        fresh = page_chain(ns, tokens, page_tokens=2, label="x")
+        assert memo.root_key == fresh.root_key
+        assert memo.page_keys == fresh.page_keys
+        assert memo.tail_key == fresh.tail_key
+        assert memo.exact_key == fresh.exact_key
+        assert memo.tokens.tolist() == tokens
 
 
 def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:
