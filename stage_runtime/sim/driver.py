@@ -383,17 +383,57 @@ class _Collector:
     """Per-request bookkeeping during one replay (written by one task at a time)."""
 
     stage_ids: list[str]
-    outcomes: dict[int, tuple[SimRequest, PrefillResult, float, float]] = attrs.field(factory=dict)
+    outcomes: dict[int, _Finished] = attrs.field(factory=dict)
+    """What the summary needs of each request; the results themselves (frames, records, the
+    entries each record evicted) are dropped as they arrive, so a long replay holds no more
+    than a few numbers per request (and the garbage collector has no growing heap to walk)."""
+    evictions: list[int] = attrs.field(init=False)
+    evicted_bytes: list[int] = attrs.field(init=False)
+    records: list[int] = attrs.field(init=False)
+    resident_max: list[int] = attrs.field(init=False)
     done: int = 0
     progress: ProgressCallback | None = None
+
+    def __attrs_post_init__(self) -> None:
+        count = len(self.stage_ids)
+        self.evictions = [0] * count
+        self.evicted_bytes = [0] * count
+        self.records = [0] * count
+        self.resident_max = [0] * count
 
     def finish(
         self, request: SimRequest, result: PrefillResult, started_s: float, finished_s: float
     ) -> None:
-        self.outcomes[request.index] = (request, result, started_s, finished_s)
+        reports = result.stages
+        for position, report in enumerate(reports):
+            self.records[position] += len(report.records)
+            for record in report.records:
+                if record.resident_bytes > self.resident_max[position]:
+                    self.resident_max[position] = record.resident_bytes
+            if report.evicted:
+                self.evictions[position] += len(report.evicted)
+                self.evicted_bytes[position] += sum(e.payload_bytes for e in report.evicted)
+        self.outcomes[request.index] = _Finished(
+            started_s=started_s,
+            finished_s=finished_s,
+            restored=tuple(report.restored_tokens for report in reports),
+            computed=tuple(report.computed_tokens for report in reports),
+        )
         self.done += 1
         if self.progress is not None:
             self.progress(self.done)
+
+
+@attrs.frozen
+class _Finished:
+    """One replayed request, as the summary needs it."""
+
+    started_s: float
+    finished_s: float
+    restored: tuple[int, ...]
+    """Tokens each stage restored."""
+    computed: tuple[int, ...]
+    """Tokens each stage computed."""
 
 
 def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> None:
@@ -549,10 +589,8 @@ def _summarise(
     restored = [0] * stage_count
     computed = [0] * stage_count
     hits = [0] * stage_count
-    records = [0] * stage_count
-    evictions = [0] * stage_count
-    evicted_bytes = [0] * stage_count
-    resident_max = [0] * stage_count
+    records, evictions = collector.records, collector.evictions
+    evicted_bytes, resident_max = collector.evicted_bytes, collector.resident_max
     cost = config.cost
 
     if config.concurrency == 1:
@@ -563,28 +601,23 @@ def _summarise(
     uncached_costs: list[list[float]] = []
     cached: dict[int, float] = {}
     for request in ordered:
-        _, result, started_s, finished_s = collector.outcomes[request.index]
+        finished = collector.outcomes[request.index]
         # A stage that restores the whole prompt skips its model, so nothing slept for that
         # restore; charge it here so every restore costs what the cost model says. When the
         # models did not sleep at all, charge every stage's cost.
         unslept_s = 0.0
-        for position, report in enumerate(result.stages):
-            restored[position] += report.restored_tokens
-            computed[position] += report.computed_tokens
-            hits[position] += report.restored_tokens > 0
-            records[position] += len(report.records)
-            evictions[position] += len(report.evicted)
-            evicted_bytes[position] += sum(entry.payload_bytes for entry in report.evicted)
-            for record in report.records:
-                resident_max[position] = max(resident_max[position], record.resident_bytes)
-            if report.computed_tokens == 0 or not slept:
+        for position, (k, c) in enumerate(zip(finished.restored, finished.computed, strict=True)):
+            restored[position] += k
+            computed[position] += c
+            hits[position] += k > 0
+            if c == 0 or not slept:
                 unslept_s += cost.stage_cost(
-                    computed_tokens=report.computed_tokens,
-                    restored_bytes=report.restored_tokens * config.bytes_per_token,
+                    computed_tokens=c,
+                    restored_bytes=k * config.bytes_per_token,
                     stage_index=position,
                 )
-        cached[request.index] = finished_s - started_s + unslept_s
-        arrivals.append(started_s if config.concurrency == 1 else request.arrival_s)
+        cached[request.index] = finished.finished_s - finished.started_s + unslept_s
+        arrivals.append(finished.started_s if config.concurrency == 1 else request.arrival_s)
         uncached_costs.append(
             [cost.uncached_stage_cost(request.input_length, s) for s in range(stage_count)]
         )
@@ -599,18 +632,17 @@ def _summarise(
 
     outcomes = []
     for request, uncached_s in zip(ordered, uncached, strict=True):
-        _, result, _, _ = collector.outcomes[request.index]
         outcomes.append(
             RequestOutcome(
                 index=request.index,
                 input_length=request.input_length,
-                restored_tokens=tuple(report.restored_tokens for report in result.stages),
+                restored_tokens=collector.outcomes[request.index].restored,
                 ttft_cached_s=cached[request.index],
                 ttft_uncached_s=uncached_s,
             )
         )
     outcomes.sort(key=lambda outcome: outcome.index)
-    finishes_s = [value[3] for value in collector.outcomes.values()]
+    finishes_s = [value.finished_s for value in collector.outcomes.values()]
     first_arrival = min(arrivals, default=0.0)
     stages = tuple(
         StageSummary(
