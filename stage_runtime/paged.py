@@ -718,8 +718,10 @@ class PagedActivationIndex:
         max_entries = self.max_entries
         max_bytes = self.max_bytes
         label = chain.label
-        # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored).
+        # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored), and
+        # every page-sized slice of it is the same view: one is cut and shared by all the pages.
         virtual = size > 1 and payload.strides[0] == 0
+        shared = payload[:size] if virtual else None
         prior = 1.0 if self.eviction == "reuse" else None
         cached = self._misses.cached
         unfootprinted = self._unfootprinted
@@ -734,9 +736,10 @@ class PagedActivationIndex:
                 stop = i  # the bounds cannot fit this page: the chain ends before it
                 break
             key = keys[i]
-            segment = payload[i * size : (i + 1) * size]
-            if not virtual:
-                segment = np.array(segment, dtype=np.uint8, copy=True)
+            if shared is not None:
+                segment = shared
+            else:
+                segment = np.array(payload[i * size : (i + 1) * size], dtype=np.uint8, copy=True)
                 segment.flags.writeable = False
             self._clock += 1
             start = i * p
