@@ -6,6 +6,7 @@ import hashlib
 import tracemalloc
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stage_runtime.errors import ConfigError, FrameError
-from stage_runtime.paged import PagedActivationIndex, page_chain
+from stage_runtime.paged import EvictedPage, PagedActivationIndex, page_chain
 
 BPT = 4  # bytes per token row in these tests
 
@@ -327,6 +328,41 @@ def test_virtual_payloads_allocate_nothing() -> None:
     assert assembled.size == n * bpt
     assert assembled.strides == (0,)
     assert all(page.strides == (0,) for page in found.pages)
+    assert found.page_token_counts == (512,) * (n // 512) + (n % 512,)
+    assert [page.size for page in found.pages] == [c * bpt for c in found.page_token_counts]
+
+
+def test_virtual_pages_keep_the_fill_byte_and_their_size() -> None:
+    """Pages cut from a virtual payload are page-sized zero-stride views of its fill byte."""
+    index = PagedActivationIndex(page_tokens=4, max_entries=100)
+    virtual = np.broadcast_to(np.full(1, 7, dtype=np.uint8), (10 * BPT,))
+    index.record(index.chain(b"ns", list(range(10))), virtual)
+    found = index.restore(index.chain(b"ns", list(range(10)))).restore
+    assert found is not None
+    assert [page.size for page in found.pages] == [4 * BPT, 4 * BPT, 2 * BPT]
+    assert all(int(page[0]) == 7 and page.strides == (0,) for page in found.pages)
+    assert not any(page.flags.writeable for page in found.pages)
+    assert found.payload().tolist() == [7] * (10 * BPT)
+
+
+def test_evicted_pages_are_frozen_attrs_objects_like_the_constructors() -> None:
+    """Evictions report EvictedPage objects equal (hash, repr, fields) to attrs-built ones."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=3)
+    record(index, [1, 2, 3, 4, 5])
+    outcome = record(index, [9, 8, 7, 6])
+    evicted = outcome.evicted  # type: ignore[attr-defined]
+    assert evicted
+    for page in evicted:
+        fields = attrs.asdict(page)
+        built = EvictedPage(**fields)
+        assert page == built
+        assert hash(page) == hash(built)
+        assert repr(page) == repr(built)
+        assert fields["reason"] == "max_entries"
+        assert isinstance(page.key, str)
+        assert page.key.startswith("act:")
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            page.key = "changed"
 
 
 def test_bounds_truncate_a_chain_that_does_not_fit() -> None:
