@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+
+from tests.benchmark_scripts import load_script
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_actors.py"
 
 
 def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_actors", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_actors")
 
 
 def test_bench_actors_writes_comparable_json(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.benchmark_scripts import load_script
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_paged.py"
 
@@ -62,12 +63,7 @@ def test_bench_paged_writes_json_and_a_plot(tmp_path: Path) -> None:
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_paged", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_paged")
 
 
 def _row(hit: float, resident: int = 100, unique: int = 100, wall: float = 1.0) -> dict[str, Any]:

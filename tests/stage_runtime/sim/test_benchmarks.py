@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
+from types import ModuleType
+
+from tests.benchmark_scripts import load_script
 
 RUN = Path(__file__).parents[3] / "benchmarks" / "run.py"
 
@@ -69,13 +70,8 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     assert f"{len(verdicts) - len(missed)} of 2 goals met" in done.stdout
 
 
-def _run_module() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", RUN)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _run_module() -> ModuleType:
+    return load_script("run")
 
 
 def test_goal_rows_say_met_or_missed() -> None:
