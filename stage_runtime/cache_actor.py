@@ -204,7 +204,7 @@ class CacheActor(Actor[CacheMessage, Any]):
             log.debug(
                 "activation_missed",
                 requested_tokens=requested,
-                candidates_tried=integration.policy.candidate_count(requested),
+                candidates_tried=integration.lookup_candidates(requested),
                 decision=DECISION_MISS,
                 reason=integration.last_miss_reason or "never_seen",
             )

@@ -496,6 +496,10 @@ class PagedStageIntegration(KvStageIntegration):
         found = self.restore_resident_pages(config, base, token_start, tokens, activation_width)
         return None if found is None else found.to_restore()
 
+    def lookup_candidates(self, token_count: int) -> int:
+        """One: a paged restore walks the prompt's page chain once, whatever its length."""
+        return 1 if token_count > 0 else 0
+
     def restore_resident_pages(
         self,
         config: StageConfig,

@@ -358,6 +358,11 @@ class KvStageIntegration:
         """Whether records store anything (``record`` or ``lookup-record`` mode, healthy)."""
         return self.cache_healthy and self.mode in (CacheMode.RECORD, CacheMode.LOOKUP_RECORD)
 
+    def lookup_candidates(self, token_count: int) -> int:
+        """How many lookups a restore of a ``token_count``-token prompt counts: every length of
+        the lookup grid (spec §2.1), probed or accounted as a miss without hashing."""
+        return self.policy.candidate_count(token_count)
+
     # ----------------------------------------------------------------------------------------
     # identities
 

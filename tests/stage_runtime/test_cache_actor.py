@@ -297,6 +297,8 @@ async def test_misses_name_their_reason_never_seen_then_evicted(
     missed = events_named(logs, "activation_missed")
     assert [e["reason"] for e in missed] == ["never_seen", "evicted"]
     assert all(e["decision"] == "activation_resident_miss" for e in missed)
+    # The ladder probes its grid for 300 tokens (300, 256); paged walks one page chain.
+    assert [e["candidates_tried"] for e in missed] == ([2, 2] if index == "ladder" else [1, 1])
     acc = stats.accounting
     assert acc.index == index
     assert (acc.lookups, acc.hits, acc.restored_tokens) == (3, 1, 300)
