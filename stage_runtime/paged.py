@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
-from stage_runtime.cache import EvictedEntry, EvictionReason
+from stage_runtime.cache import EvictedEntry
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.identity import TokenArray, as_token_array
 
@@ -230,58 +230,6 @@ class EvictedPage(EvictedEntry):
     kind: EntryKind
     token_start: int
     """First token the entry covers."""
-
-
-_EVICTED_PAGE_FIELDS = (
-    "key",
-    "kind",
-    "token_start",
-    "token_count",
-    "payload_bytes",
-    "reason",
-    "entries_after",
-    "resident_bytes_after",
-)
-if {f.name for f in attrs.fields(EvictedPage)} != set(_EVICTED_PAGE_FIELDS):  # pragma: no cover
-    msg = "EvictedPage fields changed: update _EVICTED_PAGE_FIELDS and _evicted_page"
-    raise AssertionError(msg)
-(
-    _set_key,
-    _set_kind,
-    _set_token_start,
-    _set_token_count,
-    _set_payload_bytes,
-    _set_reason,
-    _set_entries_after,
-    _set_resident_bytes_after,
-) = (getattr(EvictedPage, name).__set__ for name in _EVICTED_PAGE_FIELDS)
-
-
-def _evicted_page(
-    key: str,
-    kind: EntryKind,
-    token_start: int,
-    token_count: int,
-    payload_bytes: int,
-    reason: EvictionReason,
-    entries_after: int,
-    resident_bytes_after: int,
-) -> EvictedPage:
-    """``EvictedPage(...)`` built by setting its slots directly (the eviction hot path).
-
-    The same frozen object as the attrs constructor gives (equal, same hash and repr), at about
-    half the cost: attrs' frozen ``__init__`` goes through ``object.__setattr__`` per field.
-    """
-    page: EvictedPage = object.__new__(EvictedPage)
-    _set_key(page, key)
-    _set_kind(page, kind)
-    _set_token_start(page, token_start)
-    _set_token_count(page, token_count)
-    _set_payload_bytes(page, payload_bytes)
-    _set_reason(page, reason)
-    _set_entries_after(page, entries_after)
-    _set_resident_bytes_after(page, resident_bytes_after)
-    return page
 
 
 @attrs.frozen(kw_only=True)
@@ -954,15 +902,15 @@ class PagedActivationIndex:
             self._misses.evicted(key)
             self._evictions += 1
             self._evicted_bytes += size
-        return _evicted_page(
-            entry.name,
-            kind,
-            entry.token_start,
-            entry.token_count,
-            size,
-            reason,
-            len(entries),
-            resident,
+        return EvictedPage(
+            key=entry.name,
+            kind=kind,
+            token_start=entry.token_start,
+            token_count=entry.token_count,
+            payload_bytes=size,
+            reason=reason,
+            entries_after=len(entries),
+            resident_bytes_after=resident,
         )
 
     # ---------------------------------------------------------------- restore

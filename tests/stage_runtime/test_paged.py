@@ -6,7 +6,6 @@ import hashlib
 import tracemalloc
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stage_runtime.errors import ConfigError, FrameError
-from stage_runtime.paged import EvictedPage, PagedActivationIndex, page_chain
+from stage_runtime.paged import PagedActivationIndex, page_chain
 
 BPT = 4  # bytes per token row in these tests
 
@@ -343,26 +342,6 @@ def test_virtual_pages_keep_the_fill_byte_and_their_size() -> None:
     assert all(int(page[0]) == 7 and page.strides == (0,) for page in found.pages)
     assert not any(page.flags.writeable for page in found.pages)
     assert found.payload().tolist() == [7] * (10 * BPT)
-
-
-def test_evicted_pages_are_frozen_attrs_objects_like_the_constructors() -> None:
-    """Evictions report EvictedPage objects equal (hash, repr, fields) to attrs-built ones."""
-    index = PagedActivationIndex(page_tokens=2, max_entries=3)
-    record(index, [1, 2, 3, 4, 5])
-    outcome = record(index, [9, 8, 7, 6])
-    evicted = outcome.evicted  # type: ignore[attr-defined]
-    assert evicted
-    for page in evicted:
-        fields = attrs.asdict(page)
-        built = EvictedPage(**fields)
-        assert page == built
-        assert hash(page) == hash(built)
-        assert repr(page) == repr(built)
-        assert fields["reason"] == "max_entries"
-        assert isinstance(page.key, str)
-        assert page.key.startswith("act:")
-        with pytest.raises(attrs.exceptions.FrozenInstanceError):
-            page.key = "changed"
 
 
 def test_bounds_truncate_a_chain_that_does_not_fit() -> None:
