@@ -134,6 +134,21 @@ def gated_factory(gate: trio.Event) -> ModelFactory:
     return build
 
 
+def start_held_prefills(
+    nursery: trio.Nursery, url: str, answers: list[httpx.Response], count: int = 3
+) -> None:
+    """Send ``count`` prefills, each from its own client, appending their responses to
+    ``answers`` (with a gated model they wait in the pipeline until the gate opens)."""
+
+    async def in_flight(index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as own:
+            body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
+            answers.append(await own.post("/v1/prefill", json=body))
+
+    for index in range(count):
+        nursery.start_soon(in_flight, index)
+
+
 @attrs.define(eq=False)
 class ObservedPipeline:
     """Delegates to a real pipeline and lets a test wait for prefills to enter or leave it."""
@@ -623,15 +638,8 @@ async def test_graceful_shutdown_drains_inflight_requests_then_stops_pipeline() 
     answers: list[httpx.Response] = []
     with trio.fail_after(TIMEOUT_S):
         async with serving(model_factory=gated_factory(gate)) as h:
-
-            async def in_flight(index: int) -> None:
-                async with httpx.AsyncClient(base_url=h.server.url, timeout=TIMEOUT_S) as own:
-                    body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
-                    answers.append(await own.post("/v1/prefill", json=body))
-
             async with trio.open_nursery() as nursery:
-                for index in range(3):
-                    nursery.start_soon(in_flight, index)
+                start_held_prefills(nursery, h.server.url, answers)
                 await h.pipeline.wait_until(lambda p: p.entered == 3)
 
                 h.server.drain()
@@ -670,15 +678,8 @@ async def test_prefills_still_running_at_the_shutdown_timeout_are_answered_503(
     settings = ServerSettings(shutdown_timeout_s=0.01, retry_after_s=7)
     with trio.fail_after(TIMEOUT_S):
         async with serving(settings=settings, model_factory=gated_factory(gate)) as h:
-
-            async def in_flight(index: int) -> None:
-                async with httpx.AsyncClient(base_url=h.server.url, timeout=TIMEOUT_S) as own:
-                    body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
-                    answers.append(await own.post("/v1/prefill", json=body))
-
             async with trio.open_nursery() as nursery:
-                for index in range(3):
-                    nursery.start_soon(in_flight, index)
+                start_held_prefills(nursery, h.server.url, answers)
                 await h.pipeline.wait_until(lambda p: p.entered == 3)
                 h.server.shutdown()  # the gate stays shut: no prefill can finish in time
             await h.server.wait_stopped()
@@ -725,14 +726,7 @@ async def test_a_signal_drains_with_requests_in_flight_and_none_is_lost(
                         drain_grace_s=600,  # only the second signal ends it
                     )
                 )
-
-                async def in_flight(index: int) -> None:
-                    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as own:
-                        body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
-                        answers.append(await own.post("/v1/prefill", json=body))
-
-                for index in range(3):
-                    nursery.start_soon(in_flight, index)
+                start_held_prefills(nursery, server.url, answers)
                 await observed.wait_until(lambda p: p.entered == 3)
                 signal.raise_signal(first)
                 async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as client:
