@@ -128,9 +128,10 @@ class CandidatePolicy:
             return 0
         if low == 0 or n <= low:
             return 1
-        top = self._top(n)
-        # n, the grid lines top, top - stride, ... above low, then low itself.
-        return 2 + (top - low - 1) // self._stride + 1 if top > low else 2
+        # n, then the grid lines top, top - stride, ... above low (ceil((top - low) / stride) of
+        # them), then low itself.
+        grid_lines = -(-(self._top(n) - low) // self._stride)
+        return 2 + grid_lines
 
     def candidate_index(self, token_count: int, count: int) -> int:
         """Position of ``count`` in ``candidate_token_counts(token_count)``, in O(1).
