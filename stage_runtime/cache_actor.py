@@ -272,9 +272,10 @@ def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
     """One ``activation_evicted`` event per entry, with the cache's size right after it left.
 
     The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
-    record stores several pages and may evict between them, so it cannot be reconstructed from
-    the sizes before and after the call. A paged record may evict hundreds of pages: the logger
-    is resolved once, and nothing is built when it drops info events anyway.
+    record stores several pages and (under ``reuse`` eviction) may evict between them, so it
+    cannot be reconstructed from the sizes before and after the call. A paged record may evict
+    hundreds of pages: the logger is resolved once, and nothing is built when it drops info
+    events anyway.
     """
     if not evicted:
         return

@@ -24,6 +24,7 @@ activation frames into payloads and back.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Literal
 
@@ -224,7 +225,9 @@ class EvictedPage(EvictedEntry):
     """One entry the index evicted: the ladder's ``EvictedEntry`` plus where it sat in its chain.
 
     Being an ``EvictedEntry``, it goes into records and ``activation_evicted`` events as is; its
-    ``entries_after`` and ``resident_bytes_after`` are always set.
+    ``entries_after`` and ``resident_bytes_after`` are always set. Under ``lru`` a record makes
+    room for all its new pages before storing them, so these are the residency before any of them;
+    under ``reuse`` it makes room page by page, so they include the pages stored so far.
     """
 
     kind: EntryKind
@@ -414,8 +417,15 @@ class PagedActivationIndex:
     when the very same prompt returns), and ``L`` rises to the value of each evicted entry, so
     old popularity ages out. Ties go to the least recently used."""
 
-    _entries: dict[bytes, _Entry] = attrs.field(factory=dict, init=False)
+    _entries: OrderedDict[bytes, _Entry] = attrs.field(factory=OrderedDict, init=False)
+    """Every resident entry by key. Under ``lru`` this is also the eviction order, oldest first,
+    kept so that an entry always comes after every cached entry of its chain past it (see
+    :meth:`_settle`): the oldest entry is then always a leaf, and it is the victim."""
     _leaves: list[tuple[float, int, int, _Entry]] = attrs.field(factory=list, init=False)
+    """Under ``reuse``: a heap of leaves by (priority, last use), with stale items skipped."""
+    _lru: bool = attrs.field(default=True, init=False)
+    _op_clock: int = attrs.field(default=0, init=False)
+    """The clock when the running record started: entries it touched have a later last use."""
     _inflation: float = attrs.field(default=0.0, init=False)
     _clock: int = attrs.field(default=0, init=False)
     _resident_bytes: int = attrs.field(default=0, init=False)
@@ -457,6 +467,7 @@ class PagedActivationIndex:
         if self.eviction not in ("lru", "reuse"):
             msg = f"eviction must be 'lru' or 'reuse', got {self.eviction!r}"
             raise ConfigError(msg)
+        self._lru = self.eviction == "lru"
 
     # ---------------------------------------------------------------- keys
 
@@ -520,6 +531,7 @@ class PagedActivationIndex:
         n = chain.token_count
         evicted: list[EvictedPage] = []
         stored = [0, 0, 0]  # entries, bytes, reused
+        self._op_clock = self._clock
         if n == 0 or n < self.min_tokens or payload.size == 0:
             return self._outcome(stored, None, truncated=False, evicted=evicted)
         if not token_major or payload.size % n:
@@ -604,7 +616,9 @@ class PagedActivationIndex:
         truncated: bool,
         evicted: list[EvictedPage],
     ) -> PagedRecordOutcome:
-        if self._unpushed is not None:
+        if self._lru:
+            self._settle(last)
+        elif self._unpushed is not None:
             self._push_if_leaf(self._unpushed)
             self._unpushed = None
         return PagedRecordOutcome(
@@ -684,13 +698,14 @@ class PagedActivationIndex:
         self._resident_bytes += int(segment.size)
         if parent is not None:
             parent.children += 1
-        # The new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
-        # next page of the chain makes it inner at once, and until then it is the protected
-        # parent of that page anyway.
-        previous = self._unpushed
-        if previous is not None and previous is not parent:
-            self._push_if_leaf(previous)
-        self._unpushed = entry
+        if not self._lru:
+            # The new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
+            # next page of the chain makes it inner at once, and until then it is the protected
+            # parent of that page anyway.
+            previous = self._unpushed
+            if previous is not None and previous is not parent:
+                self._push_if_leaf(previous)
+            self._unpushed = entry
         self._misses.cached(key)
         self._unfootprinted[key] = (chain, entry)
         self._records += 1
@@ -726,11 +741,23 @@ class PagedActivationIndex:
         cached = self._misses.cached
         unfootprinted = self._unfootprinted
         group = chain.root_key if first == 0 else keys[first - 1]
+        lru = self._lru
         unpushed = self._unpushed
         stop = len(keys)
+        if lru:
+            # Under LRU the victims are the oldest entries whatever is stored meanwhile, so room
+            # for every page is made at once (the same victims, in the same order, as page by
+            # page); when it cannot be, the chain ends at the last page that fits.
+            count = stop - first
+            if not self._make_room_lru(count * size, None, evicted, new_entries=count):
+                fit = min(count, max_entries - len(entries))
+                if max_bytes:
+                    fit = min(fit, (max_bytes - self._resident_bytes) // size)
+                stop = first + max(fit, 0)
         for i in range(first, stop):
-            full = len(entries) >= max_entries or (
-                max_bytes and self._resident_bytes + size > max_bytes
+            full = not lru and (
+                len(entries) >= max_entries
+                or (max_bytes and self._resident_bytes + size > max_bytes)
             )
             if full and not self._make_room(size, parent, None, evicted, new_entry=True):
                 stop = i  # the bounds cannot fit this page: the chain ends before it
@@ -762,11 +789,12 @@ class PagedActivationIndex:
             self._resident_bytes += size
             if parent is not None:
                 parent.children += 1
-            # A new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
-            # next page of the chain makes it inner at once.
-            if unpushed is not None and unpushed is not parent:
-                self._push_if_leaf(unpushed)
-            unpushed = entry
+            if not lru:
+                # A new entry joins the leaf heap only when the record ends (:meth:`_outcome`):
+                # the next page of the chain makes it inner at once.
+                if unpushed is not None and unpushed is not parent:
+                    self._push_if_leaf(unpushed)
+                unpushed = entry
             cached(key)
             unfootprinted[key] = (chain, entry)
             parent = entry
@@ -809,6 +837,8 @@ class PagedActivationIndex:
     ) -> bool:
         """Evict leaves (never ``protect`` or ``also``) until ``size`` more bytes, and one more
         entry when ``new_entry``, fit the bounds; False when only protected leaves remain."""
+        if self._lru:
+            return self._make_room_lru(size, also, evicted, new_entries=int(new_entry))
         entries = self._entries
         leaves = self._leaves
         max_bytes = self.max_bytes
@@ -846,6 +876,60 @@ class PagedActivationIndex:
             heapq.heappush(leaves, item)
         return ok
 
+    def _make_room_lru(
+        self, size: int, also: _Entry | None, evicted: list[EvictedPage], *, new_entries: int
+    ) -> bool:
+        """:meth:`_make_room` under ``lru`` for ``new_entries`` entries of ``size`` bytes in all:
+        the victims are the oldest entries, in order.
+
+        Entries the running record touched are the newest (it moved them to the end), so meeting
+        one means that only this prompt's own chain is left: nothing more can go. ``also`` (an
+        entry being re-recorded, not yet touched) is set aside while it is the oldest and put back
+        in front afterwards; the next oldest is still a leaf, since ``also``'s parent, if any, was
+        touched.
+        """
+        entries = self._entries
+        max_bytes = self.max_bytes
+        limit = self.max_entries - new_entries if new_entries else len(entries)  # may stay
+        aside = False
+        ok = True
+        while True:
+            if len(entries) > limit:
+                reason: Literal["max_entries", "max_bytes"] = "max_entries"
+            elif max_bytes and self._resident_bytes + size > max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            if not entries:
+                ok = False  # more than the bounds can ever hold
+                break
+            victim = next(iter(entries.values()))
+            if victim is also and not aside:
+                entries.move_to_end(victim.key)
+                aside = True
+                continue
+            if victim is also or victim.last_used > self._op_clock:
+                ok = False
+                break
+            evicted.append(self._evict(victim, reason))
+        if aside and also is not None:
+            entries.move_to_end(also.key, last=False)
+        return ok
+
+    def _settle(self, last: _Entry | None) -> None:
+        """Under ``lru``, end an operation that used the chain ending at ``last``: its entries
+        become the newest, deepest first, so each comes after every cached entry below it.
+
+        Every entry is then newer than its cached descendants (an operation that uses an entry
+        uses its whole chain from the root), so the oldest entry is always a leaf. Among leaves
+        the order is that of their last use, as under plain LRU: an operation leaves at most one
+        leaf among the entries whose last use it was.
+        """
+        move = self._entries.move_to_end
+        while last is not None:
+            move(last.key)
+            last = last.parent
+
     def _pop_leaf(self) -> _Entry | None:
         """The least recently used resident entry with no cached child, removed from the heap."""
         while self._leaves:
@@ -864,9 +948,11 @@ class PagedActivationIndex:
         entry.last_used = self._clock
         if hit:
             entry.hits += 1
-        if self.eviction == "reuse":
-            prior = 1.0 if entry.kind == "page" else 0.0
-            entry.priority = self._inflation + prior + entry.hits
+        if self._lru:
+            self._entries.move_to_end(entry.key)
+            return
+        prior = 1.0 if entry.kind == "page" else 0.0
+        entry.priority = self._inflation + prior + entry.hits
         if entry.children == 0:
             heapq.heappush(self._leaves, _leaf_item(entry))
             if len(self._leaves) > 2 * len(self._entries) + 64:
@@ -890,7 +976,7 @@ class PagedActivationIndex:
         parent = entry.parent
         if parent is not None:
             parent.children -= 1
-            if parent.children == 0 and entries.get(parent.key) is parent:
+            if not self._lru and parent.children == 0 and entries.get(parent.key) is parent:
                 heapq.heappush(
                     self._leaves, (parent.priority, parent.last_used, id(parent), parent)
                 )
@@ -958,6 +1044,8 @@ class PagedActivationIndex:
             return PagedLookup(restore=None, miss_reason=final)
         for entry in used:
             self._touch(entry, hit=True)
+        if self._lru:
+            self._settle(used[-1])
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
@@ -999,6 +1087,10 @@ class PagedActivationIndex:
     def clear(self) -> tuple[EvictedPage, ...]:
         """Evict everything (reason ``"cleared"``), leaves first; counters are kept."""
         out: list[EvictedPage] = []
+        if self._lru:
+            while self._entries:
+                out.append(self._evict(next(iter(self._entries.values())), "cleared"))
+            return tuple(out)
         self._compact_leaves()
         while (victim := self._pop_leaf()) is not None:
             out.append(self._evict(victim, "cleared"))

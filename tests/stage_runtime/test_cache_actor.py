@@ -51,6 +51,7 @@ def seed_config(**cache: Any) -> StageConfig:
         shared_prefix_stride_tokens=cache.pop("stride", 128),
         shared_prefix_record_limit=2,
         index=cache.pop("index", "ladder"),
+        page_eviction=cache.pop("page_eviction", "lru"),
     )
     assert not cache
     return StageConfig(
@@ -204,12 +205,13 @@ async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("index", "expected", "final"),
+    ("index", "eviction", "expected", "final"),
     [
         # Rungs 10 (40 B) and 8 (32 B) per prompt: each rung of prompts 2 and 3 past the third
         # entry evicts the oldest rung, leaving 2 entries (72 B) before it is stored.
         (
             "ladder",
+            "lru",
             [
                 (10, 40, "max_entries", 2, 72),
                 (8, 32, "max_entries", 2, 72),
@@ -217,10 +219,26 @@ async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
             ],
             (3, 104),
         ),
-        # Pages 0+4, 4+4 (16 B each) and tail 8+2 (8 B) per prompt: one record stores three
-        # entries and evicts one before each, leaves first (tail, then pages from the end).
+        # Pages 0+4, 4+4 (16 B each) and tail 8+2 (8 B) per prompt, evicted leaves first (tail,
+        # then pages from the end). Under LRU a record makes room for its two new pages at once,
+        # then for its tail.
         (
             "paged",
+            "lru",
+            [
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 1, 16),
+                (4, 16, "max_entries", 2, 32),
+                (2, 8, "max_entries", 2, 32),
+                (4, 16, "max_entries", 1, 16),
+                (4, 16, "max_entries", 2, 32),
+            ],
+            (3, 40),
+        ),
+        # Under reuse eviction it makes room page by page: one eviction before each entry.
+        (
+            "paged",
+            "reuse",
             [
                 (2, 8, "max_entries", 2, 32),
                 (4, 16, "max_entries", 2, 32),
@@ -234,10 +252,14 @@ async def test_eviction_log_with_max_bytes(logs: list[LogEvent]) -> None:
     ],
 )
 async def test_eviction_events_carry_the_cache_size_after_each_eviction(
-    logs: list[LogEvent], index: str, expected: list[tuple[Any, ...]], final: tuple[int, int]
+    logs: list[LogEvent],
+    index: str,
+    eviction: str,
+    expected: list[tuple[Any, ...]],
+    final: tuple[int, int],
 ) -> None:
     """activation_evicted reports the true entries/resident_bytes after each eviction."""
-    config = seed_config(index=index, max_entries=3, min_tokens=4, stride=4)
+    config = seed_config(index=index, page_eviction=eviction, max_entries=3, min_tokens=4, stride=4)
     async with cache_actor(config) as ref:
         replies = [
             await ref.ask(record(tokens(10, start=1000 * i), seed_frame(10, 40))) for i in range(3)
