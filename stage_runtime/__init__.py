@@ -85,6 +85,7 @@ from stage_runtime.models import (
 from stage_runtime.paged import (
     EntryKind,
     EvictedPage,
+    EvictedPages,
     EvictionPolicy,
     PageChain,
     PagedActivationIndex,
@@ -182,6 +183,7 @@ __all__ = [
     "CacheIndex",
     "EntryKind",
     "EvictedPage",
+    "EvictedPages",
     "EvictionPolicy",
     "PageEviction",
     "MissReason",

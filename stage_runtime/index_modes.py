@@ -589,14 +589,14 @@ class PagedStageIntegration(KvStageIntegration):
         )
         if outcome.covered_tokens == 0 and not outcome.evicted:
             return []
-        evicted: tuple[EvictedEntry, ...] = outcome.evicted
+        evicted = outcome.evicted
         return [
             ResidentActivationRecord(
                 page_id=outcome.last_entry or chain.label,
                 token_count=outcome.covered_tokens,
                 payload_bytes=outcome.stored_bytes,
                 evicted_entries=len(evicted),
-                evicted_bytes=outcome.evicted_bytes,
+                evicted_bytes=evicted.payload_bytes,
                 entries=outcome.entries,
                 resident_bytes=outcome.resident_bytes,
                 evicted=evicted,

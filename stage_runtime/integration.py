@@ -196,8 +196,9 @@ class ResidentActivationRecord:
     resident_bytes: int
     """Bytes resident after this store."""
 
-    evicted: tuple[EvictedEntry, ...] = ()
-    """The entries this store evicted, least recently used first."""
+    evicted: Sequence[EvictedEntry] = ()
+    """The entries this store evicted, least recently used first (a tuple from the ladder; from the
+    paged index, an ``EvictedPages`` that builds each record when read)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, overload
 
 import attrs
 import blake3
@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
-from stage_runtime.cache import EvictedEntry
+from stage_runtime.cache import EvictedEntry, EvictionReason
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.identity import TokenArray, as_token_array
 
@@ -42,6 +42,7 @@ __all__ = [
     "EntryKind",
     "EvictionPolicy",
     "EvictedPage",
+    "EvictedPages",
     "PageChain",
     "PagedActivationIndex",
     "PagedIndexStats",
@@ -235,6 +236,84 @@ class EvictedPage(EvictedEntry):
     """First token the entry covers."""
 
 
+_Eviction = tuple[str, EntryKind, int, int, bytes, int, EvictionReason, int, int]
+"""The parts of an :class:`EvictedPage`: chain label, kind, token start, token count, key,
+payload bytes, reason, entries after, resident bytes after."""
+
+
+def _entry_name(label: str, kind: str, token_start: int, token_count: int, key: bytes) -> str:
+    """Printable name of an entry (its ``EvictedPage.key``, its restore and record name)."""
+    return f"{label}:{kind}:{token_start}+{token_count}:{key[:8].hex()}"
+
+
+class EvictedPages(Sequence[EvictedPage]):
+    """The entries one call evicted, in eviction order, each an :class:`EvictedPage` built on
+    first use.
+
+    Under a tight bound one record evicts hundreds of pages, and most readers only count them
+    (``len``) or add up their bytes (:attr:`payload_bytes`): the records are made only when
+    something reads them. Immutable; equal to any sequence of the same records (a tuple too).
+    """
+
+    __slots__ = ("_pages", "_parts")
+
+    def __init__(self, parts: Sequence[_Eviction] = ()) -> None:
+        self._parts = tuple(parts)
+        self._pages: tuple[EvictedPage, ...] | None = None
+
+    @property
+    def pages(self) -> tuple[EvictedPage, ...]:
+        """The records as a tuple."""
+        if self._pages is None:
+            self._pages = tuple(
+                EvictedPage(
+                    key=_entry_name(label, kind, start, count, key),
+                    kind=kind,
+                    token_start=start,
+                    token_count=count,
+                    payload_bytes=size,
+                    reason=reason,
+                    entries_after=entries,
+                    resident_bytes_after=resident,
+                )
+                for label, kind, start, count, key, size, reason, entries, resident in self._parts
+            )
+        return self._pages
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of all the evicted entries."""
+        return sum(part[5] for part in self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    @overload
+    def __getitem__(self, index: int) -> EvictedPage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[EvictedPage, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> EvictedPage | tuple[EvictedPage, ...]:
+        return self.pages[index]
+
+    def __iter__(self) -> Iterator[EvictedPage]:
+        return iter(self.pages)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EvictedPages):
+            return self._parts == other._parts
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return self.pages == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._parts)
+
+    def __repr__(self) -> str:
+        return f"EvictedPages({list(self.pages)!r})"
+
+
 @attrs.frozen(kw_only=True)
 class PagedRecordOutcome:
     """What one :meth:`PagedActivationIndex.record` call did."""
@@ -249,7 +328,8 @@ class PagedRecordOutcome:
     """Prompt tokens now covered from the start by cached entries of this prompt."""
     truncated: bool
     """The bounds could not fit the whole chain; pages past ``covered_tokens`` were not stored."""
-    evicted: tuple[EvictedPage, ...]
+    evicted: EvictedPages
+    """The entries this call evicted to make room, in order."""
     last_key: bytes | None
     """Key of the last entry covering ``covered_tokens`` (None when nothing is covered)."""
     last_entry: str
@@ -262,7 +342,7 @@ class PagedRecordOutcome:
     @property
     def evicted_bytes(self) -> int:
         """Payload bytes evicted by this call."""
-        return sum(e.payload_bytes for e in self.evicted)
+        return self.evicted.payload_bytes
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -369,7 +449,8 @@ def _stored(segment: Payload) -> Payload:
 @attrs.define(eq=False)
 class _Entry:
     key: bytes
-    name: str
+    label: str
+    """The recording chain's label (the first part of :attr:`name`)."""
     kind: EntryKind
     parent: _Entry | None
     group: bytes
@@ -377,14 +458,22 @@ class _Entry:
     token_start: int
     token_count: int
     payload: Payload
+    nbytes: int
+    """``payload.size``."""
     bytes_per_token: int
     meta: Hashable
     last_used: int
     children: int = 0
+    """Cached entries whose parent this is (kept under ``reuse`` only, for its leaf heap)."""
     hits: int = 0
     """Restores that used this entry."""
     priority: float = 0.0
     """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+
+    @property
+    def name(self) -> str:
+        """Printable name (made on demand: most entries are never named)."""
+        return _entry_name(self.label, self.kind, self.token_start, self.token_count, self.key)
 
 
 def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:
@@ -529,7 +618,7 @@ class PagedActivationIndex:
             msg = f"payload must be a 1-D uint8 array, got {payload.dtype} shape {payload.shape}"
             raise FrameError(msg)
         n = chain.token_count
-        evicted: list[EvictedPage] = []
+        evicted: list[_Eviction] = []
         stored = [0, 0, 0]  # entries, bytes, reused
         self._op_clock = self._clock
         if n == 0 or n < self.min_tokens or payload.size == 0:
@@ -614,7 +703,7 @@ class PagedActivationIndex:
         last: _Entry | None,
         *,
         truncated: bool,
-        evicted: list[EvictedPage],
+        evicted: list[_Eviction],
     ) -> PagedRecordOutcome:
         if self._lru:
             self._settle(last)
@@ -627,7 +716,7 @@ class PagedActivationIndex:
             reused_entries=stored[2],
             covered_tokens=0 if last is None else last.token_start + last.token_count,
             truncated=truncated,
-            evicted=tuple(evicted),
+            evicted=EvictedPages(evicted),
             last_key=None if last is None else last.key,
             last_entry="" if last is None else last.name,
             entries=len(self._entries),
@@ -646,7 +735,7 @@ class PagedActivationIndex:
         segment: Payload,
         bpt: int,
         meta: Hashable,
-        evicted: list[EvictedPage],
+        evicted: list[_Eviction],
         stored: list[int],
     ) -> _Entry | None:
         existing = self._entries.get(key)
@@ -654,19 +743,20 @@ class PagedActivationIndex:
             if (
                 existing.meta != meta
                 or existing.bytes_per_token != bpt
-                or existing.payload.size != segment.size
+                or existing.nbytes != segment.size
             ):
                 # A re-record with different rows replaces them in place; like the ladder's
                 # re-record, this is not an eviction, but the bounds still hold: a larger
                 # replacement evicts other leaves first, and is refused (the old rows stay) when
                 # only this prompt's own chain could make room.
-                grow = int(segment.size) - int(existing.payload.size)
+                grow = int(segment.size) - existing.nbytes
                 if grow > 0 and not self._make_room(
                     grow, parent, existing, evicted, new_entry=False
                 ):
                     return None
                 self._resident_bytes += grow
                 existing.payload = _stored(segment)
+                existing.nbytes = int(segment.size)
                 existing.meta = meta
                 existing.bytes_per_token = bpt
                 self._uncount_footprint(key)
@@ -677,16 +767,16 @@ class PagedActivationIndex:
         if not self._make_room(int(segment.size), parent, None, evicted, new_entry=True):
             return None
         self._clock += 1
-        name = f"{chain.label}:{kind}:{token_start}+{token_count}:{key[:8].hex()}"
         entry = _Entry(
             key=key,
-            name=name,
+            label=chain.label,
             kind=kind,
             parent=parent,
             group=group,
             token_start=token_start,
             token_count=token_count,
             payload=_stored(segment),
+            nbytes=int(segment.size),
             bytes_per_token=bpt,
             meta=meta,
             last_used=self._clock,
@@ -696,9 +786,9 @@ class PagedActivationIndex:
         self._entries[key] = entry
         self._kinds[kind] += 1
         self._resident_bytes += int(segment.size)
-        if parent is not None:
-            parent.children += 1
         if not self._lru:
+            if parent is not None:
+                parent.children += 1
             # The new entry joins the leaf heap only when the record ends (:meth:`_outcome`): the
             # next page of the chain makes it inner at once, and until then it is the protected
             # parent of that page anyway.
@@ -721,7 +811,7 @@ class PagedActivationIndex:
         payload: Payload,
         bpt: int,
         meta: Hashable,
-        evicted: list[EvictedPage],
+        evicted: list[_Eviction],
         stored: list[int],
     ) -> tuple[_Entry | None, bool]:
         """:meth:`_put` of full pages ``first``.. of ``chain``, known not to be cached (the hot
@@ -772,13 +862,14 @@ class PagedActivationIndex:
             start = i * p
             entry = _Entry(
                 key,
-                f"{label}:page:{start}+{p}:{key[:8].hex()}",
+                label,
                 "page",
                 parent,
                 group,
                 start,
                 p,
                 segment,
+                size,
                 bpt,
                 meta,
                 self._clock,
@@ -787,9 +878,9 @@ class PagedActivationIndex:
                 entry.priority = self._inflation + prior
             entries[key] = entry
             self._resident_bytes += size
-            if parent is not None:
-                parent.children += 1
             if not lru:
+                if parent is not None:
+                    parent.children += 1
                 # A new entry joins the leaf heap only when the record ends (:meth:`_outcome`):
                 # the next page of the chain makes it inner at once.
                 if unpushed is not None and unpushed is not parent:
@@ -818,7 +909,7 @@ class PagedActivationIndex:
         else:
             start = entry.token_start
             segments = [(entry.group, chain.tokens[start : start + entry.token_count])]
-        size = int(entry.payload.size)
+        size = entry.nbytes
         bpt = entry.bytes_per_token or max(size // entry.token_count, 1)
         self._footprint.add(entry.key, segments, bpt)
 
@@ -831,7 +922,7 @@ class PagedActivationIndex:
         size: int,
         protect: _Entry | None,
         also: _Entry | None,
-        evicted: list[EvictedPage],
+        evicted: list[_Eviction],
         *,
         new_entry: bool,
     ) -> bool:
@@ -877,7 +968,7 @@ class PagedActivationIndex:
         return ok
 
     def _make_room_lru(
-        self, size: int, also: _Entry | None, evicted: list[EvictedPage], *, new_entries: int
+        self, size: int, also: _Entry | None, evicted: list[_Eviction], *, new_entries: int
     ) -> bool:
         """:meth:`_make_room` under ``lru`` for ``new_entries`` entries of ``size`` bytes in all:
         the victims are the oldest entries, in order.
@@ -962,21 +1053,19 @@ class PagedActivationIndex:
         self._leaves = [_leaf_item(e) for e in self._entries.values() if e.children == 0]
         heapq.heapify(self._leaves)
 
-    def _evict(
-        self, entry: _Entry, reason: Literal["max_entries", "max_bytes", "cleared"]
-    ) -> EvictedPage:
+    def _evict(self, entry: _Entry, reason: EvictionReason) -> _Eviction:
         key = entry.key
         entries = self._entries
         del entries[key]
         kind = entry.kind
         self._kinds[kind] -= 1
-        size = int(entry.payload.size)
+        size = entry.nbytes
         resident = self._resident_bytes - size
         self._resident_bytes = resident
         parent = entry.parent
-        if parent is not None:
+        if parent is not None and not self._lru:
             parent.children -= 1
-            if not self._lru and parent.children == 0 and entries.get(parent.key) is parent:
+            if parent.children == 0 and entries.get(parent.key) is parent:
                 heapq.heappush(
                     self._leaves, (parent.priority, parent.last_used, id(parent), parent)
                 )
@@ -988,15 +1077,16 @@ class PagedActivationIndex:
             self._misses.evicted(key)
             self._evictions += 1
             self._evicted_bytes += size
-        return EvictedPage(
-            key=entry.name,
-            kind=kind,
-            token_start=entry.token_start,
-            token_count=entry.token_count,
-            payload_bytes=size,
-            reason=reason,
-            entries_after=len(entries),
-            resident_bytes_after=resident,
+        return (
+            entry.label,
+            kind,
+            entry.token_start,
+            entry.token_count,
+            key,
+            size,
+            reason,
+            len(entries),
+            resident,
         )
 
     # ---------------------------------------------------------------- restore
@@ -1086,16 +1176,16 @@ class PagedActivationIndex:
 
     def clear(self) -> tuple[EvictedPage, ...]:
         """Evict everything (reason ``"cleared"``), leaves first; counters are kept."""
-        out: list[EvictedPage] = []
+        out: list[_Eviction] = []
         if self._lru:
             while self._entries:
                 out.append(self._evict(next(iter(self._entries.values())), "cleared"))
-            return tuple(out)
-        self._compact_leaves()
-        while (victim := self._pop_leaf()) is not None:
-            out.append(self._evict(victim, "cleared"))
-        self._leaves.clear()
-        return tuple(out)
+        else:
+            self._compact_leaves()
+            while (victim := self._pop_leaf()) is not None:
+                out.append(self._evict(victim, "cleared"))
+            self._leaves.clear()
+        return EvictedPages(out).pages
 
     def unique_prefix_bytes(self) -> int:
         """Bytes the distinct resident prefixes need, each token row once.

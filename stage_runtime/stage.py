@@ -27,7 +27,7 @@ Failure and cancellation, per request:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -83,7 +83,7 @@ class StagePrefillReport:
     records: tuple[ResidentActivationRecord, ...]
     """The cache records made for this prefill's output (one per ladder rung)."""
 
-    evicted: tuple[EvictedEntry, ...]
+    evicted: Sequence[EvictedEntry]
     """Entries those records evicted, in eviction order."""
 
     started_s: float = 0.0
@@ -91,6 +91,13 @@ class StagePrefillReport:
 
     finished_s: float = 0.0
     """``trio.current_time()`` when the stage had computed and recorded it."""
+
+
+def _evicted_by(records: Sequence[ResidentActivationRecord]) -> Sequence[EvictedEntry]:
+    """The entries ``records`` evicted, in order (a single record's own sequence, as is)."""
+    if len(records) == 1:
+        return records[0].evicted
+    return tuple(e for r in records for e in r.evicted)
 
 
 @attrs.frozen(kw_only=True)
@@ -321,7 +328,7 @@ class Stage:
                 restored_tokens=k,
                 computed_tokens=n - k,
                 records=records,
-                evicted=tuple(e for r in records for e in r.evicted) if records else (),
+                evicted=_evicted_by(records),
                 started_s=started,
                 finished_s=trio.current_time(),
             )

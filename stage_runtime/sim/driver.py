@@ -410,9 +410,8 @@ class _Collector:
             for record in report.records:
                 if record.resident_bytes > self.resident_max[position]:
                     self.resident_max[position] = record.resident_bytes
-            if report.evicted:
-                self.evictions[position] += len(report.evicted)
-                self.evicted_bytes[position] += sum(e.payload_bytes for e in report.evicted)
+                self.evictions[position] += record.evicted_entries
+                self.evicted_bytes[position] += record.evicted_bytes
         self.outcomes[request.index] = _Finished(
             started_s=started_s,
             finished_s=finished_s,
