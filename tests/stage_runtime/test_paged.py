@@ -609,3 +609,29 @@ TestPagedIndexMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_eviction_records_are_a_sequence_built_when_read() -> None:
+    """A record's evictions count and add up without building records, and read like a tuple."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100, max_bytes=4 * BPT)
+    record(index, [1, 2, 3, 4])
+    outcome = index.record(index.chain(b"ns", [5, 6, 7, 8]), rows(b"ns", [5, 6, 7, 8]))
+    evicted = outcome.evicted
+    assert len(evicted) == 2
+    assert evicted.payload_bytes == outcome.evicted_bytes == 4 * BPT
+    assert evicted._pages is None  # nothing built yet
+    assert [(e.token_start, e.token_count, e.reason) for e in evicted] == [
+        (2, 2, "max_bytes"),
+        (0, 2, "max_bytes"),
+    ]
+    assert evicted == tuple(evicted)
+    assert evicted == list(evicted)
+    assert evicted[0] == evicted.pages[0]
+    assert evicted[-1:] == evicted.pages[-1:]
+    assert evicted[0].key.startswith("act:page:2+2:")
+    assert isinstance(hash(outcome), int)  # the outcome stays hashable
+    assert evicted != ()
+    assert outcome.evicted.pages != ()
+    assert "EvictedPage(" in repr(evicted)
+    empty = record(index, [5, 6])  # cached: nothing evicted
+    assert empty.evicted == ()  # type: ignore[attr-defined]
