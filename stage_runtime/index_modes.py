@@ -23,6 +23,7 @@ Differences a caller of the paged mode can see:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import attrs
@@ -448,6 +449,18 @@ class PagedActivationRestore:
         )
 
 
+_ROW_FIELDS = operator.attrgetter(
+    *(
+        f.name
+        for f in attrs.fields(ActivationDesc)
+        if f.name not in {"token_count", "payload_bytes"}
+    )
+)
+"""What an ActivationDesc says about its rows besides how many there are."""
+_ROW_METAS = 64
+"""Distinct row descriptions a paged integration keeps one shared object of."""
+
+
 @attrs.define(eq=False)
 class PagedStageIntegration(KvStageIntegration):
     """A stage's activation cache in paged mode; same API as the ladder integration.
@@ -463,6 +476,11 @@ class PagedStageIntegration(KvStageIntegration):
         default=None, init=False, repr=False
     )
     """The last namespace and label computed, with what they were computed from."""
+    _row_metas: dict[tuple[object, ...], ActivationDesc] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+    """One shared ``meta`` object per row description: pages compare their ``meta`` on every
+    restore and re-record, and the same object compares at once."""
 
     def __attrs_post_init__(self) -> None:
         cfg = self.cache_config
@@ -584,7 +602,7 @@ class PagedStageIntegration(KvStageIntegration):
         outcome = self.index.record(
             chain,
             frame.payload,
-            meta=attrs.evolve(desc, token_count=0, payload_bytes=0),
+            meta=self._row_meta(desc),
             token_major=token_major,
         )
         if outcome.covered_tokens == 0 and not outcome.evicted:
@@ -602,6 +620,17 @@ class PagedStageIntegration(KvStageIntegration):
                 evicted=evicted,
             )
         ]
+
+    def _row_meta(self, desc: ActivationDesc) -> ActivationDesc:
+        """``desc`` without its counts: the ``meta`` its pages are recorded with (shared)."""
+        fields = _ROW_FIELDS(desc)
+        meta = self._row_metas.get(fields)
+        if meta is None:
+            if len(self._row_metas) >= _ROW_METAS:
+                self._row_metas.clear()
+            meta = attrs.evolve(desc, token_count=0, payload_bytes=0)
+            self._row_metas[fields] = meta
+        return meta
 
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every page; returns them with reason ``"cleared"``."""

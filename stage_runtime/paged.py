@@ -741,7 +741,7 @@ class PagedActivationIndex:
         existing = self._entries.get(key)
         if existing is not None:
             if (
-                existing.meta != meta
+                (existing.meta is not meta and existing.meta != meta)
                 or existing.bytes_per_token != bpt
                 or existing.nbytes != segment.size
             ):
@@ -962,7 +962,7 @@ class PagedActivationIndex:
             if victim is None:
                 ok = False
                 break
-            evicted.append(self._evict(victim, reason))
+            self._evict_all([(victim, reason)], evicted)
         for item in held:
             heapq.heappush(leaves, item)
         return ok
@@ -975,37 +975,31 @@ class PagedActivationIndex:
 
         Entries the running record touched are the newest (it moved them to the end), so meeting
         one means that only this prompt's own chain is left: nothing more can go. ``also`` (an
-        entry being re-recorded, not yet touched) is set aside while it is the oldest and put back
-        in front afterwards; the next oldest is still a leaf, since ``also``'s parent, if any, was
-        touched.
+        entry being re-recorded, not yet touched) is passed over; the entry after it is still a
+        leaf, since ``also``'s parent, if any, was touched.
         """
-        entries = self._entries
         max_bytes = self.max_bytes
-        limit = self.max_entries - new_entries if new_entries else len(entries)  # may stay
-        aside = False
-        ok = True
-        while True:
-            if len(entries) > limit:
-                reason: Literal["max_entries", "max_bytes"] = "max_entries"
-            elif max_bytes and self._resident_bytes + size > max_bytes:
+        count = len(self._entries)
+        limit = self.max_entries - new_entries if new_entries else count  # entries that may stay
+        resident = self._resident_bytes
+        op_clock = self._op_clock
+        victims: list[tuple[_Entry, EvictionReason]] = []
+        for victim in self._entries.values():  # oldest first
+            if count > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and resident + size > max_bytes:
                 reason = "max_bytes"
             else:
                 break
-            if not entries:
-                ok = False  # more than the bounds can ever hold
-                break
-            victim = next(iter(entries.values()))
-            if victim is also and not aside:
-                entries.move_to_end(victim.key)
-                aside = True
+            if victim is also:
                 continue
-            if victim is also or victim.last_used > self._op_clock:
-                ok = False
+            if victim.last_used > op_clock:
                 break
-            evicted.append(self._evict(victim, reason))
-        if aside and also is not None:
-            entries.move_to_end(also.key, last=False)
-        return ok
+            victims.append((victim, reason))
+            count -= 1
+            resident -= victim.nbytes
+        self._evict_all(victims, evicted)
+        return not (count > limit or (max_bytes and resident + size > max_bytes))
 
     def _settle(self, last: _Entry | None) -> None:
         """Under ``lru``, end an operation that used the chain ending at ``last``: its entries
@@ -1053,41 +1047,50 @@ class PagedActivationIndex:
         self._leaves = [_leaf_item(e) for e in self._entries.values() if e.children == 0]
         heapq.heapify(self._leaves)
 
-    def _evict(self, entry: _Entry, reason: EvictionReason) -> _Eviction:
-        key = entry.key
+    def _evict_all(
+        self, victims: list[tuple[_Entry, EvictionReason]], evicted: list[_Eviction]
+    ) -> None:
+        """Remove ``victims`` in order, appending what each was to ``evicted``."""
         entries = self._entries
-        del entries[key]
-        kind = entry.kind
-        self._kinds[kind] -= 1
-        size = entry.nbytes
-        resident = self._resident_bytes - size
-        self._resident_bytes = resident
-        parent = entry.parent
-        if parent is not None and not self._lru:
-            parent.children -= 1
-            if parent.children == 0 and entries.get(parent.key) is parent:
-                heapq.heappush(
-                    self._leaves, (parent.priority, parent.last_used, id(parent), parent)
+        kinds = self._kinds
+        unfootprinted = self._unfootprinted
+        tombstone = self._misses.evicted
+        reuse = not self._lru
+        resident = self._resident_bytes
+        for entry, reason in victims:
+            key = entry.key
+            del entries[key]
+            kind = entry.kind
+            kinds[kind] -= 1
+            size = entry.nbytes
+            resident -= size
+            parent = entry.parent
+            if reuse and parent is not None:
+                parent.children -= 1
+                if parent.children == 0 and entries.get(parent.key) is parent:
+                    heapq.heappush(self._leaves, _leaf_item(parent))
+            if unfootprinted.pop(key, None) is None:
+                self._footprint.remove(key)
+            if reason != "cleared":
+                if entry.priority > self._inflation:
+                    self._inflation = entry.priority
+                tombstone(key)
+                self._evictions += 1
+                self._evicted_bytes += size
+            evicted.append(
+                (
+                    entry.label,
+                    kind,
+                    entry.token_start,
+                    entry.token_count,
+                    key,
+                    size,
+                    reason,
+                    len(entries),
+                    resident,
                 )
-        if self._unfootprinted.pop(key, None) is None:
-            self._footprint.remove(key)
-        if reason != "cleared":
-            if entry.priority > self._inflation:
-                self._inflation = entry.priority
-            self._misses.evicted(key)
-            self._evictions += 1
-            self._evicted_bytes += size
-        return (
-            entry.label,
-            kind,
-            entry.token_start,
-            entry.token_count,
-            key,
-            size,
-            reason,
-            len(entries),
-            resident,
-        )
+            )
+        self._resident_bytes = resident
 
     # ---------------------------------------------------------------- restore
 
@@ -1165,7 +1168,10 @@ class PagedActivationIndex:
             and entry.payload.size == token_count * entry.bytes_per_token
             and (
                 first is None
-                or (entry.meta == first.meta and entry.bytes_per_token == first.bytes_per_token)
+                or (
+                    (entry.meta is first.meta or entry.meta == first.meta)
+                    and entry.bytes_per_token == first.bytes_per_token
+                )
             )
         )
         if not valid:
@@ -1178,12 +1184,11 @@ class PagedActivationIndex:
         """Evict everything (reason ``"cleared"``), leaves first; counters are kept."""
         out: list[_Eviction] = []
         if self._lru:
-            while self._entries:
-                out.append(self._evict(next(iter(self._entries.values())), "cleared"))
+            self._evict_all([(entry, "cleared") for entry in self._entries.values()], out)
         else:
             self._compact_leaves()
             while (victim := self._pop_leaf()) is not None:
-                out.append(self._evict(victim, "cleared"))
+                self._evict_all([(victim, "cleared")], out)
             self._leaves.clear()
         return EvictedPages(out).pages
 

@@ -328,3 +328,20 @@ def test_reused_token_buffer_is_not_mistaken_for_the_previous_prompt() -> None:
     kv.record_resident_activation(config, MessageBase(), 0, buffer, WIDTH, frame)
     assert restored(kv, config, list(range(101, 113))) == 12
     assert restored(kv, config, list(range(1, 13))) == 0
+
+
+def test_pages_of_one_row_description_share_one_meta_object() -> None:
+    """Records with equal row descriptions (counts aside) store one shared ``meta``; another
+    dtype gets its own, and a restore still joins only pages that agree."""
+    kv, config = integration()
+    assert isinstance(kv, PagedStageIntegration)
+    record(kv, config, [1, 2, 3, 4])
+    record(kv, config, [1, 2, 3, 4, 5, 6, 7, 8])
+    half = ActivationFrame.from_array(causal_rows([9, 9, 9, 9]).astype(np.float16))
+    kv.record_resident_activation(config, MessageBase(), 0, [9, 9, 9, 9], WIDTH, half)
+    metas = [entry.meta for entry in kv.index._entries.values()]
+    assert len(metas) == 3
+    assert len({id(m) for m in metas}) == 2  # the two float32 pages share one object
+    assert metas[0] == metas[1]
+    assert metas[0] != metas[2]
+    assert restored(kv, config, [1, 2, 3, 4, 5, 6, 7, 8]) == 8
