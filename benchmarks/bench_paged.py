@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         help="tokens per stage, comma-separated; 0 = unbounded (1000000,3000000,10000000,0)",
     )
     parser.add_argument("--stages", type=int, default=1, help="replay pipeline stages (1)")
-    parser.add_argument("--repeat", type=int, default=3, help="timing repetitions (median)")
+    parser.add_argument("--repeat", type=int, default=5, help="timing repetitions (median)")
     parser.add_argument("--limit-requests", type=int, default=None)
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON's, .png)")
