@@ -976,7 +976,9 @@ class PagedActivationIndex:
         Entries the running record touched are the newest (it moved them to the end), so meeting
         one means that only this prompt's own chain is left: nothing more can go. ``also`` (an
         entry being re-recorded, not yet touched) is passed over; the entry after it is still a
-        leaf, since ``also``'s parent, if any, was touched.
+        leaf, since ``also``'s parent, if any, was touched. Each victim's reason is the first bound
+        (entries, then bytes) that the new entries, all together, would still exceed; it can
+        differ from page-by-page making room only when both bounds bind.
         """
         max_bytes = self.max_bytes
         count = len(self._entries)
