@@ -14,7 +14,7 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import attrs
 
@@ -503,8 +503,9 @@ class StageConfig:
 
         Raises:
             ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
-                a bad value; the message starts with the file name and gives the line
-                where the parser reports one, and names the field of a bad value.
+                a bad value; the message starts with the file name, then the line (the
+                parser's for a syntax error; the field's for a bad, unknown or misplaced
+                field), and names the field and value.
         """
         source = os.fspath(path)
         text = _read_text(source)
@@ -513,7 +514,7 @@ class StageConfig:
         except tomllib.TOMLDecodeError as exc:
             msg = f"{source}: invalid TOML: {exc}"
             raise ConfigError(msg) from exc
-        return cls.from_mapping(document, source=source)
+        return _build(cls, document, source=source, prefix="", locate=_toml_locator(text))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> StageConfig:
@@ -521,8 +522,9 @@ class StageConfig:
 
         Raises:
             ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
-                a bad value; the message starts with the file name and gives the line
-                where the parser reports one, and names the field of a bad value.
+                a bad value; the message starts with the file name, then the line (the
+                parser's for a syntax error; the field's for a bad, unknown or misplaced
+                field), and names the field and value.
         """
         source = os.fspath(path)
         text = _read_text(source)
@@ -534,7 +536,7 @@ class StageConfig:
         if not isinstance(document, dict):
             msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
             raise ConfigError(msg)
-        return cls.from_mapping(document, source=source)
+        return _build(cls, document, source=source, prefix="", locate=_json_locator(text))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> StageConfig:
@@ -620,36 +622,107 @@ def _read_text(source: str) -> str:
 
 _T = TypeVar("_T")
 
+_Locator = Callable[[str], int | None]
+"""The line of a dotted field (``kv_cache.max_entries``) in a config file, if it can be found."""
+
 
 def _build(
-    cls: Callable[..., _T], mapping: Mapping[str, Any], *, source: str | None, prefix: str
+    cls: Callable[..., _T],
+    mapping: Mapping[str, Any],
+    *,
+    source: str | None,
+    prefix: str,
+    locate: _Locator | None = None,
 ) -> _T:
-    """Construct ``cls`` from ``mapping``; errors name ``prefix + field`` and ``source``."""
-    where = f"{source}: " if source else ""
+    """Construct ``cls`` from ``mapping``; errors name ``source``, the field's line when
+    ``locate`` finds it, ``prefix + field`` and the value."""
+
+    def fail(message: str, field: str) -> NoReturn:
+        where = f"{source}: " if source else ""
+        line = locate(field) if locate is not None and field else None
+        if line is not None:
+            where += f"line {line}: "
+        raise ConfigError(where + message) from None
+
     if not isinstance(mapping, Mapping):
-        msg = f"{where}{prefix.rstrip('.') or 'config'} must be a table, got {mapping!r}"
-        raise ConfigError(msg)
+        name = prefix.rstrip(".")
+        fail(f"{name or 'config'} must be a table, got {mapping!r}", name)
     fields = attrs.fields_dict(cls)  # type: ignore[arg-type]
     for key in mapping:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            msg = f"{where}unknown field {prefix}{key} (known fields: {known})"
-            raise ConfigError(msg)
+            fail(f"unknown field {prefix}{key} (known fields: {known})", prefix + key)
     missing = [
         name
         for name, field in fields.items()
         if field.default is attrs.NOTHING and name not in mapping
     ]
     if missing:
-        msg = f"{where}missing required field {prefix}{missing[0]}"
-        raise ConfigError(msg)
+        fail(f"missing required field {prefix}{missing[0]}", "")
     values = dict(mapping)
     if "kv_cache" in values and isinstance(values["kv_cache"], Mapping):
         values["kv_cache"] = _build(
-            KvCacheConfig, values["kv_cache"], source=source, prefix=prefix + "kv_cache."
+            KvCacheConfig,
+            values["kv_cache"],
+            source=source,
+            prefix=prefix + "kv_cache.",
+            locate=locate,
         )
     try:
         return cls(**values)
     except ConfigError as exc:
-        msg = f"{where}{prefix}{exc}"
-        raise ConfigError(msg) from None
+        # Value errors start with the field's name ("ctx_size must be >= 1, got 0").
+        text = str(exc)
+        field = next((key for key in values if text.startswith(f"{key} ")), "")
+        fail(f"{prefix}{exc}", prefix + field if field else "")
+
+
+_TOML_TABLE = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(?:#.*)?$")
+_TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_.\-\"' ]+?)\s*=")
+
+
+def _toml_key(key: str) -> list[str]:
+    return [part.strip().strip("\"'") for part in key.split(".")]
+
+
+def _toml_locator(text: str) -> _Locator:
+    """Find a field's line in TOML ``text``: a ``key =`` line under the field's table (or a
+    dotted key), or the line of an inline table that assigns it. Best effort: None when the
+    text does not say it in one of these plain ways."""
+    lines = text.splitlines()
+
+    def locate(field: str) -> int | None:
+        want = field.split(".")
+        table: list[str] = []
+        for number, line in enumerate(lines, start=1):
+            header = _TOML_TABLE.match(line)
+            if header is not None:
+                table = _toml_key(header.group(1))
+                continue
+            key = _TOML_KEY.match(line)
+            if key is None:
+                continue
+            path = table + _toml_key(key.group(1))
+            if path == want:
+                return number
+            inline = re.search(rf"[{{,]\s*{re.escape(want[-1])}\s*=", line)
+            if path == want[: len(path)] and inline is not None:
+                return number
+        return None
+
+    return locate
+
+
+def _json_locator(text: str) -> _Locator:
+    """Find a field's line in JSON ``text``: its key after its parent's key. Best effort."""
+
+    def locate(field: str) -> int | None:
+        position = 0
+        for part in field.split("."):
+            found = re.compile(rf'"{re.escape(part)}"\s*:').search(text, position)
+            if found is None:
+                return None
+            position = found.start()
+        return text.count("\n", 0, position) + 1
+
+    return locate

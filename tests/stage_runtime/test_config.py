@@ -144,7 +144,7 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n')
     path.write_text(path.read_text() + "[kv_cache]\nmax_entries = 0\n")
-    expected = f"^{re.escape(str(path))}: kv_cache.max_entries must be >= 1, got 0$"
+    expected = f"^{re.escape(str(path))}: line 6: kv_cache.max_entries must be >= 1, got 0$"
     with pytest.raises(ConfigError, match=expected):
         StageConfig.from_toml(path)
     broken = tmp_path / "broken.json"
@@ -179,13 +179,36 @@ TOML_BASE = 'stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
             r"invalid TOML: Cannot overwrite a value \(at line 6, column 13\)",
         ),
         (".json", '{\n "stage_id": "s",\n}', r"invalid JSON: .*: line 3 column 1 \(char 20\)"),
-        # bad values: no parser line, but the file, field (with its table) and value
-        (".toml", TOML_BASE + "ctx_size = 0\n", "ctx_size must be >= 1, got 0$"),
-        (".toml", TOML_BASE + 'flash_attn = "fast"\n', "flash_attn must be one of .*got 'fast'$"),
-        (".toml", TOML_BASE + "kv_cache = 5\n", "kv_cache must be a table of cache settings"),
-        (".toml", TOML_BASE + "[kv_cache]\nstride = 1\n", "unknown field kv_cache.stride "),
+        # bad values: the field's line, the field (with its table) and the value
+        (".toml", TOML_BASE + "ctx_size = 0\n", "line 5: ctx_size must be >= 1, got 0$"),
         (
             ".toml",
+            TOML_BASE + 'flash_attn = "fast"\n',
+            "line 5: flash_attn must be one of .*got 'fast'$",
+        ),
+        (
+            ".toml",
+            TOML_BASE + "kv_cache = 5\n",
+            "line 5: kv_cache must be a table of cache settings",
+        ),
+        (".toml", TOML_BASE + "[kv_cache]\nstride = 1\n", "line 6: unknown field kv_cache.stride "),
+        (
+            ".toml",  # a dotted key
+            TOML_BASE + 'kv_cache.mode = "lookup-record"\nkv_cache.min_tokens = -1\n',
+            "line 6: kv_cache.min_tokens must be >= 0, got -1$",
+        ),
+        (
+            ".toml",  # an inline table
+            TOML_BASE + "ctx_size = 8\nkv_cache = { mode = 'auto', max_entries = 0 }\n",
+            "line 6: kv_cache.max_entries must be >= 1, got 0$",
+        ),
+        (
+            ".toml",  # a rule between two fields: the line of the field it names
+            'stage_id = "s"\nmodel_id = "m"\nlayer_start = 4\nlayer_end = 2\n',
+            r"line 4: layer_end must be > layer_start \(4\), got 2$",
+        ),
+        (
+            ".toml",  # nothing to point at
             'stage_id = "s"\nlayer_start = 0\nlayer_end = 1\n',
             "missing required field model_id$",
         ),
@@ -193,20 +216,26 @@ TOML_BASE = 'stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
             ".json",
             '{"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": 4, '
             '"kv_cache": {"mode": "lookup-record", "min_tokens": -3}}',
-            "kv_cache.min_tokens must be >= 0, got -3$",
+            "line 1: kv_cache.min_tokens must be >= 0, got -3$",
+        ),
+        (
+            ".json",  # a key inside a table, on its own line
+            '{\n "stage_id": "s",\n "model_id": "m",\n "layer_start": 0,\n "layer_end": 4,\n'
+            ' "kv_cache": {\n  "mode": "lookup-record",\n  "max_entries": 0\n }\n}\n',
+            "line 8: kv_cache.max_entries must be >= 1, got 0$",
         ),
         (
             ".json",
             '{"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": true}',
-            "layer_end must be an integer, got True$",
+            "line 1: layer_end must be an integer, got True$",
         ),
     ],
 )
 def test_file_errors_name_file_line_and_field(
     tmp_path: Path, suffix: str, text: str, message: str
 ) -> None:
-    """Every error from a file starts with its path; parse errors carry the parser's line,
-    value errors name the field (with its table) and the value."""
+    """Every error from a file starts with its path and (when there is one to point at) a line:
+    the parser's for a syntax error, the field's for a bad value or an unknown field."""
     path = tmp_path / f"stage{suffix}"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {message}"):
