@@ -633,15 +633,19 @@ def _build(
     source: str | None,
     prefix: str,
     locate: _Locator | None = None,
+    subject: str | None = None,
 ) -> _T:
     """Construct ``cls`` from ``mapping``; errors name ``source``, the field's line when
-    ``locate`` finds it, ``prefix + field`` and the value."""
+    ``locate`` finds it, ``subject`` (what in the file is built), ``prefix + field`` and the
+    value."""
 
     def fail(message: str, field: str) -> NoReturn:
         where = f"{source}: " if source else ""
         line = locate(field) if locate is not None and field else None
         if line is not None:
             where += f"line {line}: "
+        if subject:
+            where += f"{subject}: "
         raise ConfigError(where + message) from None
 
     if not isinstance(mapping, Mapping):
@@ -667,6 +671,7 @@ def _build(
             source=source,
             prefix=prefix + "kv_cache.",
             locate=locate,
+            subject=subject,
         )
     try:
         return cls(**values)
@@ -677,37 +682,62 @@ def _build(
         fail(f"{prefix}{exc}", prefix + field if field else "")
 
 
-_TOML_TABLE = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(?:#.*)?$")
+_TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\[\]]+?)\s*\]\]?\s*(?:#.*)?$")
 _TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_.\-\"' ]+?)\s*=")
+
+_KeyPath = tuple[str | int, ...]
 
 
 def _toml_key(key: str) -> list[str]:
     return [part.strip().strip("\"'") for part in key.split(".")]
 
 
-def _toml_locator(text: str) -> _Locator:
+def _toml_key_lines(text: str) -> list[tuple[int, _KeyPath, str]]:
+    """``(line number, full key path, line)`` of each ``key = value`` line of TOML ``text``.
+
+    A path counts the elements of arrays of tables: the ``layer_end`` of the second
+    ``[[stage]]`` is ``("stage", 1, "layer_end")``, and a ``[stage.kv_cache]`` table belongs to
+    the latest ``[[stage]]``.
+    """
+    arrays: dict[tuple[str, ...], int] = {}
+    table: _KeyPath = ()
+    out: list[tuple[int, _KeyPath, str]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _TOML_HEADER.match(line)
+        if header is not None:
+            parts = _toml_key(header.group(2))
+            if header.group(1) == "[[":
+                arrays[tuple(parts)] = arrays.get(tuple(parts), -1) + 1
+            path: list[str | int] = []
+            for i, part in enumerate(parts):
+                path.append(part)
+                index = arrays.get(tuple(parts[: i + 1]))
+                if index is not None:
+                    path.append(index)
+            table = tuple(path)
+            continue
+        key = _TOML_KEY.match(line)
+        if key is not None:
+            out.append((number, table + tuple(_toml_key(key.group(1))), line))
+    return out
+
+
+def _toml_locator(text: str, *tables: _KeyPath) -> _Locator:
     """Find a field's line in TOML ``text``: a ``key =`` line under the field's table (or a
-    dotted key), or the line of an inline table that assigns it. Best effort: None when the
-    text does not say it in one of these plain ways."""
-    lines = text.splitlines()
+    dotted key), or the line of an inline table that assigns it; the field is looked for under
+    each of ``tables`` in turn (default: the top level). Best effort: None when the text does
+    not say it in one of these plain ways."""
+    keys = _toml_key_lines(text)
 
     def locate(field: str) -> int | None:
-        want = field.split(".")
-        table: list[str] = []
-        for number, line in enumerate(lines, start=1):
-            header = _TOML_TABLE.match(line)
-            if header is not None:
-                table = _toml_key(header.group(1))
-                continue
-            key = _TOML_KEY.match(line)
-            if key is None:
-                continue
-            path = table + _toml_key(key.group(1))
-            if path == want:
-                return number
-            inline = re.search(rf"[{{,]\s*{re.escape(want[-1])}\s*=", line)
-            if path == want[: len(path)] and inline is not None:
-                return number
+        for table in tables or ((),):
+            want = table + tuple(field.split("."))
+            for number, path, line in keys:
+                if path == want:
+                    return number
+                inline = re.search(rf"[{{,]\s*{re.escape(str(want[-1]))}\s*=", line)
+                if path == want[: len(path)] and inline is not None:
+                    return number
         return None
 
     return locate

@@ -38,7 +38,7 @@ import numpy.typing as npt
 import trio
 
 from stage_runtime.cache import EvictedEntry
-from stage_runtime.config import StageConfig
+from stage_runtime.config import StageConfig, _build, _toml_locator
 from stage_runtime.errors import ConfigError, StageRuntimeError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
@@ -348,11 +348,17 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     """
     source = os.fspath(path)
     try:
-        with Path(source).open("rb") as file:
-            document = tomllib.load(file)
+        data = Path(source).read_bytes()
     except OSError as exc:
         msg = f"{source}: cannot read topology file: {exc.strerror or exc}"
         raise ConfigError(msg) from exc
+    try:
+        text = data.decode("utf-8")
+        document = tomllib.loads(text)
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        msg = f"{source}: line {line}: topology file must be UTF-8, got byte {data[exc.start]:#04x}"
+        raise ConfigError(msg) from None
     except tomllib.TOMLDecodeError as exc:
         msg = f"{source}: invalid TOML: {exc}"
         raise ConfigError(msg) from exc
@@ -380,7 +386,18 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
         if position + 1 < len(tables):
             merged.setdefault("downstream", ids[position + 1])
         label = repr(ids[position]) if ids[position] is not None else f"#{position}"
-        # One format for every topology error: "file: stage 'id': field ..."
-        configs.append(StageConfig.from_mapping(merged, source=f"{source}: stage {label}"))
+        # One format for every stage error: "file: line N: stage 'id': field ..." (the line of
+        # the field in this stage's tables, else in the defaults).
+        locate = _toml_locator(text, ("stage", position), ("defaults",))
+        configs.append(
+            _build(
+                StageConfig,
+                merged,
+                source=source,
+                prefix="",
+                locate=locate,
+                subject=f"stage {label}",
+            )
+        )
     validate_topology(configs, source=source)
     return configs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -510,11 +511,27 @@ max_entries = 1
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
-            r"topology.toml: stage 'a': layer_end must be an integer, got 'x'",
+            r"topology.toml: line 6: stage 'a': layer_end must be an integer, got 'x'",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 3\n',
-            r"topology.toml: stage 'a': layer_end must be > layer_start \(3\), got 3",
+            r"topology.toml: line 6: stage 'a': layer_end must be > layer_start \(3\), got 3",
+        ),
+        (  # the second [[stage]]'s own line, not the first one's
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 3\n',
+            r"topology.toml: line 10: stage 'b': layer_end must be > layer_start \(3\), got 3",
+        ),
+        (  # a value every stage takes from [defaults]: the line in the defaults
+            '[defaults]\nmodel_id = "m"\nctx_size = 0\n'
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n',
+            r"topology.toml: line 3: stage 'a': ctx_size must be >= 1, got 0",
+        ),
+        (  # a stage's own kv_cache sub-table
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n'
+            '[stage.kv_cache]\nmode = "lookup-record"\nmax_entries = 0\n',
+            r"topology.toml: line 13: stage 'b': kv_cache.max_entries must be >= 1, got 0",
         ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
@@ -525,6 +542,15 @@ def test_invalid_topology_names_file_stage_and_field(tmp_path: Path, body: str, 
     path = tmp_path / "topology.toml"
     path.write_text('[defaults]\nmodel_id = "m"\n' + body if "defaults" not in body else body)
     with pytest.raises(ConfigError, match=match):
+        load_topology(path)
+
+
+def test_topology_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 is a ConfigError with the file and line, not a decode error."""
+    path = tmp_path / "topology.toml"
+    path.write_bytes(b'[[stage]]\nstage_id = "\xff"\n')
+    expected = f"^{re.escape(str(path))}: line 2: topology file must be UTF-8, got byte 0xff$"
+    with pytest.raises(ConfigError, match=expected):
         load_topology(path)
 
 
