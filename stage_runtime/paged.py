@@ -1031,6 +1031,9 @@ class PagedActivationIndex:
         return None
 
     def _touch(self, entry: _Entry, *, hit: bool) -> None:
+        """Mark ``entry`` used now. Under ``lru`` it moves to the newest end at once (a record
+        must not evict what it already touched); :meth:`_settle` orders the whole chain when the
+        operation ends. Under ``reuse`` its priority is recomputed and it rejoins the leaf heap."""
         self._clock += 1
         entry.last_used = self._clock
         if hit:
