@@ -198,7 +198,8 @@ class ResidentActivationRecord:
 
     evicted: Sequence[EvictedEntry] = ()
     """The entries this store evicted, least recently used first (a tuple from the ladder; from the
-    paged index, an ``EvictedPages`` that builds each record when read)."""
+    paged index, an ``EvictedPages`` that builds each record when read, which ``attrs.asdict``
+    leaves as it is: ``tuple(record.evicted)`` gives a plain tuple)."""
 
 
 @attrs.frozen(kw_only=True)
