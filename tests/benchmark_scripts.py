@@ -1,4 +1,5 @@
-"""Load a ``benchmarks/`` script as a module, for tests of its functions (nothing is timed)."""
+"""Load a ``benchmarks/`` script or an ``examples/`` program as a fresh module, for tests of its
+functions (nothing is timed)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,26 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+ROOT = Path(__file__).parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+EXAMPLES = ROOT / "examples"
 
 
-def load_script(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a fresh module named ``name``."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+def load_module(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` as a fresh module named ``name`` (not put in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a fresh module named ``name``."""
+    return load_module(BENCHMARKS / f"{name}.py", name)
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a fresh module named ``example_<name>``."""
+    return load_module(EXAMPLES / f"{name}.py", f"example_{name}")

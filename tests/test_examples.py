@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,8 @@ from types import ModuleType
 import pytest
 import structlog
 import trio.testing
+
+from tests.benchmark_scripts import load_module
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
 REAL_CLOCK = {"http_server"}
@@ -29,12 +30,7 @@ def restore_structlog() -> Iterator[None]:
 
 
 def load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, f"example_{path.stem}")
 
 
 def example(name: str) -> Path:

@@ -8,7 +8,6 @@ pipeline. Every test is bounded by ``trio.fail_after``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -39,6 +38,7 @@ from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_
 from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
 from stage_runtime.server import serve as real_serve
 from stage_runtime.server.command import add_serve_arguments, run_serve
+from tests.benchmark_scripts import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20
@@ -1151,13 +1151,7 @@ async def test_serve_command_reports_draining_during_grace_and_a_second_signal_h
 
 async def test_http_server_example_main_restores_the_repeated_prompt() -> None:
     """examples/http_server.py main() serves, prefills twice and sees the second restored."""
-    spec = importlib.util.spec_from_file_location(
-        "http_server_example", ROOT / "examples" / "http_server.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example("http_server")
     with trio.fail_after(TIMEOUT_S):
         result = await module.main()
     assert all(stage["restored_tokens"] == 0 for stage in result["first"]["stages"])
@@ -1225,13 +1219,7 @@ def check_documented_curl_replies(
 
 async def test_the_curl_commands_of_the_http_server_example_answer_as_documented() -> None:
     """examples/http_server.py's docstring: its curl commands, replayed against a real server."""
-    spec = importlib.util.spec_from_file_location(
-        "http_server_example_doc", ROOT / "examples" / "http_server.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example("http_server")
     assert module.__doc__ is not None
     replies = await replay_curl_commands(module.__doc__)
     check_documented_curl_replies(replies)
