@@ -726,10 +726,11 @@ def _toml_locator(text: str, *tables: _KeyPath) -> _Locator:
     """Find a field's line in TOML ``text``: a ``key =`` line under the field's table (or a
     dotted key), or the line of an inline table that assigns it; the field is looked for under
     each of ``tables`` in turn (default: the top level). Best effort: None when the text does
-    not say it in one of these plain ways."""
-    keys = _toml_key_lines(text)
+    not say it in one of these plain ways. The text is scanned only when a field is looked
+    for (an error), not when the locator is made."""
 
     def locate(field: str) -> int | None:
+        keys = _toml_key_lines(text)
         for table in tables or ((),):
             want = table + tuple(field.split("."))
             for number, path, line in keys:

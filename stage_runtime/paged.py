@@ -1140,10 +1140,9 @@ class PagedActivationIndex:
             final: MissReason = reason if reason is not None else "never_seen"
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
-        for entry in used:
+        # Under LRU, touching the chain deepest first leaves it in the order _settle gives.
+        for entry in reversed(used) if self._lru else used:
             self._touch(entry, hit=True)
-        if self._lru:
-            self._settle(used[-1])
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
