@@ -27,10 +27,10 @@ from __future__ import annotations
 import itertools
 import os
 import tomllib
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import numpy as np
@@ -287,32 +287,52 @@ def validate_topology(stages: Sequence[StageConfig], *, source: str | None = Non
     Raises:
         ConfigError: naming the file (if any), the stage and the field.
     """
-    where = f"{source}: " if source else ""
+    _validate_topology(stages, source=source, locate=None)
+
+
+def _validate_topology(
+    stages: Sequence[StageConfig],
+    *,
+    source: str | None,
+    locate: Callable[[int, str], int | None] | None,
+) -> None:
+    """:func:`validate_topology`; ``locate(position, field)`` gives the line of a stage's field
+    in ``source``, named in the message when known."""
+
+    def fail(position: int, field: str, problem: str) -> NoReturn:
+        line = None if locate is None else locate(position, field)
+        where = f"{source}: " if source else ""
+        if line is not None:
+            where += f"line {line}: "
+        msg = f"{where}stage {stages[position].stage_id!r}: {problem}"
+        raise ConfigError(msg)
+
     if not stages:
+        where = f"{source}: " if source else ""
         msg = f"{where}stages must hold at least one stage, got 0"
         raise ConfigError(msg)
     seen: set[str] = set()
     for position, config in enumerate(stages):
         if not isinstance(config, StageConfig):
+            where = f"{source}: " if source else ""
             msg = f"{where}stages[{position}] must be a StageConfig, got {type(config).__name__}"
             raise ConfigError(msg)
-        stage = f"stage {config.stage_id!r}"
         if config.stage_id in seen:
-            msg = f"{where}{stage}: stage_id must be unique, got {config.stage_id!r} twice"
-            raise ConfigError(msg)
+            fail(position, "stage_id", f"stage_id must be unique, got {config.stage_id!r} twice")
         seen.add(config.stage_id)
         if config.stage_index != position:
-            msg = (
-                f"{where}{stage}: stage_index must equal its position {position}, "
-                f"got {config.stage_index}"
+            fail(
+                position,
+                "stage_index",
+                f"stage_index must equal its position {position}, got {config.stage_index}",
             )
-            raise ConfigError(msg)
         if position and config.layer_start != stages[position - 1].layer_end:
-            msg = (
-                f"{where}{stage}: layer_start must equal the previous stage's layer_end "
-                f"{stages[position - 1].layer_end}, got {config.layer_start}"
+            fail(
+                position,
+                "layer_start",
+                f"layer_start must equal the previous stage's layer_end "
+                f"{stages[position - 1].layer_end}, got {config.layer_start}",
             )
-            raise ConfigError(msg)
 
 
 def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
@@ -399,5 +419,9 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
                 subject=f"stage {label}",
             )
         )
-    validate_topology(configs, source=source)
+
+    def locate_field(position: int, field: str) -> int | None:
+        return _toml_locator(text, ("stage", position), ("defaults",))(field)
+
+    _validate_topology(configs, source=source, locate=locate_field)
     return configs

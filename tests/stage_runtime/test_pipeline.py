@@ -495,13 +495,19 @@ max_entries = 1
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: stage 'a': stage_id must be unique",
+            r"topology.toml: line 8: stage 'a': stage_id must be unique, got 'a' twice",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 4\nlayer_end = 6\n',
-            r"topology.toml: stage 'b': layer_start must equal the previous stage's "
+            r"topology.toml: line 9: stage 'b': layer_start must equal the previous stage's "
             r"layer_end 3, got 4",
+        ),
+        (  # a stage_index set in [defaults] fits only the first stage: the defaults' line
+            '[defaults]\nmodel_id = "m"\nstage_index = 0\n'
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
+            r"topology.toml: line 3: stage 'b': stage_index must equal its position 1, got 0",
         ),
         ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
         (
