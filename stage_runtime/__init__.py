@@ -37,6 +37,7 @@ from stage_runtime.config import (
 from stage_runtime.errors import (
     ConfigError,
     FrameError,
+    PipelineStoppedError,
     StageFailedError,
     StageRuntimeError,
     TraceFormatError,
@@ -163,6 +164,7 @@ __all__ = [
     "ResidentActivationRestore",
     "ResidentCacheStats",
     "StageConfig",
+    "PipelineStoppedError",
     "StageFailedError",
     "StageRuntimeError",
     "TokenArray",

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "FrameError",
+    "PipelineStoppedError",
     "StageFailedError",
     "StageRuntimeError",
     "TraceFormatError",
@@ -43,3 +44,10 @@ class StageFailedError(StageRuntimeError):
     def __init__(self, message: str, *, stage_id: str = "") -> None:
         super().__init__(message)
         self.stage_id = stage_id
+
+
+class PipelineStoppedError(StageRuntimeError):
+    """The pipeline stopped (a stage crashed, or the pipeline closed) before a request finished.
+
+    Not the request's fault: the same request may succeed on another pipeline.
+    """

@@ -39,7 +39,7 @@ import trio
 
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig, _build, _toml_locator
-from stage_runtime.errors import ConfigError, StageRuntimeError
+from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.models import ModelFactory
@@ -124,7 +124,8 @@ class Pipeline:
             ConfigError: ``tokens`` is not a sequence, empty, not integers, or outside int32; or
                 ``session_id`` or ``request_id`` is not a string.
             trio.ClosedResourceError: the pipeline is draining or stopped.
-            StageRuntimeError: the pipeline stopped (a stage crashed) before the request finished.
+            PipelineStoppedError: the pipeline stopped (a stage crashed) before the request
+                finished.
             Exception: whatever the model raised for this input (only this caller sees it).
         """
         if self._draining:
@@ -154,7 +155,7 @@ class Pipeline:
                 await self._entry.send(request)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 msg = f"pipeline stopped before request {request_id!r} finished"
-                raise StageRuntimeError(msg) from None
+                raise PipelineStoppedError(msg) from None
             await request.done.wait()
         finally:
             self._pending.discard(request)
@@ -196,7 +197,7 @@ class Pipeline:
         self._draining = True
         for request in list(self._pending):
             msg = f"pipeline stopped before request {request.request_id!r} finished"
-            request.fail(StageRuntimeError(msg))
+            request.fail(PipelineStoppedError(msg))
 
 
 def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:

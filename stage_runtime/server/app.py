@@ -37,7 +37,7 @@ import numpy.typing as npt
 import structlog
 import trio
 
-from stage_runtime.errors import ConfigError, StageRuntimeError
+from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.server.metrics import (
     CONTENT_TYPE,
     MetricFamily,
@@ -484,8 +484,6 @@ class PipelineApp:
         )
 
     def _prefill_error(self, error: Exception, request: PrefillBody) -> _Response:
-        if isinstance(error, ConfigError):
-            return _error(400, "invalid_field", str(error), field=request.source)
         if isinstance(error, trio.ClosedResourceError):
             # The pipeline started draining between our readiness check and its admission.
             self._rejected["draining"] += 1
@@ -500,10 +498,12 @@ class PipelineApp:
             exc_info=error,
         )
         message = f"{type(error).__name__}: {error}"
-        if isinstance(error, StageRuntimeError):
+        if isinstance(error, PipelineStoppedError):
             # The pipeline itself stopped (a stage crashed): not this request's fault.
             return _error(503, "pipeline_failed", message)
-        # The model raised on this input; only this caller sees it.
+        # The request was validated before it went in, so whatever a stage raised (the model
+        # failing on this input, a malformed model output, even a ConfigError from the model's
+        # own code) is the server's fault, and only this caller sees it.
         return _error(500, "prefill_failed", message)
 
     def _record(self, result: PrefillResult, elapsed_s: float) -> None:

@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.cache_actor import CacheActor
 from stage_runtime.config import StageConfig
-from stage_runtime.errors import ConfigError, StageFailedError, StageRuntimeError
+from stage_runtime.errors import (
+    ConfigError,
+    PipelineStoppedError,
+    StageFailedError,
+)
 from stage_runtime.models import virtual_model_factory
 from stage_runtime.pipeline import PrefillResult, load_topology, open_pipeline
 from tests.stage_runtime.pipeline_helpers import (
@@ -377,7 +381,7 @@ async def test_stage_crash_fails_the_pipeline_with_stage_failed_error() -> None:
 
 
 async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
-    """Callers waiting in other tasks get a StageRuntimeError instead of hanging."""
+    """Callers waiting in other tasks get a PipelineStoppedError instead of hanging."""
     outcome: list[BaseException] = []
 
     def broken(self: CacheActor, message: Any) -> Any:
@@ -387,7 +391,7 @@ async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
         task_status.started()
         try:
             await pipeline.prefill(prompt(10), session_id="s")
-        except StageRuntimeError as exc:
+        except PipelineStoppedError as exc:
             outcome.append(exc)
 
     with pytest.MonkeyPatch.context() as patch:

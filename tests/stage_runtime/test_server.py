@@ -32,6 +32,7 @@ import trio.lowlevel
 import trio.testing
 
 from stage_runtime.config import CacheMode, KvCacheConfig, StageConfig
+from stage_runtime.errors import ConfigError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import ModelFactory, StageModel, reference_model_factory
 from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
@@ -68,9 +69,14 @@ def four_stages(*, ctx_size: int = 4096) -> list[StageConfig]:
 
 @attrs.define(eq=False)
 class PickyModel:
-    """A reference model that raises for prompts starting with token 666 (a bad input)."""
+    """A reference model that fails on prompts starting with token 666 (a bad input).
+
+    ``fault``: ``"raise"`` a RuntimeError, raise a library ``"config"`` error from the model's
+    own code, or return a ``"short"`` frame (one row missing).
+    """
 
     inner: StageModel
+    fault: str = "raise"
 
     @property
     def activation_width(self) -> int:
@@ -80,6 +86,10 @@ class PickyModel:
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """Embed with the wrapped model, refusing the poisoned prompt."""
         if tokens[0] == 666:
+            if self.fault == "short":
+                return self.inner.embed(tokens[:-1])
+            if self.fault == "config":
+                raise ConfigError("model cannot handle token 666")
             raise RuntimeError("model cannot handle token 666")
         return self.inner.embed(tokens)
 
@@ -90,12 +100,12 @@ class PickyModel:
         return await self.inner.forward(inputs, start, restored)
 
 
-def picky_factory() -> ModelFactory:
-    """Reference models that fail on prompts starting with token 666."""
+def picky_factory(fault: str = "raise") -> ModelFactory:
+    """Reference models that fail on prompts starting with token 666 (see PickyModel)."""
     reference = reference_model_factory(width=16)
 
     def build(config: StageConfig) -> StageModel:
-        return PickyModel(inner=reference(config))
+        return PickyModel(inner=reference(config), fault=fault)
 
     return build
 
@@ -554,10 +564,22 @@ async def test_admission_control_answers_503_with_retry_after_beyond_max_infligh
     assert h.pipeline.entered == 3  # the refused request never reached the pipeline
 
 
-async def test_model_error_fails_only_that_request(capture_stage_logs: LogEvents) -> None:
-    """A model raising on one prompt answers that client 500; the server keeps serving."""
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("raise", "RuntimeError: model cannot handle token 666"),
+        # Library error types from the model are still the server's fault, not the client's
+        # (400) or a stopped pipeline (503).
+        ("config", "ConfigError: model cannot handle token 666"),
+        ("short", "FrameError: stage input must be a frame of 3 tokens, got 2"),
+    ],
+)
+async def test_model_error_fails_only_that_request(
+    fault: str, message: str, capture_stage_logs: LogEvents
+) -> None:
+    """A model failing on one prompt answers that client 500; the server keeps serving."""
     with trio.fail_after(TIMEOUT_S):
-        async with serving(model_factory=picky_factory()) as h:
+        async with serving(model_factory=picky_factory(fault)) as h:
             failed = await h.client.post(
                 "/v1/prefill", json={"tokens": [666, 1, 2], "session_id": "bad"}
             )
@@ -565,7 +587,7 @@ async def test_model_error_fails_only_that_request(capture_stage_logs: LogEvents
             ready = await h.client.get("/readyz")
     assert failed.status_code == 500
     assert failed.json()["error"] == "prefill_failed"
-    assert "token 666" in failed.json()["message"]
+    assert failed.json()["message"] == message
     assert fine.status_code == 200
     assert ready.status_code == 200
     assert [e["status"] for e in served_events(capture_stage_logs)][:2] == [500, 200]
