@@ -128,23 +128,26 @@ class ClearCache:
     """Evict every entry (each logged with reason ``"cleared"``); replies the evicted entries."""
 
 
-def _check_common(message: RestoreActivation | RecordActivation) -> npt.NDArray[np.int32]:
-    """Validate the fields both messages share; return the tokens as an int32 array."""
+def _check_common(
+    message: RestoreActivation | RecordActivation,
+) -> tuple[npt.NDArray[np.int32], int, int]:
+    """Validate the fields both messages share; return the tokens as an int32 array, the
+    token start and the activation width (numpy integers as ints)."""
     if not isinstance(message.base, MessageBase):
         msg = f"base must be a MessageBase, got {type(message.base).__name__}"
         raise ConfigError(msg)
     width = message.activation_width
-    if not isinstance(width, int) or isinstance(width, bool) or width < 0:
+    if not isinstance(width, int | np.integer) or isinstance(width, bool) or width < 0:
         msg = f"activation_width must be an integer >= 0, got {width!r}"
         raise ConfigError(msg)
     start = message.token_start
-    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+    if not isinstance(start, int | np.integer) or isinstance(start, bool) or start < 0:
         msg = f"token_start must be an integer >= 0, got {start!r}"
         raise ConfigError(msg)
     tokens = message.tokens
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
-        return tokens  # the pipeline validated it once at entry: no second pass
-    return as_token_array(tokens)
+    if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1):
+        tokens = as_token_array(tokens)  # else the pipeline validated it once at entry
+    return tokens, int(start), int(width)
 
 
 CacheMessage = RestoreActivation | RecordActivation | CacheStatsRequest | ClearCache
@@ -192,12 +195,12 @@ class CacheActor(Actor[CacheMessage, Any]):
         raise ConfigError(msg)
 
     def _restore(self, message: RestoreActivation) -> ResidentActivationRestore | None:
-        tokens = _check_common(message)
+        tokens, start, width = _check_common(message)
         integration = self._integration
         if integration is None or not integration.should_lookup() or tokens.size == 0:
             return None
         restore = integration.restore_resident_activation(
-            self._config, message.base, message.token_start, tokens, message.activation_width
+            self._config, message.base, start, tokens, width
         )
         requested = int(tokens.size)
         if restore is None:
@@ -220,7 +223,7 @@ class CacheActor(Actor[CacheMessage, Any]):
         return restore
 
     def _record(self, message: RecordActivation) -> list[ResidentActivationRecord]:
-        tokens = _check_common(message)
+        tokens, start, width = _check_common(message)
         frame = message.frame
         if not isinstance(frame, ActivationFrame):
             msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
@@ -236,9 +239,9 @@ class CacheActor(Actor[CacheMessage, Any]):
         records = integration.record_resident_activation(
             self._config,
             message.base,
-            message.token_start,
+            start,
             tokens,
-            message.activation_width,
+            width,
             frame,
         )
         for record in records:

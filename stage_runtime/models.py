@@ -48,7 +48,11 @@ class StageModel(Protocol):
 
     @property
     def activation_width(self) -> int:
-        """The width that goes into the cache key (``act:{page_id}:w{width}``)."""
+        """The width that goes into the cache key (``act:{page_id}:w{width}``).
+
+        Real token-major rows of a known dtype that :meth:`forward` returns must be this wide (the
+        stage checks); a virtual frame's bytes per token may differ.
+        """
         ...
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:

@@ -13,8 +13,9 @@ The cache actor is spawned in the stage's own nursery: it lives and dies with th
 
 Failure and cancellation, per request:
 
-- An exception from the model (``embed``/``forward``) or a malformed model output fails only that
-  request: its caller's ``prefill`` raises it, and the stage moves on.
+- An exception from the model (``embed``/``forward``) or a malformed model output (the wrong
+  number of rows, or real rows not ``activation_width`` values wide) fails only that request: its
+  caller's ``prefill`` raises it, nothing is recorded, and the stage moves on.
 - A request whose caller gave up (cancelled its ``prefill``) is *abandoned*: stages skip it when
   it reaches them, and a stage computing it is interrupted (its compute runs in a cancel scope the
   caller cancels). A stage records only a frame it computed completely for a live request, and each
@@ -50,7 +51,7 @@ from stage_runtime.cache_actor import (
 )
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError, StageFailedError
-from stage_runtime.frames import ActivationFrame
+from stage_runtime.frames import _NUMPY_DTYPE, ActivationFrame, ActivationLayout
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
@@ -356,6 +357,7 @@ class Stage:
             got = suffix.token_count if isinstance(suffix, ActivationFrame) else suffix
             msg = f"model output must be a frame of {n - k} tokens, got {got!r}"
             raise FrameError(msg)
+        _check_row_width(suffix, model.activation_width)
         return suffix if restored is None else ActivationFrame.concat(restored, suffix)
 
     def _message_base(self, request: PrefillRequest) -> MessageBase:
@@ -370,6 +372,34 @@ class Stage:
             topology_id=config.topology_id,
             model_id=config.model_id,
         )
+
+
+def _check_row_width(frame: ActivationFrame, width: int) -> None:
+    """Refuse model output whose rows are not ``width`` values wide.
+
+    The width is part of every cache key, so rows of another width would be recorded under it
+    and restored into later prompts. Checked where the frame says its row width: real (not
+    virtual) token-major single-sequence rows of a known dtype. A virtual frame's width is
+    nominal (a simulation sets its bytes per token freely).
+    """
+    desc = frame.desc
+    element = _NUMPY_DTYPE.get(desc.dtype)
+    if (
+        element is None
+        or desc.layout != ActivationLayout.TOKEN_MAJOR
+        or desc.flags
+        or desc.sequence_count != 1
+        or desc.token_count == 0
+        or frame.is_virtual
+    ):
+        return
+    if frame.bytes_per_token != width * element.itemsize:
+        got = frame.bytes_per_token / element.itemsize
+        msg = (
+            f"model output rows must be activation_width {width} {desc.dtype.name} values "
+            f"wide, got {got:g}"
+        )
+        raise FrameError(msg)
 
 
 def _unwrap(exc: Exception) -> Exception:

@@ -61,13 +61,11 @@ def prompt(n: int, start: int = 0) -> npt.NDArray[np.int32]:
 
 @attrs.define(eq=False)
 class CountingModel:
-    """Wraps a model; counts forward calls, can block on an event, fail on a token, or rekey."""
+    """Wraps a model; counts forward calls, can block on an event or fail on a token."""
 
     inner: StageModel
     calls: list[tuple[int, int]] = attrs.field(factory=list)
     """(start, N) of every forward call."""
-    key_width: int | None = None
-    """Overrides the width in cache keys when set."""
     fail_on_token: int | None = None
     """forward raises ValueError when this token id is in the prompt (stage 0 embeds it)."""
     gate: Any = None
@@ -75,7 +73,7 @@ class CountingModel:
 
     @property
     def activation_width(self) -> int:
-        return self.inner.activation_width if self.key_width is None else self.key_width
+        return self.inner.activation_width
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         if self.fail_on_token is not None and self.fail_on_token in tokens:

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
+import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
@@ -19,10 +21,12 @@ from stage_runtime.cache_actor import CacheActor
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import (
     ConfigError,
+    FrameError,
     PipelineStoppedError,
     StageFailedError,
 )
-from stage_runtime.models import virtual_model_factory
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.models import StageModel, reference_model_factory, virtual_model_factory
 from stage_runtime.pipeline import PrefillResult, load_topology, open_pipeline
 from tests.stage_runtime.pipeline_helpers import (
     ModelRegistry,
@@ -82,16 +86,18 @@ async def test_extended_prompt_restores_2176_at_every_stage_and_matches_uncached
 
 
 async def test_width_mismatch_misses_at_every_stage() -> None:
-    """A model whose cache-key width changed never restores what the old width recorded."""
+    """Models swapped for wider ones never restore what the old width recorded."""
     registry = ModelRegistry(mix_factory())
-    async with open_pipeline(stage_configs(2), registry, environ=NO_ENV) as pipeline:
+    configs = stage_configs(2)
+    async with open_pipeline(configs, registry, environ=NO_ENV) as pipeline:
         await pipeline.prefill(prompt(300), session_id="s")
         assert restored(await pipeline.prefill(prompt(300), session_id="s")) == [300, 300]
-        for model in registry.models.values():
-            model.key_width = 8192
+        for config in configs:
+            registry.models[config.stage_id].inner = mix_factory(width=16)(config)
         result = await pipeline.prefill(prompt(300), session_id="s")
     assert restored(result) == [0, 0]
     assert computed(result) == [300, 300]
+    assert result.frame.rows().shape == (300, 16)
 
 
 async def test_full_hit_skips_the_model(logs: list[LogEvent]) -> None:
@@ -261,6 +267,72 @@ async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None
     assert all(isinstance(outcomes[i], PrefillResult) for i in (0, 4, 30))
     # the failed request reached neither cache
     assert [s.cache.records if s.cache else None for s in stats.stages] == [6, 6]
+
+
+@attrs.define(eq=False)
+class NarrowOnceModel:
+    """Reference rows, except that the first forward returns only the first half of each row."""
+
+    inner: StageModel
+    narrowed: bool = False
+
+    @property
+    def activation_width(self) -> int:
+        """Width of the wrapped model: the width the cache keys say."""
+        return self.inner.activation_width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model."""
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """The wrapped model's rows, cut to half width the first time."""
+        out = await self.inner.forward(inputs, start, restored)
+        if self.narrowed:
+            return out
+        self.narrowed = True
+        half = out.rows()[:, : self.activation_width // 2]
+        return ActivationFrame.from_array(np.ascontiguousarray(half))
+
+
+async def test_output_rows_of_another_width_fail_the_request_and_are_not_recorded() -> None:
+    """Rows narrower than activation_width would be cached under its key and restored into
+    later prompts: the request fails with FrameError, nothing is recorded, and later prompts
+    extending it compute correctly."""
+    reference = mix_factory()
+
+    def factory(config: StageConfig) -> StageModel:
+        return NarrowOnceModel(reference(config))
+
+    configs = stage_configs(1, min_tokens=8, stride=8)
+    async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+        with pytest.raises(
+            FrameError,
+            match=r"^model output rows must be activation_width 8 F32 values wide, got 4$",
+        ):
+            await pipeline.prefill(prompt(20), session_id="s")
+        stats = await pipeline.stats()
+        assert stats.stages[0].cache is not None
+        assert stats.stages[0].cache.entries == 0
+        first = await pipeline.prefill(prompt(20), session_id="s")
+        second = await pipeline.prefill(prompt(30), session_id="s")
+    assert restored(first) == [0]
+    assert restored(second) == [16]
+    async with open_pipeline(uncached(configs), mix_factory(), environ=NO_ENV) as cold:
+        expected = await cold.prefill(prompt(30), session_id="s")
+    np.testing.assert_allclose(second.frame.rows(), expected.frame.rows(), rtol=1e-6, atol=1e-6)
+
+
+async def test_numpy_integer_activation_width_is_accepted() -> None:
+    """A model whose activation_width is a numpy integer caches like one with an int."""
+    configs = stage_configs(2, min_tokens=8, stride=8)
+    factory = reference_model_factory(width=np.int64(8))  # type: ignore[arg-type]
+    async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(20), session_id="s")
+        again = await pipeline.prefill(prompt(30), session_id="s")
+    assert restored(again) == [16, 16]
 
 
 async def test_cancelled_caller_leaves_no_partial_state(
