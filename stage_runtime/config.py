@@ -231,10 +231,19 @@ _ENV_PAYLOAD_VALUES: Final[dict[str, CachePayload]] = {
 }
 
 
+def _env_get(environ: Mapping[str, str], name: str) -> str | None:
+    """The variable's value; a ConfigError naming it when it is not a string."""
+    raw = environ.get(name)
+    if raw is not None and not isinstance(raw, str):
+        msg = f"{name} must be a string, got {raw!r}"
+        raise ConfigError(msg)
+    return raw
+
+
 def _env_mode(environ: Mapping[str, str]) -> CacheMode | None:
     """Mode from the first mode variable that is set; None if unset or unrecognised."""
     for name in _ENV_MODE:
-        raw = environ.get(name)
+        raw = _env_get(environ, name)
         if raw is not None:
             return _ENV_MODE_VALUES.get(raw.strip().lower().replace("_", "-"))
     return None
@@ -261,7 +270,7 @@ def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = _environment(environ)
     for name in _ENV_MODE:
-        raw = env.get(name)
+        raw = _env_get(env, name)
         normal = None if raw is None else raw.strip().lower().replace("_", "-")
         if normal is not None and _ENV_MODE_VALUES.get(normal) is CacheMode.DISABLED:
             return True
@@ -355,7 +364,7 @@ class KvCacheConfig:
         }
         for suffix, field in numbers.items():
             name = _ENV_PREFIX + suffix
-            raw = env.get(name)
+            raw = _env_get(env, name)
             if raw is None or not raw.strip():
                 continue
             variables[field] = name
@@ -363,8 +372,11 @@ class KvCacheConfig:
             if _DECIMAL.fullmatch(raw.strip()) is None:
                 msg = f"{name} must be an integer, got {raw!r}"
                 raise ConfigError(msg)
+            if len(raw.strip()) > _MAX_DIGITS:
+                msg = f"{name} is out of range: an integer of {len(raw.strip())} digits"
+                raise ConfigError(msg)
             values[field] = int(raw.strip())
-        raw_payload = env.get(_ENV_PREFIX + "PAYLOAD")
+        raw_payload = _env_get(env, _ENV_PREFIX + "PAYLOAD")
         if raw_payload is not None:
             payload = _ENV_PAYLOAD_VALUES.get(raw_payload.strip().lower().replace("_", "-"))
             if payload is None:
@@ -372,11 +384,11 @@ class KvCacheConfig:
                 msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {raw_payload!r}"
                 raise ConfigError(msg)
             values["payload"] = payload
-        raw_index = env.get(_ENV_PREFIX + "INDEX")
+        raw_index = _env_get(env, _ENV_PREFIX + "INDEX")
         if raw_index is not None and raw_index.strip():
             values["index"] = raw_index
             variables["index"] = _ENV_PREFIX + "INDEX"
-        raw_eviction = env.get(_ENV_PREFIX + "PAGE_EVICTION")
+        raw_eviction = _env_get(env, _ENV_PREFIX + "PAGE_EVICTION")
         if raw_eviction is not None and raw_eviction.strip():
             values["page_eviction"] = raw_eviction
             variables["page_eviction"] = _ENV_PREFIX + "PAGE_EVICTION"
@@ -509,11 +521,7 @@ class StageConfig:
         """
         source = os.fspath(path)
         text = _read_text(source)
-        try:
-            document = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            msg = f"{source}: invalid TOML: {exc}"
-            raise ConfigError(msg) from exc
+        document = _parse_toml(text, source=source)
         return _build(cls, document, source=source, prefix="", locate=_toml_locator(text))
 
     @classmethod
@@ -533,6 +541,8 @@ class StageConfig:
         except json.JSONDecodeError as exc:
             msg = f"{source}: invalid JSON: {exc}"
             raise ConfigError(msg) from exc
+        except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
+            raise _unreadable_number(text, source, exc) from None
         if not isinstance(document, dict):
             msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
             raise ConfigError(msg)
@@ -604,6 +614,31 @@ class MessageBase:
 # building from mappings and files
 
 
+_MAX_DIGITS: Final = 4300
+"""Python's default limit on the digits int() converts (sys.get_int_max_str_digits)."""
+
+
+def _unreadable_number(text: str, source: str, exc: ValueError) -> ConfigError:
+    """The error for a number the parser could not convert, naming its line when found."""
+    found = re.search(rf"[0-9][0-9_]{{{_MAX_DIGITS},}}", text)
+    if found is None:
+        return ConfigError(f"{source}: {exc}")
+    line = text.count("\n", 0, found.start()) + 1
+    digits = len(found.group().replace("_", ""))
+    return ConfigError(f"{source}: line {line}: integer of {digits} digits is out of range")
+
+
+def _parse_toml(text: str, *, source: str) -> dict[str, Any]:
+    """Parse TOML ``text`` read from ``source``; a ConfigError names the file and the line."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        msg = f"{source}: invalid TOML: {exc}"
+        raise ConfigError(msg) from exc
+    except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
+        raise _unreadable_number(text, source, exc) from None
+
+
 def _read_text(source: str) -> str:
     """The UTF-8 text of a config file; errors name the file (and the line of a bad byte)."""
     try:
@@ -655,7 +690,8 @@ def _build(
     for key in mapping:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            fail(f"unknown field {prefix}{key} (known fields: {known})", prefix + key)
+            name = key if isinstance(key, str) else repr(key)
+            fail(f"unknown field {prefix}{name} (known fields: {known})", prefix + name)
     missing = [
         name
         for name, field in fields.items()

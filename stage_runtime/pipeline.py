@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tomllib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy.typing as npt
 import trio
 
 from stage_runtime.cache import EvictedEntry
-from stage_runtime.config import StageConfig, _build, _toml_locator
+from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator
 from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
@@ -375,14 +374,11 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
         raise ConfigError(msg) from exc
     try:
         text = data.decode("utf-8")
-        document = tomllib.loads(text)
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         msg = f"{source}: line {line}: topology file must be UTF-8, got byte {data[exc.start]:#04x}"
         raise ConfigError(msg) from None
-    except tomllib.TOMLDecodeError as exc:
-        msg = f"{source}: invalid TOML: {exc}"
-        raise ConfigError(msg) from exc
+    document = _parse_toml(text, source=source)
     unknown = sorted(set(document) - {"defaults", "stage"})
     if unknown:
         msg = f"{source}: top-level keys must be 'defaults' and 'stage', got {unknown}"
@@ -402,9 +398,10 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
         if isinstance(defaults.get("kv_cache"), dict) and isinstance(table.get("kv_cache"), dict):
             merged["kv_cache"] = {**defaults["kv_cache"], **table["kv_cache"]}
         merged.setdefault("stage_index", position)
-        if position > 0:
+        # A neighbour's id that is not a string is that stage's error, reported when it is built.
+        if position > 0 and isinstance(ids[position - 1], str):
             merged.setdefault("upstream", ids[position - 1])
-        if position + 1 < len(tables):
+        if position + 1 < len(tables) and isinstance(ids[position + 1], str):
             merged.setdefault("downstream", ids[position + 1])
         label = repr(ids[position]) if ids[position] is not None else f"#{position}"
         # One format for every stage error: "file: line N: stage 'id': field ..." (the line of

@@ -99,6 +99,8 @@ BASE = {"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": 4}
         ({"kv_cache": {"strde": 1}}, "unknown field kv_cache.strde"),
         ({"kv_cache": 5}, "kv_cache must be a table of cache settings or absent, got 5"),
         ({"load_mode": "mmap"}, "load_mode must be one of"),
+        ({1: 2}, r"^unknown field 1 \(known fields: "),
+        ({"kv_cache": {None: 1}}, r"^unknown field kv_cache.None \(known fields: "),
     ],
 )
 def test_stage_config_errors_name_field_and_value(changes: dict[str, object], message: str) -> None:
@@ -229,6 +231,9 @@ TOML_BASE = 'stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
             '{"stage_id": "s", "model_id": "m", "layer_start": 0, "layer_end": true}',
             "line 1: layer_end must be an integer, got True$",
         ),
+        # integers too long for int(): the parsers raise a bare ValueError
+        (".toml", TOML_BASE + "ctx_size = " + "9" * 5000 + "\n", "line 5: integer of 5000 "),
+        (".json", '{\n "ctx_size": ' + "9" * 4400 + "\n}", "line 2: integer of 4400 digits is"),
     ],
 )
 def test_file_errors_name_file_line_and_field(
@@ -414,12 +419,20 @@ def test_env_numbers_accept_surrounding_space_and_a_plus_sign() -> None:
             "-2",
             "^STAGE_RUNTIME_KV_CACHE_SHARED_RECORD_LIMIT must be >= 0, got -2$",
         ),
+        (
+            "STAGE_RUNTIME_KV_CACHE_MAX_BYTES",
+            "9" * 5000,
+            "^STAGE_RUNTIME_KV_CACHE_MAX_BYTES is out of range: an integer of 5000 digits$",
+        ),
+        ("STAGE_RUNTIME_KV_CACHE_MAX_BYTES", 64, "^STAGE_RUNTIME_KV_CACHE_MAX_BYTES must be a str"),
+        ("STAGE_RUNTIME_KV_CACHE_PAYLOAD", b"kv", "^STAGE_RUNTIME_KV_CACHE_PAYLOAD must be a str"),
     ],
 )
-def test_env_bad_values_are_named(name: str, value: str, message: str) -> None:
+def test_env_bad_values_are_named(name: str, value: object, message: str) -> None:
     """A malformed bound or payload variable is a ConfigError naming it."""
+    environ: dict[str, Any] = {"STAGE_RUNTIME_KV_CACHE": "on", name: value}
     with pytest.raises(ConfigError, match=message):
-        KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "on", name: value})
+        KvCacheConfig.from_env(environ)
 
 
 @pytest.mark.parametrize(
@@ -441,6 +454,17 @@ def test_kill_switch_vectors(kv: str | None, prefix: str | None, engaged: bool) 
     if prefix is not None:
         env["STAGE_RUNTIME_PREFIX_CACHE"] = prefix
     assert kill_switch_engaged(env) is engaged
+
+
+@pytest.mark.parametrize("name", ["STAGE_RUNTIME_KV_CACHE", "STAGE_RUNTIME_PREFIX_CACHE"])
+def test_a_mode_variable_that_is_not_a_string_is_a_config_error(name: str) -> None:
+    """A hand-built environment mapping with a non-string value is named, not an AttributeError."""
+    config = StageConfig(stage_id="s", model_id="m", layer_start=0, layer_end=1)
+    message = f"^{name} must be a string, got 1$"
+    with pytest.raises(ConfigError, match=message):
+        kill_switch_engaged({name: 1})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match=message):
+        KvStageIntegration.from_config(config, environ={name: 1})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize("environ", [["STAGE_RUNTIME_KV_CACHE=1"], "STAGE_RUNTIME_KV_CACHE=1", 3])

@@ -615,6 +615,15 @@ max_entries = 1
             '[stage.kv_cache]\nmode = "lookup-record"\nmax_entries = 0\n',
             r"topology.toml: line 13: stage 'b': kv_cache.max_entries must be >= 1, got 0",
         ),
+        (  # a neighbour's bad id is that stage's error, not a bad downstream of the first
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            "[[stage]]\nstage_id = 7\nlayer_start = 3\nlayer_end = 6\n",
+            r"topology.toml: line 8: stage 7: stage_id must be a string, got 7",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = ' + "9" * 4400 + "\n",
+            r"topology.toml: line 6: integer of 4400 digits is out of range",
+        ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
     ],
