@@ -167,6 +167,9 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[in
         if array.size == 0:
             return np.zeros(0, dtype=_TOKEN_DTYPE)
         _raise_first_bad_token(array.tolist() if original is None else original, array.dtype)
+    if original is not None and not _NOT_TOKENS.isdisjoint(map(type, original)):
+        # numpy reads True and False among ints as 1 and 0; all-bool input is refused above.
+        _raise_first_bad_token(original, array.dtype)
     if array.dtype == _TOKEN_DTYPE:
         return np.ascontiguousarray(array)
     if array.size and (array.dtype.itemsize > 4 or array.dtype.kind == "u"):
@@ -179,6 +182,10 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[in
             )
             raise ConfigError(msg)
     return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+_NOT_TOKENS: Final = frozenset({bool, np.bool_})
+"""Element types numpy converts to integers that are not token ids."""
 
 
 def _raise_first_bad_token(values: Sequence[object], dtype: np.dtype[Any]) -> None:

@@ -613,6 +613,7 @@ GOOD_TOKENS = list(range(300))
     [
         ({"tokens": [*GOOD_TOKENS[:-1], 2**31]}, ConfigError, "got 2147483648 at index 299"),
         ({"tokens": [0.5] * 300}, ConfigError, "tokens must be integers, got 0.5 at index 0"),
+        ({"tokens": [*GOOD_TOKENS[:-1], True]}, ConfigError, "got True at index 299"),
         ({"tokens": np.zeros(300)}, ConfigError, "tokens must be integers, got 0.0 at index 0"),
         ({"tokens": None}, ConfigError, "tokens must be a sequence of integers, got NoneType"),
         ({"width": -1}, ConfigError, r"activation_width must be in \[0, 2147483647\], got -1"),
