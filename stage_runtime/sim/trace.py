@@ -8,6 +8,7 @@ id chains mean equal prompt prefixes, which is all a replay needs to reproduce t
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -93,15 +94,27 @@ def _fail(path: str, line: int, field: str, rule: str) -> TraceFormatError:
     return TraceFormatError(msg, path=path, line=line, field=field)
 
 
-def _non_negative_int(record: dict[str, object], field: str, path: str, line: int) -> int:
+_SHOWN_CHARS = 80
+"""Longest quoted value in an error message (a bad line can hold megabytes)."""
+
+
+def _show(value: object) -> str:
+    """``repr(value)``, cut to a readable length."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[: _SHOWN_CHARS - 3]}... ({len(text):,} characters)"
+
+
+def _int_at_least(record: dict[str, object], field: str, minimum: int, path: str, line: int) -> int:
     if field not in record:
         raise _fail(path, line, field, "is missing")
     value = record[field]
     # bool is an int subclass in Python, but `true` is not a length.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(path, line, field, f"must be an integer, got {value!r}")
-    if value < 0:
-        raise _fail(path, line, field, f"must be >= 0, got {value}")
+        raise _fail(path, line, field, f"must be an integer, got {_show(value)}")
+    if value < minimum:
+        raise _fail(path, line, field, f"must be >= {minimum}, got {value}")
     return value
 
 
@@ -112,6 +125,7 @@ def parse_trace_line(
     line: int = 1,
     index: int = 0,
     block_size: int = 512,
+    max_input_length: int | None = None,
 ) -> SimRequest:
     """Parse one trace line into a request, validating every field.
 
@@ -123,6 +137,7 @@ def parse_trace_line(
         index: The request's position in the workload.
         block_size: Tokens per hash id; ``input_length`` may not exceed
             ``block_size * len(hash_ids)``.
+        max_input_length: The longest prompt allowed (the stages' context); None: no limit.
 
     Returns:
         The request.
@@ -137,10 +152,16 @@ def parse_trace_line(
         except UnicodeDecodeError as exc:
             rule = f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
             raise _fail(path, line, "", rule) from exc
+    if line == 1 and text.startswith("\ufeff"):
+        text = text[1:]  # a byte-order mark some editors write at the start of a file
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _fail(path, line, "", f"is not valid JSON ({exc.msg})") from exc
+    except ValueError as exc:  # an integer over int()'s 4,300 digits
+        raise _fail(path, line, "", f"is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise _fail(path, line, "", "is not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise _fail(path, line, "", f"must be a JSON object, got {type(record).__name__}")
 
@@ -148,26 +169,35 @@ def parse_trace_line(
         raise _fail(path, line, "timestamp", "is missing")
     timestamp = record["timestamp"]
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
-        raise _fail(path, line, "timestamp", f"must be a number of ms, got {timestamp!r}")
+        raise _fail(path, line, "timestamp", f"must be a number of ms, got {_show(timestamp)}")
     if not timestamp >= 0:  # also refuses NaN
-        raise _fail(path, line, "timestamp", f"must be >= 0, got {timestamp}")
+        raise _fail(path, line, "timestamp", f"must be >= 0, got {_show(timestamp)}")
+    try:
+        arrival_s = float(timestamp) / 1000.0
+    except OverflowError:
+        arrival_s = math.inf
+    if not math.isfinite(arrival_s):
+        raise _fail(
+            path, line, "timestamp", f"must be a finite number of ms, got {_show(timestamp)}"
+        )
 
-    input_length = _non_negative_int(record, "input_length", path, line)
-    if input_length == 0:
-        raise _fail(path, line, "input_length", "must be >= 1, got 0")
-    output_length = _non_negative_int(record, "output_length", path, line)
+    input_length = _int_at_least(record, "input_length", 1, path, line)
+    if max_input_length is not None and input_length > max_input_length:
+        rule = f"must be <= {max_input_length:,} (the stages' context), got {input_length:,}"
+        raise _fail(path, line, "input_length", rule)
+    output_length = _int_at_least(record, "output_length", 0, path, line)
 
     if "hash_ids" not in record:
         raise _fail(path, line, "hash_ids", "is missing")
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
-        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {hash_ids!r}")
+        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {_show(hash_ids)}")
     for position, block_id in enumerate(hash_ids):
         if isinstance(block_id, bool) or not isinstance(block_id, int):
-            rule = f"must hold integers, got {block_id!r} at position {position}"
+            rule = f"must hold integers, got {_show(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
         if not _ID_MIN <= block_id <= _ID_MAX:
-            rule = f"must hold 64-bit integers, got {block_id} at position {position}"
+            rule = f"must hold 64-bit integers, got {_show(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
     if input_length > block_size * len(hash_ids):
         rule = (
@@ -179,7 +209,7 @@ def parse_trace_line(
     return SimRequest(
         index=index,
         line=line,
-        arrival_s=float(timestamp) / 1000.0,
+        arrival_s=arrival_s,
         input_length=input_length,
         output_length=output_length,
         block_ids=tuple(hash_ids),
@@ -193,6 +223,7 @@ def read_trace_lines(
     block_size: int = 512,
     skip_bad_lines: bool = False,
     limit: int | None = None,
+    max_input_length: int | None = None,
 ) -> TraceReadResult:
     """Parse trace lines (blank lines are ignored).
 
@@ -202,6 +233,7 @@ def read_trace_lines(
         block_size: Tokens per hash id.
         skip_bad_lines: Skip and count malformed lines instead of raising.
         limit: Stop after this many valid requests (``None``: read everything).
+        max_input_length: The longest prompt allowed (the stages' context); None: no limit.
 
     Returns:
         The requests and the count of skipped lines.
@@ -219,7 +251,12 @@ def read_trace_lines(
             continue
         try:
             request = parse_trace_line(
-                text, path=path, line=line_number, index=len(requests), block_size=block_size
+                text,
+                path=path,
+                line=line_number,
+                index=len(requests),
+                block_size=block_size,
+                max_input_length=max_input_length,
             )
         except TraceFormatError as exc:
             if not skip_bad_lines:
@@ -240,6 +277,7 @@ def read_trace(
     block_size: int = 512,
     skip_bad_lines: bool = False,
     limit: int | None = None,
+    max_input_length: int | None = None,
 ) -> TraceReadResult:
     """Read a Mooncake-format trace file (one JSON object per line).
 
@@ -248,6 +286,7 @@ def read_trace(
         block_size: Tokens per hash id.
         skip_bad_lines: Skip and count malformed lines instead of raising.
         limit: Stop after this many valid requests.
+        max_input_length: The longest prompt allowed (the stages' context); None: no limit.
 
     Returns:
         The requests in file order and the count of skipped lines.
@@ -266,6 +305,7 @@ def read_trace(
             block_size=block_size,
             skip_bad_lines=skip_bad_lines,
             limit=limit,
+            max_input_length=max_input_length,
         )
 
 

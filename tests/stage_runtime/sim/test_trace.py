@@ -44,11 +44,17 @@ def test_block_layout_cuts_the_last_block() -> None:
     [
         ("{not json", "", "is not valid JSON"),
         ("[1, 2]", "", "must be a JSON object, got list"),
+        # what json.loads raises besides JSONDecodeError
+        ('{"timestamp": ' + "9" * 5000 + "}", "", "is not valid JSON (Exceeds the limit (4300"),
+        ("[" * 100_000 + "]" * 100_000, "", "is not valid JSON (nested too deeply)"),
+        (_line(timestamp=float("inf")), "timestamp", "must be a finite number of ms, got inf"),
+        (_line(timestamp=10**400), "timestamp", "must be a finite number of ms, got 1000"),
+        (_line(timestamp=float("nan")), "timestamp", "must be >= 0, got nan"),
         (_line(timestamp=_MISSING), "timestamp", "timestamp is missing"),
         (_line(timestamp="soon"), "timestamp", "must be a number of ms, got 'soon'"),
         (_line(timestamp=-1), "timestamp", "must be >= 0, got -1"),
         (_line(input_length=_MISSING), "input_length", "input_length is missing"),
-        (_line(input_length=-5), "input_length", "must be >= 0, got -5"),
+        (_line(input_length=-5), "input_length", "must be >= 1, got -5"),
         (_line(input_length=12.5), "input_length", "must be an integer, got 12.5"),
         (_line(input_length="600"), "input_length", "must be an integer, got '600'"),
         (_line(input_length=True), "input_length", "must be an integer, got True"),
@@ -58,6 +64,11 @@ def test_block_layout_cuts_the_last_block() -> None:
         (_line(hash_ids=_MISSING), "hash_ids", "hash_ids is missing"),
         (_line(hash_ids="1,2"), "hash_ids", "must be a list of integers"),
         (_line(hash_ids=[1, "x"]), "hash_ids", "got 'x' at position 1"),
+        (  # a huge value is quoted cut short, not whole
+            _line(hash_ids="x" * 100_000),
+            "hash_ids",
+            "must be a list of integers, got 'xxxxxxxx",
+        ),
         (_line(hash_ids=[1, 2**64]), "hash_ids", "must hold 64-bit integers"),
         (_line(hash_ids=[1, -(2**63) - 1]), "hash_ids", "must hold 64-bit integers"),
         (
@@ -73,7 +84,17 @@ def test_malformed_line_names_file_line_and_field(text: str, field: str, fragmen
     with pytest.raises(TraceFormatError, match=r"^trace\.jsonl:7: ") as caught:
         parse_trace_line(text, path="trace.jsonl", line=7)
     assert fragment in str(caught.value)
+    assert len(str(caught.value)) < 200
     assert (caught.value.path, caught.value.line, caught.value.field) == ("trace.jsonl", 7, field)
+
+
+def test_a_byte_order_mark_before_the_first_line_is_ignored(tmp_path: Path) -> None:
+    """Some editors start a UTF-8 file with a BOM; it is not part of the first JSON object."""
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (_line() + "\n" + _line() + "\n").encode())
+    assert len(read_trace(path).requests) == 2
+    with pytest.raises(TraceFormatError, match=r"trace\.jsonl:2: is not valid JSON"):
+        parse_trace_line("\ufeff" + _line(), path="trace.jsonl", line=2)
 
 
 def test_block_size_sets_the_length_bound() -> None:
