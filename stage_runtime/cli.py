@@ -52,9 +52,31 @@ class _FileError(Exception):
     """A file the command must read or write is unusable (exit code 1)."""
 
 
+_MAX_COST_S = 3600.0
+"""The simulation's largest cost per token or per byte (``sim.MAX_COST_S``)."""
+
+
+def _cost_at_most(scale: float) -> Callable[[str], float]:
+    """An argparse type: a cost in ``1/scale`` seconds, ``>= 0`` and at most an hour."""
+    limit = _MAX_COST_S * scale
+
+    def parse(text: str) -> float:
+        value = non_negative_float(text)
+        if value > limit:
+            msg = f"must be at most {limit:g} (an hour), got {text}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    return parse
+
+
+_us_cost = _cost_at_most(1e6)
+_ns_cost = _cost_at_most(1e9)
+
+
 def _costs(text: str) -> list[float]:
     try:
-        return [non_negative_float(part.strip()) for part in text.split(",")]
+        return [_us_cost(part.strip()) for part in text.split(",")]
     except argparse.ArgumentTypeError as exc:
         msg = f"every cost {exc}"
         raise argparse.ArgumentTypeError(msg) from None
@@ -77,7 +99,9 @@ _POSITIVE = int_at_least(1)
 _NON_NEGATIVE = int_at_least(0)
 # Kept in step with stage_runtime.sim.driver's MAX_BLOCK_SIZE and MAX_BYTES_PER_TOKEN (the sim
 # package is imported lazily, so that --help and usage errors stay fast); a test checks they agree.
+_MIN_BLOCK_SIZE = 4
 _MAX_BLOCK_SIZE = 1 << 20
+_MAX_STAGES = 256
 _MAX_BYTES_PER_TOKEN = 1 << 24
 _MAX_CACHE_BYTES = 2**64 - 1
 _DEMO_BLOCK_SIZE = 512
@@ -89,11 +113,15 @@ _CTX_SIZE = 262_144
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline = parser.add_argument_group("pipeline and cache")
     pipeline.add_argument(
-        "--stages", type=_POSITIVE, metavar="N", default=4, help="pipeline stages (4)"
+        "--stages",
+        type=int_between(1, _MAX_STAGES),
+        metavar="N",
+        default=4,
+        help=f"pipeline stages (4; at most {_MAX_STAGES})",
     )
     pipeline.add_argument(
         "--block-size",
-        type=int_between(1, _MAX_BLOCK_SIZE),
+        type=int_between(_MIN_BLOCK_SIZE, _MAX_BLOCK_SIZE),
         metavar="N",
         default=512,
         help="tokens per trace hash id (512)",
@@ -196,7 +224,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--restore-ns-per-byte",
-        type=non_negative_float,
+        type=_ns_cost,
         default=0.05,
         metavar="NS",
         help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
@@ -207,7 +235,10 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", metavar="PATH", default=None, help="write the results as JSON ('-': stdout only)"
     )
     output.add_argument(
-        "--plot", metavar="PATH", default=None, help="write a PNG plot (needs '.[plot]')"
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write a PNG plot, or SVG/PDF by the suffix (needs '.[plot]')",
     )
     output.add_argument(
         "-v",
@@ -272,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a Mooncake-format trace (.jsonl)",
         description="Replay a Mooncake-format request trace through a simulated pipeline.",
     )
-    replay.add_argument("trace", metavar="TRACE.jsonl", help="the trace file")
+    replay.add_argument(
+        "trace", metavar="TRACE.jsonl", help="the trace file ('-': standard input, or a pipe)"
+    )
     replay.add_argument(
         "--skip-bad-lines",
         action="store_true",
@@ -377,8 +410,9 @@ def _check_output(path: str | None, what: str) -> None:
 def _check_files(args: argparse.Namespace) -> None:
     """Check the trace to read and the outputs to write before replaying anything."""
     trace: str | None = getattr(args, "trace", None)
-    if trace is not None:
-        if not Path(trace).is_file():
+    if trace is not None and trace != "-":
+        # Not only regular files: a named pipe or /dev/stdin streams a trace too.
+        if not Path(trace).exists() or Path(trace).is_dir():
             reason = "it is a directory" if Path(trace).is_dir() else "no such file"
             msg = f"cannot read trace {trace}: {reason}"
             raise _FileError(msg)
@@ -387,6 +421,10 @@ def _check_files(args: argparse.Namespace) -> None:
             raise _FileError(msg)
     _check_output(args.json, "JSON")
     _check_output(args.plot, "plot")
+    if args.plot is not None:
+        from stage_runtime.sim.report import plot_format
+
+        plot_format(args.plot)  # a suffix matplotlib would refuse only after the replay
 
 
 def _check_usage(args: argparse.Namespace) -> None:
@@ -514,12 +552,23 @@ def _run_simulation(args: argparse.Namespace) -> int:
             trace = sim.read_demo_trace(block_size=config.block_size, limit=args.limit_requests)
         else:
             try:
-                trace = sim.read_trace(
-                    args.trace,
-                    block_size=config.block_size,
-                    skip_bad_lines=args.skip_bad_lines,
-                    limit=args.limit_requests,
-                )
+                if args.trace == "-":
+                    trace = sim.read_trace_lines(
+                        sys.stdin.buffer,
+                        path="<stdin>",
+                        block_size=config.block_size,
+                        skip_bad_lines=args.skip_bad_lines,
+                        limit=args.limit_requests,
+                        max_input_length=config.ctx_size,
+                    )
+                else:
+                    trace = sim.read_trace(
+                        args.trace,
+                        block_size=config.block_size,
+                        skip_bad_lines=args.skip_bad_lines,
+                        limit=args.limit_requests,
+                        max_input_length=config.ctx_size,
+                    )
             except OSError as exc:
                 msg = f"cannot read trace {args.trace}: {exc.strerror or exc}"
                 raise _FileError(msg) from exc
@@ -649,5 +698,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prefix} {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"{prefix} interrupted", file=sys.stderr)
+        return 130
+    except BaseExceptionGroup as group:
+        # Ctrl-C during a replay reaches us wrapped by trio's nurseries.
+        interrupt, rest = group.split(KeyboardInterrupt)
+        if interrupt is None or rest is not None:
+            raise
         print(f"{prefix} interrupted", file=sys.stderr)
         return 130

@@ -15,11 +15,19 @@ Inside a trio program, ``await replay(...)`` under a virtual clock instead (see
 from __future__ import annotations
 
 from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
-from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
+from stage_runtime.sim.cost import (
+    MAX_COST_S,
+    CostModel,
+    Percentiles,
+    percentiles,
+    pipeline_finish_times,
+)
 from stage_runtime.sim.driver import (
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_TOKEN,
     MAX_CACHE_BYTES,
+    MAX_STAGES,
+    MIN_BLOCK_SIZE,
     ReplayResult,
     RequestOutcome,
     SimConfig,
@@ -55,6 +63,9 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_BYTES_PER_TOKEN",
     "MAX_CACHE_BYTES",
+    "MAX_COST_S",
+    "MAX_STAGES",
+    "MIN_BLOCK_SIZE",
     "VOCAB_SIZE",
     "BlockTokenizer",
     "CostModel",

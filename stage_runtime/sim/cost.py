@@ -9,12 +9,19 @@ import numpy as np
 
 from stage_runtime.errors import ConfigError
 
-__all__ = ["CostModel", "Percentiles", "percentiles", "pipeline_finish_times"]
+__all__ = ["MAX_COST_S", "CostModel", "Percentiles", "percentiles", "pipeline_finish_times"]
+
+MAX_COST_S = 3600.0
+"""Largest cost per token or per byte: an hour. Larger values (``1e308``) would overflow the
+virtual clock to infinity."""
 
 
 def _non_negative_float(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value >= 0:  # also refuses NaN
         msg = f"{attribute.name} must be >= 0, got {value}"
+        raise ConfigError(msg)
+    if value > MAX_COST_S:
+        msg = f"{attribute.name} must be <= {MAX_COST_S:g} s, got {value:g}"
         raise ConfigError(msg)
 
 

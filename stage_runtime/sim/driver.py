@@ -40,6 +40,8 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_BYTES_PER_TOKEN",
     "MAX_CACHE_BYTES",
+    "MAX_STAGES",
+    "MIN_BLOCK_SIZE",
     "ReplayResult",
     "RequestOutcome",
     "SimConfig",
@@ -51,6 +53,14 @@ __all__ = [
     "stage_configs",
     "validate_requests",
 ]
+
+MIN_BLOCK_SIZE = 4
+"""Smallest ``block_size``: blocks of fewer tokens cannot keep every two hash ids apart (see
+:class:`~stage_runtime.sim.blocks.BlockTokenizer`), so the replay would share prefixes the
+trace does not."""
+
+MAX_STAGES = 256
+"""Most pipeline stages in a simulation (each is a trio task with its own cache actor)."""
 
 MAX_BLOCK_SIZE = 1 << 20
 """Largest ``block_size``: a million tokens per hash id (the Mooncake traces use 512). Token
@@ -118,10 +128,10 @@ def _eviction(instance: object, attribute: attrs.Attribute[Any], value: object) 
 class SimConfig:
     """Everything a replay depends on besides the requests (the CLI's flags)."""
 
-    stages: int = attrs.field(default=4, validator=_at_least(1))
+    stages: int = attrs.field(default=4, validator=_between(1, MAX_STAGES))
     """Pipeline stages."""
 
-    block_size: int = attrs.field(default=512, validator=_between(1, MAX_BLOCK_SIZE))
+    block_size: int = attrs.field(default=512, validator=_between(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE))
     """Tokens per hash id."""
 
     min_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(0))

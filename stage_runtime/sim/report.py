@@ -14,7 +14,15 @@ from stage_runtime.config import CacheIndex
 from stage_runtime.errors import ConfigError
 from stage_runtime.sim.driver import ReplayResult, StageSummary
 
-__all__ = ["render_report", "render_sweep", "result_to_json", "sweep_order", "write_plot"]
+__all__ = [
+    "PLOT_FORMATS",
+    "plot_format",
+    "render_report",
+    "render_sweep",
+    "result_to_json",
+    "sweep_order",
+    "write_plot",
+]
 
 
 def result_to_json(
@@ -360,16 +368,41 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     )
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+"""Formats :func:`write_plot` writes, chosen by the path's suffix (no suffix: PNG)."""
+
+
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format a plot at ``path`` is written in: its suffix's, or PNG without one.
+
+    Raises:
+        ConfigError: the suffix names another format.
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in PLOT_FORMATS:
+        choices = ", ".join(f".{name}" for name in PLOT_FORMATS)
+        msg = (
+            f"cannot write a plot to {os.fspath(path)}: the suffix must be {choices} "
+            f"(or none, for PNG), got .{suffix}"
+        )
+        raise ConfigError(msg)
+    return suffix
+
+
 def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) -> None:
-    """Write a PNG: hit ratio against capacity for a sweep, else restored vs computed per request.
+    """Write a plot: hit ratio against capacity for a sweep, else restored vs computed per request.
 
     Args:
         results: One replay, or a sweep (several).
-        path: The PNG to write.
+        path: The file to write, exactly there: PNG, or SVG/PDF for those suffixes.
 
     Raises:
-        ConfigError: matplotlib is not installed (``pip install 'stage-runtime[plot]'``).
+        ConfigError: matplotlib is not installed (``pip install 'stage-runtime[plot]'``), or the
+            suffix names a format other than PNG, SVG or PDF.
     """
+    file_format = plot_format(path)
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -427,4 +460,4 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
             f"Restored vs computed tokens per request ({result.token_hit_ratio:.1%} restored)"
         )
     axes.legend()
-    figure.savefig(os.fspath(path), dpi=120)
+    figure.savefig(os.fspath(path), dpi=120, format=file_format)

@@ -53,7 +53,23 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
             ["demo", "--capacity-tokens", "-1"],
             "argument --capacity-tokens: must be an integer >= 0, got -1",
         ),
-        (["demo", "--stages", "two"], "argument --stages: must be an integer >= 1, got 'two'"),
+        (
+            ["demo", "--stages", "two"],
+            "argument --stages: must be an integer in [1, 256], got 'two'",
+        ),
+        (["demo", "--stages", "257"], "argument --stages: must be an integer in [1, 256], got 257"),
+        (
+            ["demo", "--block-size", "3"],  # smaller blocks could make distinct ids collide
+            "argument --block-size: must be an integer in [4, 1,048,576], got 3",
+        ),
+        (
+            ["demo", "--prefill-us-per-token", "1e308"],
+            "every cost must be at most 3.6e+09 (an hour), got 1e308",
+        ),
+        (
+            ["demo", "--restore-ns-per-byte", "1e300"],
+            "argument --restore-ns-per-byte: must be at most 3.6e+12 (an hour), got 1e300",
+        ),
         (["demo", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1, got 0"),
         (["simulate", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
         (["simulate", "--rate", "0"], "argument --rate: must be a finite number > 0, got 0"),
@@ -68,7 +84,7 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
         (
             ["demo", "--block-size", "2000000000"],
-            "argument --block-size: must be an integer in [1, 1,048,576], got 2000000000",
+            "argument --block-size: must be an integer in [4, 1,048,576], got 2000000000",
         ),
         (
             ["demo", "--bytes-per-token", "99999999999999999999999"],
@@ -241,7 +257,7 @@ def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> No
     done = _run("replay", str(trace), *SMALL, cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1
-    assert f"{trace}:2: input_length must be >= 0, got -4" in done.stderr
+    assert f"{trace}:2: input_length must be >= 1, got -4" in done.stderr
 
     skipped = _run("replay", str(trace), *SMALL, "--skip-bad-lines", "--json", "-", cwd=tmp_path)
     assert skipped.returncode == 0, skipped.stderr
@@ -308,6 +324,9 @@ def test_cli_limits_agree_with_the_simulation() -> None:
     from stage_runtime import cli, sim
 
     assert cli._MAX_BLOCK_SIZE == sim.MAX_BLOCK_SIZE
+    assert cli._MIN_BLOCK_SIZE == sim.MIN_BLOCK_SIZE
+    assert cli._MAX_STAGES == sim.MAX_STAGES
+    assert cli._MAX_COST_S == sim.MAX_COST_S
     assert cli._MAX_BYTES_PER_TOKEN == sim.MAX_BYTES_PER_TOKEN
     assert cli._MAX_CACHE_BYTES == sim.MAX_CACHE_BYTES
     assert sim.SimConfig().ctx_size == cli._CTX_SIZE
@@ -514,3 +533,91 @@ def test_bundled_excerpt_ships_with_its_attribution() -> None:
     assert f"{sum(r.input_length for r in requests):,} prompt tokens" in attribution
     ratio = theoretical_max_hit_ratio(requests, block_size=512).ratio
     assert f"{ratio:.1%}" == "62.9%"
+
+
+def test_trace_from_standard_input(tmp_path: Path) -> None:
+    """'-' reads the trace from standard input (zcat trace.gz | stage-runtime replay -), and a
+    pipe given by path (/dev/stdin) is not refused as a missing file."""
+    lines = "".join(json.dumps(line) + "\n" for line in TINY)
+    for source in ("-", "/dev/stdin"):
+        done = subprocess.run(
+            [sys.executable, "-m", "stage_runtime", "replay", source, *SMALL, "--json", "-"],
+            input=lines,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["requests"] == 3
+    bad = subprocess.run(
+        [sys.executable, "-m", "stage_runtime", "replay", "-", *SMALL],
+        input=lines + "{oops\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr == "stage-runtime replay: error: <stdin>:4: is not valid JSON " + (
+        "(Expecting property name enclosed in double quotes)\n"
+    )
+
+
+def test_ctrl_c_during_a_replay_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C reaches the command wrapped in trio's exception groups: still one line, 130."""
+    from stage_runtime import sim
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise BaseExceptionGroup("nursery", [BaseExceptionGroup("stage", [KeyboardInterrupt()])])
+
+    monkeypatch.setattr(sim, "run_replay", interrupted)
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    assert main(["replay", str(trace), *SMALL]) == 130
+    assert capsys.readouterr().err == "stage-runtime replay: error: interrupted\n"
+
+    def crashed(*args: object, **kwargs: object) -> object:
+        raise BaseExceptionGroup("nursery", [KeyboardInterrupt(), RuntimeError("bug")])
+
+    monkeypatch.setattr(sim, "run_replay", crashed)
+    with pytest.raises(BaseExceptionGroup):  # an interrupt does not hide a real error
+        main(["replay", str(trace), *SMALL])
+
+
+def test_plot_format_follows_the_suffix_and_is_checked_before_replaying(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown suffix is refused at once (exit 2); no suffix writes a PNG at exactly the path."""
+    with structlog.testing.capture_logs() as logs:
+        assert main(["demo", "--plot", str(tmp_path / "plot.xyz")]) == 2
+    assert capsys.readouterr().err == (
+        f"stage-runtime demo: error: cannot write a plot to {tmp_path / 'plot.xyz'}: the suffix "
+        "must be .png, .svg, .pdf (or none, for PNG), got .xyz\n"
+    )
+    assert logs == []
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    for name, magic in (("plot", b"\x89PNG"), ("plot.svg", b"<?xml")):
+        assert main(["replay", str(trace), *SMALL, "--plot", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes()[: len(magic)] == magic
+        assert f"plot written to {tmp_path / name}" in capsys.readouterr().out
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_prompts_longer_than_the_stages_context_are_bad_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """replay refuses what simulate refuses: a prompt over the 262,144-token context."""
+    long = {"timestamp": 0, "input_length": 300_000, "output_length": 1, "hash_ids": [9] * 600}
+    trace = _trace(tmp_path, [json.dumps(TINY[0]), json.dumps(long)])
+    assert main(["replay", str(trace)]) == 1
+    assert capsys.readouterr().err == (
+        f"stage-runtime replay: error: {trace}:2: input_length must be <= 262,144 (the stages' "
+        "context), got 300,000\n"
+    )
+    assert main(["replay", str(trace), "--skip-bad-lines", "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["requests"], document["skipped_lines"]) == (1, 1)

@@ -26,6 +26,9 @@ def test_negative_costs_are_refused(field: str) -> None:
     nan: dict[str, Any] = {field: float("nan")}
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got nan"):
         CostModel(**nan)
+    huge: dict[str, Any] = {field: 1e308}  # would overflow the virtual clock
+    with pytest.raises(ConfigError, match=f"{field} must be <= 3600 s, got 1e\\+308"):
+        CostModel(**huge)
 
 
 def test_pipeline_finish_times_overlap_stages() -> None:
