@@ -336,3 +336,24 @@ def test_request_logs_are_json_lines_unless_stderr_is_a_terminal(
         assert (event["status"], event["tokens"], event["level"]) == (200, 3, "info")
         assert event["restored_tokens"] == {"stage-0": 0}
         assert event["timestamp"].endswith("Z")
+
+
+def test_console_tracebacks_leave_out_local_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal an error's traceback is shown without each frame's locals: rendering the
+    locals of a server's trio frames took seconds, with the event loop stalled meanwhile."""
+    stream = _Stream(tty=True)
+    monkeypatch.setattr(sys, "stderr", stream)
+    saved = structlog.get_config()
+    try:
+        configure_logging(level="info", log_format="console")
+        secret_local = "x" * 40  # noqa: F841 - a local the traceback must not print
+        try:
+            raise RuntimeError("handler bug")
+        except RuntimeError:
+            structlog.get_logger("test").error("request_failed", exc_info=True)
+    finally:
+        structlog.reset_defaults()
+        structlog.configure(**saved)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+    assert "RuntimeError: handler bug" in text
+    assert "xxxxxxxxxx" not in text
