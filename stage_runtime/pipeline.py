@@ -98,6 +98,11 @@ class Pipeline:
         """Whether the pipeline is shutting down (or has stopped): new prefills are refused."""
         return self._draining
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt :meth:`prefill` accepts: the smallest ``ctx_size`` of the stages."""
+        return min(config.ctx_size for config in self.stage_configs)
+
     async def prefill(
         self,
         tokens: Sequence[int] | npt.NDArray[Any],
@@ -109,7 +114,8 @@ class Pipeline:
         """Run one prompt through every stage and return the last stage's output.
 
         Args:
-            tokens: The prompt's token ids: integers within int32, at least one.
+            tokens: The prompt's token ids: integers within int32, at least one and at most
+                :attr:`max_prompt_tokens` (the stages' context).
             session_id: The caller's session (metadata; caches are shared across sessions).
             request_id: The caller's id for this request; ``prefill-<n>`` when None.
             cache_salt: Tenant salt mixed into every stage's cache keys: requests with another
@@ -120,8 +126,9 @@ class Pipeline:
             The final frame and, per stage, the restored/computed tokens, records and evictions.
 
         Raises:
-            ConfigError: ``tokens`` is not a sequence, empty, not integers, or outside int32; or
-                ``session_id`` or ``request_id`` is not a string.
+            ConfigError: ``tokens`` is not a sequence, empty, longer than the stages' context,
+                not integers, or outside int32; or ``session_id`` or ``request_id`` is not a
+                string.
             trio.ClosedResourceError: the pipeline is draining or stopped.
             PipelineStoppedError: the pipeline stopped (a stage crashed) before the request
                 finished.
@@ -131,6 +138,12 @@ class Pipeline:
             msg = "pipeline is draining; prefill refused"
             raise trio.ClosedResourceError(msg)
         token_array = _entry_tokens(tokens)
+        if token_array.size > self.max_prompt_tokens:
+            msg = (
+                f"tokens must be at most the stages' context ({self.max_prompt_tokens:,} "
+                f"tokens, the smallest ctx_size), got {token_array.size:,}"
+            )
+            raise ConfigError(msg)
         if not isinstance(session_id, str):
             msg = f"session_id must be a string, got {session_id!r}"
             raise ConfigError(msg)

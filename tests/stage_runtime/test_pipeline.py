@@ -220,6 +220,24 @@ async def test_bounded_channels_push_back_on_callers() -> None:
     assert len(registry.models["stage-1"].calls) == 8
 
 
+async def test_prompts_longer_than_the_stages_context_are_refused() -> None:
+    """The smallest ctx_size bounds a prompt, as the HTTP server does; nothing enters."""
+    configs = stage_configs(2)
+    configs[1] = attrs.evolve(configs[1], ctx_size=500)
+    async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipeline:
+        assert pipeline.max_prompt_tokens == 500
+        with pytest.raises(
+            ConfigError,
+            match=r"^tokens must be at most the stages' context \(500 tokens, the smallest "
+            r"ctx_size\), got 501$",
+        ):
+            await pipeline.prefill(prompt(501), session_id="s")
+        result = await pipeline.prefill(prompt(500), session_id="s")
+        stats = await pipeline.stats()
+    assert computed(result) == [500, 500]
+    assert [s.cache.records if s.cache else None for s in stats.stages] == [2, 2]
+
+
 async def test_bad_tokens_fail_only_that_caller() -> None:
     """Bad prompts raise ConfigError at once; the pipeline keeps serving."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
@@ -520,7 +538,8 @@ async def test_clear_caches_empties_every_stage(logs: list[LogEvent]) -> None:
 async def test_virtual_frames_flow_through_without_memory() -> None:
     """Virtual frames stay virtual through restore, concat and record."""
     factory = virtual_model_factory(width=64, bytes_per_token=8192)
-    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
+    configs = [attrs.evolve(config, ctx_size=65_536) for config in stage_configs(2)]
+    async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
         await pipeline.prefill(prompt(40_000), session_id="s")
         result = await pipeline.prefill(
             np.concatenate([prompt(40_000), prompt(100, 90_000)]), session_id="s"
