@@ -58,6 +58,10 @@ _NUMPY_DTYPE: Final[dict[ActivationDType, np.dtype[Any]]] = {
 }
 
 
+_MAX_VIRTUAL_BYTES: Final = 2**63 - 1
+"""Largest virtual payload: numpy cannot index an array longer than this."""
+
+
 def _int_in(low: int, high: int) -> Any:
     """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``, else FrameError."""
 
@@ -77,6 +81,9 @@ def _int_in(low: int, high: int) -> Any:
 def _to_dtype(value: object) -> ActivationDType:
     if type(value) is ActivationDType:
         return value
+    if isinstance(value, bool):  # True == 1 == F32, but not a dtype
+        msg = f"dtype must be one of {[int(d) for d in ActivationDType]}, got {value!r}"
+        raise FrameError(msg)
     try:
         return ActivationDType(value)  # type: ignore[arg-type]
     except (ValueError, TypeError):
@@ -87,6 +94,9 @@ def _to_dtype(value: object) -> ActivationDType:
 def _to_layout(value: object) -> ActivationLayout:
     if type(value) is ActivationLayout:
         return value
+    if isinstance(value, bool):
+        msg = f"layout must be one of {[int(v) for v in ActivationLayout]}, got {value!r}"
+        raise FrameError(msg)
     try:
         return ActivationLayout(value)  # type: ignore[arg-type]
     except (ValueError, TypeError):
@@ -313,6 +323,12 @@ class ActivationFrame:
             msg = f"fill must be an integer in [0, 255], got {fill!r}"
             raise FrameError(msg)
         size = token_count * bytes_per_token
+        if size > _MAX_VIRTUAL_BYTES:
+            msg = (
+                f"token_count x bytes_per_token must be at most {_MAX_VIRTUAL_BYTES:,} bytes, "
+                f"got {token_count:,} x {bytes_per_token:,} = {size:,}"
+            )
+            raise FrameError(msg)
         desc = ActivationDesc(
             dtype=dtype,
             layout=layout,
@@ -386,6 +402,8 @@ class ActivationFrame:
 
     def prefix_error(self, token_count: int) -> str | None:
         """Why :meth:`prefix` would refuse ``token_count``, or None when it would succeed."""
+        if not isinstance(token_count, int | np.integer) or isinstance(token_count, bool):
+            return f"token_count must be an integer, got {token_count!r}"
         frame_tokens = self.desc.token_count
         if token_count == frame_tokens:
             return None
@@ -503,7 +521,13 @@ class ActivationFrame:
         """Whether both frames have equal descriptors and equal payload bytes.
 
         Virtual payloads are compared by their fill byte, without materialising them.
+
+        Raises:
+            FrameError: ``other`` is not an ActivationFrame.
         """
+        if not isinstance(other, ActivationFrame):
+            msg = f"other must be an ActivationFrame, got {type(other).__name__}"
+            raise FrameError(msg)
         if self.desc != other.desc:
             return False
         if self.payload is other.payload or self.payload.size == 0:

@@ -144,6 +144,11 @@ def test_from_array_bf16_needs_explicit_dtype() -> None:
         (np.zeros(4, dtype=np.float32), None, r"rows must be a 2-D \(tokens, width\) array"),
         (np.zeros((2, 2), dtype=np.float32), ActivationDType.F16, "does not match"),
         (np.zeros((2, 2), dtype=np.float64), None, "got float64"),
+        (
+            np.zeros((2, 2), dtype=np.float32),
+            True,
+            r"dtype must be one of \[0, 1, 2, 3\], got True",
+        ),
     ],
 )
 def test_from_array_rejects_bad_rows(
@@ -191,6 +196,8 @@ def test_virtual_rejects_negative_sizes() -> None:
         ActivationFrame.virtual(token_count=-1, bytes_per_token=4)
     with pytest.raises(FrameError, match="fill must be an integer in \\[0, 255\\], got 256"):
         ActivationFrame.virtual(token_count=1, bytes_per_token=4, fill=256)
+    with pytest.raises(FrameError, match=r"at most 9,223,372,036,854,775,807 bytes, got 4,294"):
+        ActivationFrame.virtual(token_count=2**32 - 1, bytes_per_token=2**32)
 
 
 def test_prefix_is_view_with_updated_desc() -> None:
@@ -227,6 +234,13 @@ def test_prefix_refuses_unsliceable_frames(frame: ActivationFrame, k: int, messa
     with pytest.raises(FrameError, match=message):
         frame.prefix(k)
     assert frame.prefix_error(k) is not None
+
+
+def test_prefix_error_names_a_length_that_is_not_an_integer() -> None:
+    """prefix_error answers with a reason for any argument, never raises."""
+    frame = byte_frame(300, 1200)
+    assert frame.prefix_error("2") == "token_count must be an integer, got '2'"  # type: ignore[arg-type]
+    assert frame.prefix_error(True) == "token_count must be an integer, got True"
 
 
 def test_prefix_refuses_opaque_layout() -> None:
@@ -290,6 +304,8 @@ def test_same_content_compares_desc_and_bytes() -> None:
     virtual = ActivationFrame.virtual(token_count=4, bytes_per_token=4, layer_end=4, fill=7)
     assert virtual.same_content(a)
     assert a.same_content(virtual)
+    with pytest.raises(FrameError, match="other must be an ActivationFrame, got NoneType"):
+        a.same_content(None)  # type: ignore[arg-type]
 
 
 @settings(max_examples=50, deadline=None)
