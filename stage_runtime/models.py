@@ -15,6 +15,7 @@ Two reference models ship with the library:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Final, Protocol, runtime_checkable
 
@@ -149,15 +150,11 @@ class CausalMixModel:
     _phases: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.width < 1:
-            msg = f"width must be >= 1, got {self.width}"
-            raise ConfigError(msg)
-        if self.seed < 0:
-            msg = f"seed must be >= 0, got {self.seed}"
-            raise ConfigError(msg)
-        if self.thread_threshold_macs < 0:
-            msg = f"thread_threshold_macs must be >= 0, got {self.thread_threshold_macs}"
-            raise ConfigError(msg)
+        self.width = _int_at_least("width", self.width, 1)
+        self.seed = _int_at_least("seed", self.seed, 0)
+        self.thread_threshold_macs = _int_at_least(
+            "thread_threshold_macs", self.thread_threshold_macs, 0
+        )
         rng = np.random.default_rng(self.seed)
         # Scaled so mixed rows stay O(1) whatever the width.
         self._mix = rng.standard_normal((self.width, self.width)) / np.sqrt(self.width)
@@ -265,17 +262,11 @@ class VirtualStageModel:
     _frames: dict[int, ActivationFrame] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.width < 1:
-            msg = f"width must be >= 1, got {self.width}"
-            raise ConfigError(msg)
+        self.width = _int_at_least("width", self.width, 1)
+        self.bytes_per_token = _int_at_least("bytes_per_token", self.bytes_per_token, 0)
         if self.bytes_per_token == 0:
             self.bytes_per_token = 4 * self.width
-        if self.bytes_per_token < 1:
-            msg = f"bytes_per_token must be >= 1, got {self.bytes_per_token}"
-            raise ConfigError(msg)
-        if self.seconds_per_token < 0:
-            msg = f"seconds_per_token must be >= 0, got {self.seconds_per_token}"
-            raise ConfigError(msg)
+        self.seconds_per_token = _seconds("seconds_per_token", self.seconds_per_token)
 
     @property
     def activation_width(self) -> int:
@@ -313,6 +304,26 @@ class VirtualStageModel:
         return frame
 
 
+def _int_at_least(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int when it is an integer (numpy's too) ``>= minimum``; else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
+        raise ConfigError(msg)
+    return int(value)
+
+
+def _seconds(name: str, value: object) -> float:
+    """``value`` as a float when it is a finite number ``>= 0``; else ConfigError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float | np.integer | np.floating)
+        or not 0 <= value < math.inf
+    ):
+        msg = f"{name} must be a finite number >= 0, got {value!r}"
+        raise ConfigError(msg)
+    return float(value)
+
+
 def reference_model_factory(
     *, width: int = 64, seed: int = 0, thread_threshold_macs: int = THREAD_THRESHOLD_MACS
 ) -> ModelFactory:
@@ -327,12 +338,10 @@ def reference_model_factory(
     Returns:
         A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
     """
-    if width < 1:
-        msg = f"width must be >= 1, got {width}"
-        raise ConfigError(msg)
-    if seed < 0:
-        msg = f"seed must be >= 0, got {seed}"
-        raise ConfigError(msg)
+    # Checked here, not when the first stage starts: a bad argument is the caller's error.
+    width = _int_at_least("width", width, 1)
+    seed = _int_at_least("seed", seed, 0)
+    thread_threshold_macs = _int_at_least("thread_threshold_macs", thread_threshold_macs, 0)
 
     def build(config: StageConfig) -> StageModel:
         return CausalMixModel.for_stage(
@@ -354,7 +363,13 @@ def virtual_model_factory(
 
     Returns:
         A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
+
+    Raises:
+        ConfigError: an argument is not an integer (a number for ``seconds_per_token``) in range.
     """
+    width = _int_at_least("width", width, 1)
+    bytes_per_token = _int_at_least("bytes_per_token", bytes_per_token, 0)
+    seconds_per_token = _seconds("seconds_per_token", seconds_per_token)
 
     def build(config: StageConfig) -> StageModel:
         return VirtualStageModel(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -105,10 +107,54 @@ async def test_forward_rejects_inconsistent_restored_prefix() -> None:
 
 def test_width_must_be_positive() -> None:
     """A zero width is a ConfigError naming the field."""
-    with pytest.raises(ConfigError, match="width must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="width must be an integer >= 1, got 0"):
         CausalMixModel(width=0)
-    with pytest.raises(ConfigError, match="width must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="width must be an integer >= 1, got 0"):
         reference_model_factory(width=0)
+
+
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "message"),
+    [
+        (reference_model_factory, {"width": "64"}, "width must be an integer >= 1, got '64'"),
+        (reference_model_factory, {"seed": 1.5}, "seed must be an integer >= 0, got 1.5"),
+        (
+            reference_model_factory,
+            {"thread_threshold_macs": -1},
+            "thread_threshold_macs must be an integer >= 0, got -1",
+        ),
+        (virtual_model_factory, {"width": 0}, "width must be an integer >= 1, got 0"),
+        (virtual_model_factory, {"width": True}, "width must be an integer >= 1, got True"),
+        (
+            virtual_model_factory,
+            {"bytes_per_token": -8},
+            "bytes_per_token must be an integer >= 0, got -8",
+        ),
+        (
+            virtual_model_factory,
+            {"seconds_per_token": float("nan")},
+            "seconds_per_token must be a finite number >= 0, got nan",
+        ),
+        (
+            virtual_model_factory,
+            {"seconds_per_token": -1.0},
+            "seconds_per_token must be a finite number >= 0, got -1.0",
+        ),
+    ],
+)
+def test_model_factories_check_their_arguments_when_called(
+    factory: Any, kwargs: dict[str, object], message: str
+) -> None:
+    """A bad argument fails where the factory is made, not as a stage failure at start-up."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        factory(**kwargs)
+
+
+def test_numpy_integer_arguments_become_ints() -> None:
+    """numpy integers are accepted and stored as ints (they go into cache keys)."""
+    model = CausalMixModel(width=np.int64(8), seed=np.int32(3))  # type: ignore[arg-type]
+    assert (type(model.width), type(model.seed)) == (int, int)
+    assert type(model.activation_width) is int
 
 
 async def test_virtual_model_returns_virtual_frames_and_spends_virtual_time(
@@ -171,8 +217,8 @@ async def test_causal_mix_model_output_is_the_same_inline_or_threaded() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"seed": -1}, "seed must be >= 0, got -1"),
-        ({"thread_threshold_macs": -1}, "thread_threshold_macs must be >= 0, got -1"),
+        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+        ({"thread_threshold_macs": -1}, "thread_threshold_macs must be an integer >= 0, got -1"),
     ],
 )
 def test_causal_mix_model_refuses_negative_seed_and_threshold(
