@@ -104,6 +104,8 @@ _MAX_BLOCK_SIZE = 1 << 20
 _MAX_STAGES = 256
 _MAX_BYTES_PER_TOKEN = 1 << 24
 _MAX_CACHE_BYTES = 2**64 - 1
+_MAX_ENTRIES = 2**64 - 1
+"""KvCacheConfig's bound on max_entries (a u64 upstream)."""
 _DEMO_BLOCK_SIZE = 512
 """Tokens per hash id in the bundled excerpt (as in every Mooncake trace)."""
 _CTX_SIZE = 262_144
@@ -149,7 +151,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--max-entries",
-        type=_POSITIVE,
+        type=int_between(1, _MAX_ENTRIES),
         metavar="N",
         default=None,
         help="entries per stage cache (64 with --index ladder; with --index paged every page "
@@ -172,7 +174,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument(
         "--page-eviction",
         choices=["lru", "reuse"],
-        default="lru",
+        default=None,
         help="with --index paged: evict the least recently used page, or the least valuable "
         "by reuse and recompute saved (lru)",
     )
@@ -448,6 +450,18 @@ def _check_usage(args: argparse.Namespace) -> None:
             "use --stride >= 1 or --record-limit 0"
         )
         raise _UsageError(msg)
+    if args.index == "ladder":
+        paged_only = [
+            flag
+            for flag, value in (
+                ("--page-tokens", args.page_tokens),
+                ("--page-eviction", args.page_eviction),
+            )
+            if value is not None
+        ]
+        if paged_only:
+            msg = f"{' and '.join(paged_only)} apply to --index paged only (got --index ladder)"
+            raise _UsageError(msg)
     costs = len(args.prefill_us_per_token)
     if costs > 1 and costs != args.stages:
         msg = f"--prefill-us-per-token needs one cost or one per stage ({args.stages}), got {costs}"
@@ -504,7 +518,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         else (PAGED_DEFAULT_MAX_ENTRIES if args.index == "paged" else 64),
         index=args.index,
         page_tokens=args.page_tokens,
-        page_eviction=args.page_eviction,
+        page_eviction=args.page_eviction or "lru",
         capacity_tokens=args.capacity_tokens or 0,
         bytes_per_token=args.bytes_per_token,
         concurrency=args.concurrency,

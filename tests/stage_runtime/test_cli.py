@@ -115,6 +115,14 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
             "--block-size 256 is smaller than the bundled excerpt's 512-token blocks; the demo "
             "needs --block-size >= 512",
         ),
+        (
+            ["demo", "--page-tokens", "64", "--page-eviction", "reuse"],
+            "--page-tokens and --page-eviction apply to --index paged only (got --index ladder)",
+        ),
+        (
+            ["demo", "--max-entries", "99999999999999999999999"],
+            "argument --max-entries: must be an integer in [1, 18,446,744,073,709,551,615], got ",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
     ],
