@@ -307,7 +307,9 @@ class PipelineApp:
     async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Response:
         allowed = _ROUTES.get(path)
         if allowed is None:
-            return _error(404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {path}")
+            shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path):,} characters)"
+            message = f"path must be one of {', '.join(_ROUTES)}, got {shown}"
+            return _error(404, "not_found", message)
         if method == "HEAD" and "GET" in allowed:
             method = "GET"  # same answer, body dropped by _send
         if method not in allowed:

@@ -472,9 +472,14 @@ async def test_unknown_paths_and_wrong_methods_get_404_and_405() -> None:
     with trio.fail_after(TIMEOUT_S):
         async with serving() as h:
             missing = await h.client.get("/v2/prefill")
+            long = await h.client.get("/" + "x" * 20_000)
             wrong = await h.client.get("/v1/prefill")
     assert missing.status_code == 404
     assert missing.json()["error"] == "not_found"
+    assert missing.json()["message"].endswith(", got /v2/prefill")
+    assert long.status_code == 404
+    assert long.json()["message"].endswith("x... (20,001 characters)")  # not echoed whole
+    assert len(long.json()["message"]) < 400
     assert wrong.status_code == 405
     assert wrong.headers["allow"] == "POST"
     assert wrong.json()["error"] == "method_not_allowed"
