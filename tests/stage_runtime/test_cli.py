@@ -28,9 +28,10 @@ TINY = [
 SMALL = ["--block-size", "16", "--bytes-per-token", "2", "--stages", "2"]
 
 
-def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "stage_runtime", *args],
+        input=stdin,
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -548,26 +549,10 @@ def test_trace_from_standard_input(tmp_path: Path) -> None:
     pipe given by path (/dev/stdin) is not refused as a missing file."""
     lines = "".join(json.dumps(line) + "\n" for line in TINY)
     for source in ("-", "/dev/stdin"):
-        done = subprocess.run(
-            [sys.executable, "-m", "stage_runtime", "replay", source, *SMALL, "--json", "-"],
-            input=lines,
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=120,
-            check=False,
-        )
+        done = _run("replay", source, *SMALL, "--json", "-", cwd=tmp_path, stdin=lines)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["requests"] == 3
-    bad = subprocess.run(
-        [sys.executable, "-m", "stage_runtime", "replay", "-", *SMALL],
-        input=lines + "{oops\n",
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
+    bad = _run("replay", "-", *SMALL, cwd=tmp_path, stdin=lines + "{oops\n")
     assert bad.returncode == 1
     assert bad.stderr == "stage-runtime replay: error: <stdin>:4: is not valid JSON " + (
         "(Expecting property name enclosed in double quotes)\n"
