@@ -60,20 +60,37 @@ def prompt(n: int, start: int = 0) -> npt.NDArray[np.int32]:
 
 
 @attrs.define(eq=False)
-class CountingModel:
-    """Wraps a model; counts forward calls, can block on an event or fail on a token."""
+class WrappedModel:
+    """A model that does what ``inner`` does; test doubles override the part they change."""
 
     inner: StageModel
+
+    @property
+    def activation_width(self) -> int:
+        """Width of the wrapped model."""
+        return self.inner.activation_width
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model."""
+        return self.inner.embed(tokens)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        """Compute with the wrapped model."""
+        return await self.inner.forward(inputs, start, restored)
+
+
+@attrs.define(eq=False)
+class CountingModel(WrappedModel):
+    """Wraps a model; counts forward calls, can block on an event or fail on a token."""
+
     calls: list[tuple[int, int]] = attrs.field(factory=list)
     """(start, N) of every forward call."""
     fail_on_token: int | None = None
     """forward raises ValueError when this token id is in the prompt (stage 0 embeds it)."""
     gate: Any = None
     """A trio.Event forward waits for, when set."""
-
-    @property
-    def activation_width(self) -> int:
-        return self.inner.activation_width
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         if self.fail_on_token is not None and self.fail_on_token in tokens:

@@ -9,7 +9,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
@@ -30,6 +29,7 @@ from stage_runtime.models import StageModel, reference_model_factory, virtual_mo
 from stage_runtime.pipeline import PrefillResult, load_topology, open_pipeline
 from tests.stage_runtime.pipeline_helpers import (
     ModelRegistry,
+    WrappedModel,
     mix_factory,
     prompt,
     stage_configs,
@@ -288,20 +288,10 @@ async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None
 
 
 @attrs.define(eq=False)
-class NarrowOnceModel:
+class NarrowOnceModel(WrappedModel):
     """Reference rows, except that the first forward returns only the first half of each row."""
 
-    inner: StageModel
     narrowed: bool = False
-
-    @property
-    def activation_width(self) -> int:
-        """Width of the wrapped model: the width the cache keys say."""
-        return self.inner.activation_width
-
-    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
-        """Embed with the wrapped model."""
-        return self.inner.embed(tokens)
 
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None

@@ -40,6 +40,7 @@ from stage_runtime.server import RunningServer, ServerSettings, create_app, open
 from stage_runtime.server import serve as real_serve
 from stage_runtime.server.command import add_serve_arguments, run_serve
 from tests.benchmark_scripts import load_example
+from tests.stage_runtime.pipeline_helpers import WrappedModel
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20
@@ -68,20 +69,14 @@ def four_stages(*, ctx_size: int = 4096) -> list[StageConfig]:
 
 
 @attrs.define(eq=False)
-class PickyModel:
+class PickyModel(WrappedModel):
     """A reference model that fails on prompts starting with token 666 (a bad input).
 
     ``fault``: ``"raise"`` a RuntimeError, raise a library ``"config"`` error from the model's
     own code, or return a ``"short"`` frame (one row missing).
     """
 
-    inner: StageModel
     fault: str = "raise"
-
-    @property
-    def activation_width(self) -> int:
-        """Width of the wrapped model."""
-        return self.inner.activation_width
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """Embed with the wrapped model, refusing the poisoned prompt."""
@@ -92,12 +87,6 @@ class PickyModel:
                 raise ConfigError("model cannot handle token 666")
             raise RuntimeError("model cannot handle token 666")
         return self.inner.embed(tokens)
-
-    async def forward(
-        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
-    ) -> ActivationFrame:
-        """Compute with the wrapped model."""
-        return await self.inner.forward(inputs, start, restored)
 
 
 def picky_factory(fault: str = "raise") -> ModelFactory:
@@ -111,20 +100,10 @@ def picky_factory(fault: str = "raise") -> ModelFactory:
 
 
 @attrs.define(eq=False)
-class GatedModel:
+class GatedModel(WrappedModel):
     """A reference model whose ``forward`` first waits for ``gate``: holds requests in flight."""
 
-    inner: StageModel
     gate: trio.Event
-
-    @property
-    def activation_width(self) -> int:
-        """Width of the wrapped model."""
-        return self.inner.activation_width
-
-    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
-        """Embed with the wrapped model."""
-        return self.inner.embed(tokens)
 
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None

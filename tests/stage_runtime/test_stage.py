@@ -16,7 +16,7 @@ from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import CausalMixModel, StageModel
 from stage_runtime.stage import PrefillRequest, Stage
-from tests.stage_runtime.pipeline_helpers import mix_factory, prompt, stage_configs
+from tests.stage_runtime.pipeline_helpers import WrappedModel, mix_factory, prompt, stage_configs
 
 NO_ENV: dict[str, str] = {}
 
@@ -81,17 +81,8 @@ async def test_middle_stage_uses_the_incoming_frame_and_forwards() -> None:
 
 
 @attrs.define(eq=False)
-class WrongLengthModel:
+class WrongLengthModel(WrappedModel):
     """Returns one row too many."""
-
-    inner: StageModel
-
-    @property
-    def activation_width(self) -> int:
-        return self.inner.activation_width
-
-    def embed(self, tokens: Any) -> ActivationFrame:
-        return self.inner.embed(tokens)
 
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
