@@ -13,9 +13,9 @@ The cache actor is spawned in the stage's own nursery: it lives and dies with th
 
 Failure and cancellation, per request:
 
-- An exception from the model (``embed``/``forward``) or a malformed model output (the wrong
-  number of rows, or real rows not ``activation_width`` values wide) fails only that request: its
-  caller's ``prefill`` raises it, nothing is recorded, and the stage moves on.
+- An exception from the model (``embed``/``forward``/``full_restore``) or a malformed model
+  output (the wrong number of rows, or real rows not ``activation_width`` values wide) fails only
+  that request: its caller's ``prefill`` raises it, nothing is recorded, and the stage moves on.
 - A request whose caller gave up (cancelled its ``prefill``) is *abandoned*: stages skip it when
   it reaches them, and a stage computing it is interrupted (its compute runs in a cancel scope the
   caller cancels). A stage records only a frame it computed completely for a live request, and each
@@ -298,18 +298,18 @@ class Stage:
             k = 0 if restored is None else restored.token_count
             if k >= n:
                 output = restored
+                full_restore = getattr(model, "full_restore", None)
+                if full_restore is not None:  # optional: what taking the restore costs
+                    try:
+                        await full_restore(restored)
+                    except Exception as exc:  # that caller's error, as a forward's would be
+                        output = None
+                        self._fail_request(request, exc)
             else:
                 try:
                     output = await self._compute(request, restored, k, n)
                 except Exception as exc:  # the model failed on this input: that caller's error
-                    request.fail(exc)
-                    self._counts["failed"] += 1
-                    log.warning(
-                        "prefill_failed",
-                        request_id=request.request_id,
-                        error_type=type(exc).__name__,
-                        error=str(exc),
-                    )
+                    self._fail_request(request, exc)
         request._scope = None
         if output is None or not request.live:
             if output is not None or scope.cancelled_caught:
@@ -340,6 +340,16 @@ class Stage:
             request.succeed()
         else:
             await self.outbox.send(request)
+
+    def _fail_request(self, request: PrefillRequest, exc: Exception) -> None:
+        request.fail(exc)
+        self._counts["failed"] += 1
+        log.warning(
+            "prefill_failed",
+            request_id=request.request_id,
+            error_type=type(exc).__name__,
+            error=str(exc),
+        )
 
     async def _compute(
         self, request: PrefillRequest, restored: ActivationFrame | None, k: int, n: int

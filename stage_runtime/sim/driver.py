@@ -611,15 +611,14 @@ def _summarise(
     cached: dict[int, float] = {}
     for request in ordered:
         finished = collector.outcomes[request.index]
-        # A stage that restores the whole prompt skips its model, so nothing slept for that
-        # restore; charge it here so every restore costs what the cost model says. When the
-        # models did not sleep at all, charge every stage's cost.
+        # When the models did not sleep at all, charge every stage's cost here. (A stage that
+        # restores the whole prompt sleeps its restore in the model's full_restore.)
         unslept_s = 0.0
         for position, (k, c) in enumerate(zip(finished.restored, finished.computed, strict=True)):
             restored[position] += k
             computed[position] += c
             hits[position] += k > 0
-            if c == 0 or not slept:
+            if not slept:
                 unslept_s += cost.stage_cost(
                     computed_tokens=c,
                     restored_bytes=k * config.bytes_per_token,

@@ -26,8 +26,10 @@ class SimulatedStageModel:
     zero-stride payload, no memory), typed bf16 with width
     ``bytes_per_token / 2``: the default 8,192 bytes per token is a 4,096-wide bf16 activation.
     :meth:`forward` sleeps ``cost.stage_cost(...)``: the computed tokens at the prefill cost plus
-    the restored prefix's bytes at the restore cost. Run under a virtual clock
-    (``trio.testing.MockClock(autojump_threshold=0)``) the sleeps take no wall time. With
+    the restored prefix's bytes at the restore cost; :meth:`full_restore` sleeps the restore
+    cost when the cache held the whole prompt (the stage then runs no forward). Run under a
+    virtual clock (``trio.testing.MockClock(autojump_threshold=0)``) the sleeps take no wall
+    time. With
     ``sleep=False`` it only returns frames: for callers that add the costs up themselves (a
     replay of one request at a time, where nothing overlaps, does).
     """
@@ -79,6 +81,14 @@ class SimulatedStageModel:
         if self.sleep and delay > 0:
             await trio.sleep(delay)
         return self._frame(n - start)
+
+    async def full_restore(self, restored: ActivationFrame) -> None:
+        """Sleep for restoring the whole prompt (the stage runs no forward then)."""
+        delay = self.cost.stage_cost(
+            computed_tokens=0, restored_bytes=restored.payload_bytes, stage_index=self.stage_index
+        )
+        if self.sleep and delay > 0:
+            await trio.sleep(delay)
 
     def _frame(self, token_count: int) -> ActivationFrame:
         return ActivationFrame.virtual(

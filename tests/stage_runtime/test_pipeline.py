@@ -333,6 +333,44 @@ async def test_output_rows_of_another_width_fail_the_request_and_are_not_recorde
     np.testing.assert_allclose(second.frame.rows(), expected.frame.rows(), rtol=1e-6, atol=1e-6)
 
 
+@attrs.define(eq=False)
+class FullRestoreModel(WrappedModel):
+    """Counts the whole-prompt restores it is told of; raises on them when ``fail`` is set."""
+
+    restores: list[int] = attrs.field(factory=list)
+    fail: bool = False
+
+    async def full_restore(self, restored: ActivationFrame) -> None:
+        """Record the restored length (or fail on it)."""
+        if self.fail:
+            raise RuntimeError("cannot load the restored activations")
+        self.restores.append(restored.token_count)
+
+
+async def test_a_whole_prompt_restore_calls_the_models_optional_full_restore() -> None:
+    """No forward runs for a whole-prompt hit; a model's full_restore hears of it, and its
+    error fails that request only."""
+    models: dict[str, FullRestoreModel] = {}
+    reference = mix_factory()
+
+    def factory(config: StageConfig) -> StageModel:
+        models[config.stage_id] = FullRestoreModel(reference(config))
+        return models[config.stage_id]
+
+    configs = stage_configs(2, min_tokens=8, stride=8)
+    async with open_pipeline(configs, factory, environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(24), session_id="s")
+        again = await pipeline.prefill(prompt(24), session_id="s")
+        assert [m.restores for m in models.values()] == [[24], [24]]
+        models["stage-1"].fail = True
+        with pytest.raises(RuntimeError, match="cannot load the restored activations"):
+            await pipeline.prefill(prompt(24), session_id="s")
+        models["stage-1"].fail = False
+        after = await pipeline.prefill(prompt(24), session_id="s")
+    assert restored(again) == restored(after) == [24, 24]
+    assert computed(again) == [0, 0]
+
+
 async def test_numpy_integer_activation_width_is_accepted() -> None:
     """A model whose activation_width is a numpy integer caches like one with an int."""
     configs = stage_configs(2, min_tokens=8, stride=8)

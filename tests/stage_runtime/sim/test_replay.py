@@ -262,6 +262,32 @@ def test_concurrent_replay_times_follow_the_fifo_pipeline_model() -> None:
     ]
 
 
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_a_whole_prompt_restore_occupies_its_stage_in_a_concurrent_replay(index: str) -> None:
+    """A stage that restores every token runs no forward, but its restore still takes its
+    stage's time: later requests queue behind it, as in the FIFO model of the same costs."""
+    restore_per_byte = 1e-5
+    trace = [_request(i, [1, 2, 3], 40) for i in range(3)]  # all arrive at 0
+    config = _config(
+        concurrency=3,
+        bytes_per_token=4,
+        index=index,
+        cost=CostModel(prefill_s_per_token=25e-6, restore_s_per_byte=restore_per_byte),
+    )
+    result = run_replay(trace, config)
+    assert [o.restored_tokens for o in result.outcomes] == [(0, 0), (40, 40), (40, 40)]
+    costs = [
+        [
+            (o.input_length - k) * 25e-6 + k * config.bytes_per_token * restore_per_byte
+            for k in o.restored_tokens
+        ]
+        for o in result.outcomes
+    ]
+    finishes = pipeline_finish_times([0.0] * 3, costs, concurrency=3)
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx(finishes)  # 2.0/4.2/5.8 ms
+    assert result.virtual_s == pytest.approx(finishes[-1])
+
+
 def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:
     """Per-stage costs: back-to-back requests leave the pipeline at the slowest stage's pace."""
     trace = [_request(i, [100 + i], 10, arrival_s=0.0001 * i) for i in range(4)]
