@@ -131,10 +131,10 @@ class LadderStageIntegration(KvStageIntegration):
         """
         found_before = self.cache.hits
         self._extra_counts = None
+        array = as_token_array(tokens)  # once: an iterator can be read only once
         found = super().restore_resident_activation(
-            config, base, token_start, tokens, activation_width
+            config, base, token_start, array, activation_width
         )
-        array = as_token_array(tokens)
         if not self.should_lookup() or array.size == 0:
             return found
         if found is not None:
@@ -163,12 +163,12 @@ class LadderStageIntegration(KvStageIntegration):
             ConfigError: a bad argument; the cache is left unchanged.
             FrameError: ``frame`` is not an ActivationFrame; the cache is left unchanged.
         """
+        array = as_token_array(tokens)  # once: an iterator can be read only once
         records = super().record_resident_activation(
-            config, base, token_start, tokens, activation_width, frame
+            config, base, token_start, array, activation_width, frame
         )
         if not records:
             return records
-        array = as_token_array(tokens)
         namespace: bytes | None = None
         prompt: _PendingPrompt | None = None
         fingerprints = self._resident_fingerprints

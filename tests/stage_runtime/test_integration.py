@@ -877,3 +877,35 @@ def test_cache_without_key_index_is_probed_fully() -> None:
     assert restored is not None
     assert restored.token_count == 2176
     assert kv.stats().lookups == 2
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_tokens_given_as_an_iterator_are_read_once(index: str) -> None:
+    """An iterator of tokens (documented as accepted) records and restores like a list; the
+    ladder's bookkeeping used to read it a second time, after the cache had consumed it."""
+    config = StageConfig.from_mapping(
+        {
+            "stage_id": "s0",
+            "model_id": "m",
+            "layer_start": 0,
+            "layer_end": 2,
+            "kv_cache": {
+                "mode": "lookup-record",
+                "min_tokens": 2,
+                "shared_prefix_stride_tokens": 2,
+                "index": index,
+            },
+        }
+    )
+    kv = KvStageIntegration.from_config(config, environ={})
+    assert kv is not None
+    frame = ActivationFrame.from_array(np.ones((6, 2), np.float32))
+    records = kv.record_resident_activation(config, MessageBase(), 0, iter(range(6)), 2, frame)  # type: ignore[arg-type]
+    assert records[0].token_count == 6
+    hit = kv.restore_resident_activation(config, MessageBase(), 0, (t for t in range(6)), 2)  # type: ignore[arg-type]
+    assert hit is not None
+    assert hit.token_count == 6
+    accounting, stats = kv.accounting(), kv.stats()
+    assert (accounting.lookups, accounting.hits) == (stats.lookups, stats.hits) == (1, 1)
+    assert accounting.unique_prefix_bytes == accounting.resident_bytes or index == "ladder"
+    assert 0 < accounting.unique_prefix_bytes <= accounting.resident_bytes
