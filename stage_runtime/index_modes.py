@@ -172,7 +172,7 @@ class LadderStageIntegration(KvStageIntegration):
         namespace: bytes | None = None
         prompt: _PendingPrompt | None = None
         fingerprints = self._resident_fingerprints
-        prints = _fingerprints(array, [record.token_count for record in records])
+        prints = _fingerprints(array, [record.token_count for record in records], _tenant(base))
         group = (str(token_start), f"w{max(activation_width, 0)}")
         for record, fingerprint in zip(records, prints, strict=True):
             self._evicted(record.evicted)
@@ -298,7 +298,11 @@ class LadderStageIntegration(KvStageIntegration):
         self._extra_counts = None
         if counts is None:
             counts = self._restore_extra_counts(
-                token_start, width, array, self.policy.candidate_token_counts(int(array.size))
+                base,
+                token_start,
+                width,
+                array,
+                self.policy.candidate_token_counts(int(array.size)),
             )
         if not counts:
             return []
@@ -311,7 +315,7 @@ class LadderStageIntegration(KvStageIntegration):
         ]
 
     def _filter_probes(
-        self, token_start: int, width: int, array: TokenArray, probes: list[int]
+        self, base: MessageBase, token_start: int, width: int, array: TokenArray, probes: list[int]
     ) -> list[int]:
         """Keep the probe lengths where a resident key may be this prompt's.
 
@@ -324,7 +328,8 @@ class LadderStageIntegration(KvStageIntegration):
         cache, slot_keys = self.cache, self._slot_keys
         group = (str(token_start), f"w{width}")
         kept = []
-        for count, fingerprint in zip(probes, _fingerprints(array, probes), strict=True):
+        prints = _fingerprints(array, probes, _tenant(base))
+        for count, fingerprint in zip(probes, prints, strict=True):
             known = slot_keys.get((group, count))
             if known is None:
                 kept.append(count)
@@ -342,7 +347,7 @@ class LadderStageIntegration(KvStageIntegration):
         return kept
 
     def _restore_extra_counts(
-        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+        self, base: MessageBase, token_start: int, width: int, array: TokenArray, counts: list[int]
     ) -> list[int]:
         """The candidates that may have a tombstone: a miss checks their keys.
 
@@ -356,7 +361,8 @@ class LadderStageIntegration(KvStageIntegration):
         if not slotted:
             return []
         out = []
-        for count, fingerprint in zip(slotted, _fingerprints(array, slotted), strict=True):
+        prints = _fingerprints(array, slotted, _tenant(base))
+        for count, fingerprint in zip(slotted, prints, strict=True):
             seen = by_count[count]
             if fingerprint in seen or None in seen:
                 out.append(count)
@@ -385,23 +391,37 @@ class LadderStageIntegration(KvStageIntegration):
         return chain
 
 
-_Fingerprint = tuple[int, int, int, int]
+_Tenant = tuple[str | None, str | None]
+_Fingerprint = tuple[_Tenant, int, int, int, int]
 _NamespaceInputs = tuple[StageConfig, int, str | None, str | None, int]
 
 
-def _fingerprints(array: TokenArray, counts: list[int]) -> list[_Fingerprint]:
-    """A cheap fingerprint of each prefix ``array[:count]``: its length and three of its tokens.
+def _tenant(base: MessageBase) -> _Tenant:
+    """What besides the tokens separates two requests' keys: cache namespace and salt."""
+    return (base.chat_template_id, base.cache_salt)
 
-    Equal prefixes have equal fingerprints; different ones usually differ (a filter only: a
-    matching fingerprint is confirmed by the prefix's key).
+
+def _fingerprints(array: TokenArray, counts: list[int], tenant: _Tenant) -> list[_Fingerprint]:
+    """A cheap fingerprint of each prefix ``array[:count]``: the request's namespace and salt,
+    the length and three of its tokens.
+
+    Equal prefixes of one namespace have equal fingerprints; different ones usually differ (a
+    filter only: a matching fingerprint is confirmed by the prefix's key). Another tenant's key
+    never matches, so a restore never hashes or probes a length because another tenant holds
+    the same tokens there: its latency does not tell whether another tenant sent them.
     """
     if len(counts) <= 32:  # a few: index a memoryview (Python ints, no numpy call overhead)
         tokens = array.data
-        return [(c, tokens[c - 1], tokens[(c - 1) >> 1], tokens[(c - 1) >> 2]) for c in counts]
+        return [
+            (tenant, c, tokens[c - 1], tokens[(c - 1) >> 1], tokens[(c - 1) >> 2]) for c in counts
+        ]
     last = np.asarray(counts, dtype=np.intp) - 1
     k = len(counts)
     picks = array[np.concatenate((last, last >> 1, last >> 2))].tolist()
-    return list(zip(counts, picks[:k], picks[k : 2 * k], picks[2 * k :], strict=True))
+    return [
+        (tenant, c, a, b, d)
+        for c, a, b, d in zip(counts, picks[:k], picks[k : 2 * k], picks[2 * k :], strict=True)
+    ]
 
 
 @attrs.frozen(kw_only=True, eq=False)

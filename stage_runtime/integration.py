@@ -464,7 +464,7 @@ class KvStageIntegration:
                 probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
             else:  # the grid is descending: keep its order
                 probes = [c for c in policy.candidate_token_counts(n) if c in resident]
-            probes = self._filter_probes(token_start, width, array, probes)
+            probes = self._filter_probes(base, token_start, width, array, probes)
         else:  # a cache built without our index: probe every candidate
             probes = policy.candidate_token_counts(n)
         if not probes:
@@ -481,7 +481,7 @@ class KvStageIntegration:
             array,
             wanted,
             more=lambda: self._restore_extra_counts(
-                token_start, width, array, policy.candidate_token_counts(n)
+                base, token_start, width, array, policy.candidate_token_counts(n)
             ),
         )
         # Walk the probes longest first; every candidate between two probes is a miss, counted
@@ -629,7 +629,7 @@ class KvStageIntegration:
         raise NotImplementedError(msg)
 
     def _filter_probes(
-        self, token_start: int, width: int, array: TokenArray, probes: list[int]
+        self, base: MessageBase, token_start: int, width: int, array: TokenArray, probes: list[int]
     ) -> list[int]:
         """Drop probe lengths whose key cannot be resident (descending order kept).
 
@@ -639,7 +639,7 @@ class KvStageIntegration:
         return probes
 
     def _restore_extra_counts(
-        self, token_start: int, width: int, array: TokenArray, counts: list[int]
+        self, base: MessageBase, token_start: int, width: int, array: TokenArray, counts: list[int]
     ) -> list[int]:
         """More lengths (among the lookup ``counts``) a restore should hash in its single pass.
 

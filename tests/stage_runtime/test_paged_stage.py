@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from typing import Any
 
 import attrs
 import numpy as np
@@ -209,6 +210,33 @@ def test_a_salted_tenant_cannot_probe_another_tenants_evictions(index: str) -> N
     assert reasons == ["never_seen", "never_seen", "evicted"]
     acc = kv.accounting()
     assert (acc.misses_never_seen, acc.misses_evicted, acc.misses_rejected) == (2, 1, 0)
+
+
+def test_a_ladder_restore_does_no_more_work_when_another_tenant_holds_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether tenant b recorded the same prompt must not change what tenant a's (missing)
+    restore computes, or its latency would tell: the ladder used to hash and probe the lengths
+    where b's key had the same token fingerprint."""
+    from stage_runtime.index_modes import LadderStageIntegration
+
+    tokens = list(range(1, 13))
+    hashed: list[list[int]] = []
+    real = LadderStageIntegration._hashes
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hashed.append(list(args[4]))  # the lengths asked for
+        return real(self, *args, **kwargs)
+
+    for b_sent in (False, True):
+        kv, config = integration("ladder")
+        if b_sent:
+            record(kv, config, tokens, cache_salt="tenant-b")
+        with monkeypatch.context() as patch:
+            patch.setattr(LadderStageIntegration, "_hashes", spy)
+            assert restored(kv, config, tokens, cache_salt="tenant-a") == 0
+        assert kv.last_miss_reason == "never_seen"
+    assert hashed == []  # neither restore hashed anything
 
 
 @pytest.mark.parametrize("index", ["ladder", "paged"])
