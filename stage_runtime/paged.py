@@ -839,11 +839,17 @@ class PagedActivationIndex:
             # for every page is made at once (the same victims, in the same order, as page by
             # page); when it cannot be, the chain ends at the last page that fits.
             count = stop - first
-            if not self._make_room_lru(count * size, None, evicted, new_entries=count):
-                fit = min(count, max_entries - len(entries))
+            victims, ok, remaining, remaining_bytes = self._lru_victims(count * size, None, count)
+            if not ok:
+                # Only the first pages can fit, even with every evictable entry gone: evict
+                # just what those need (nothing when none fits), and end the chain there.
+                fit = min(count, max_entries - remaining)
                 if max_bytes:
-                    fit = min(fit, (max_bytes - self._resident_bytes) // size)
-                stop = first + max(fit, 0)
+                    fit = min(fit, (max_bytes - remaining_bytes) // size)
+                fit = max(fit, 0)
+                victims = self._lru_victims(fit * size, None, fit)[0] if fit else []
+                stop = first + fit
+            self._evict_all(victims, evicted)
         for i in range(first, stop):
             full = not lru and (
                 len(entries) >= max_entries
@@ -930,6 +936,8 @@ class PagedActivationIndex:
         entry when ``new_entry``, fit the bounds; False when only protected leaves remain."""
         if self._lru:
             return self._make_room_lru(size, also, evicted, new_entries=int(new_entry))
+        if self.max_bytes and size > self.max_bytes:
+            return False  # it can never fit: evicting would free room for nothing
         entries = self._entries
         leaves = self._leaves
         max_bytes = self.max_bytes
@@ -980,6 +988,16 @@ class PagedActivationIndex:
         (entries, then bytes) that the new entries, all together, would still exceed; it can
         differ from page-by-page making room only when both bounds bind.
         """
+        victims, ok, _, _ = self._lru_victims(size, also, new_entries)
+        if ok:  # when the room cannot be made, evicting would free it for nothing
+            self._evict_all(victims, evicted)
+        return ok
+
+    def _lru_victims(
+        self, size: int, also: _Entry | None, new_entries: int
+    ) -> tuple[list[tuple[_Entry, EvictionReason]], bool, int, int]:
+        """The victims :meth:`_make_room_lru` would evict, whether that makes the room, and the
+        entries and bytes that would remain. Evicts nothing."""
         max_bytes = self.max_bytes
         count = len(self._entries)
         limit = self.max_entries - new_entries if new_entries else count  # entries that may stay
@@ -1000,8 +1018,8 @@ class PagedActivationIndex:
             victims.append((victim, reason))
             count -= 1
             resident -= victim.nbytes
-        self._evict_all(victims, evicted)
-        return not (count > limit or (max_bytes and resident + size > max_bytes))
+        ok = not (count > limit or (max_bytes and resident + size > max_bytes))
+        return victims, ok, count, resident
 
     def _settle(self, last: _Entry | None) -> None:
         """Under ``lru``, end an operation that used the chain ending at ``last``: its entries

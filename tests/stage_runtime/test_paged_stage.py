@@ -373,3 +373,70 @@ def test_pages_of_one_row_description_share_one_meta_object() -> None:
     assert metas[0] == metas[1]
     assert metas[0] != metas[2]
     assert restored(kv, config, [1, 2, 3, 4, 5, 6, 7, 8]) == 8
+
+
+def _bounded_paged(max_bytes: int, page_tokens: int, eviction: str = "lru") -> tuple[Any, Any]:
+    config = StageConfig.from_mapping(
+        {
+            "stage_id": "s0",
+            "model_id": "m",
+            "layer_start": 0,
+            "layer_end": 2,
+            "kv_cache": {
+                "mode": "lookup-record",
+                "min_tokens": 0,
+                "index": "paged",
+                "page_tokens": page_tokens,
+                "shared_prefix_stride_tokens": page_tokens,
+                "max_bytes": max_bytes,
+                "page_eviction": eviction,
+            },
+        }
+    )
+    kv = KvStageIntegration.from_config(config, environ={})
+    assert kv is not None
+    return kv, config
+
+
+@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+def test_a_record_that_can_store_nothing_evicts_nothing(eviction: str) -> None:
+    """32-byte pages under a 20-byte bound never fit: the cached 16-byte tail must stay."""
+    kv, config = _bounded_paged(max_bytes=20, page_tokens=4, eviction=eviction)
+    base = MessageBase()
+    short = np.array([7, 7], np.int32)
+    kv.record_resident_activation(
+        config, base, 0, short, 2, ActivationFrame.from_array(np.ones((2, 2), np.float32))
+    )
+    long = np.arange(12, dtype=np.int32)
+    records = kv.record_resident_activation(
+        config, base, 0, long, 2, ActivationFrame.from_array(np.ones((12, 2), np.float32))
+    )
+    assert sum(record.evicted_entries for record in records) == 0
+    stats = kv.stats()
+    assert (stats.entries, stats.resident_bytes, stats.evictions) == (1, 16, 0)
+    hit = kv.restore_resident_activation(config, base, 0, short, 2)
+    assert hit is not None
+    assert hit.token_count == 2
+
+
+def test_a_refused_re_record_evicts_nothing() -> None:
+    """Re-recording a cached page with rows too large for the bound keeps the old rows, and
+    (under LRU) no other entry is evicted for a room that is then not used."""
+    kv, config = _bounded_paged(max_bytes=24, page_tokens=2)
+    base = MessageBase()
+    prompt, other = np.array([1, 2], np.int32), np.array([9], np.int32)
+    f16 = np.float16
+    kv.record_resident_activation(
+        config, base, 0, other, 4, ActivationFrame.from_array(np.ones((1, 4), f16))
+    )
+    kv.record_resident_activation(
+        config, base, 0, prompt, 4, ActivationFrame.from_array(np.ones((2, 4), f16))
+    )
+    kv.record_resident_activation(
+        config, base, 0, prompt, 4, ActivationFrame.from_array(np.ones((2, 4), np.float32))
+    )
+    assert kv.stats().evictions == 0
+    kept = kv.restore_resident_activation(config, base, 0, prompt, 4)
+    assert kept is not None
+    assert kept.frame.desc.dtype.name == "F16"
+    assert kv.restore_resident_activation(config, base, 0, other, 4) is not None
