@@ -152,6 +152,8 @@ class _Cell:
     current: Reply | None = None
     task: trio.lowlevel.Task | None = None
     stopped: trio.Event = attrs.field(factory=trio.Event)
+    trio_token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
+    """The run the actor lives in; its refs work only from there."""
     full_logged_at: float = -math.inf
     full_suppressed: int = 0
 
@@ -365,8 +367,23 @@ class ActorRef(Generic[MessageT, ReplyT]):
         """Whether the actor's task has finished (stopped, crashed or cancelled)."""
         return self._cell.stopped.is_set()
 
+    def _check_run(self) -> None:
+        """Refuse use from another thread or trio run: trio's channels and events are not
+        thread-safe, so such a send would corrupt the mailbox or wedge the actor."""
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            token = None
+        if token is not self._cell.trio_token:
+            msg = (
+                f"actor {self._cell.name!r} can only be used from the trio run that spawned it; "
+                "from another thread, go through trio.from_thread.run"
+            )
+            raise RuntimeError(msg)
+
     def _send_now(self, envelope: _Envelope) -> bool:
         """Put ``envelope`` in the mailbox if it has room now; return ``False`` if it is full."""
+        self._check_run()
         try:
             self._send.send_nowait(envelope)
         except trio.WouldBlock:
@@ -417,7 +434,8 @@ class ActorRef(Generic[MessageT, ReplyT]):
         Raises:
             trio.TooSlowError: ``timeout`` passed first.
             ActorStoppedError: The actor has stopped, or stopped before replying.
-            RuntimeError: Called from the actor's own task (it would deadlock).
+            RuntimeError: Called from the actor's own task (it would deadlock), or from another
+                thread or trio run (nothing is sent).
             TypeError: ``timeout`` is not a number (nothing is sent).
             ValueError: ``timeout`` is negative or NaN (nothing is sent).
             Exception: Whatever ``handle`` raised for this message.
@@ -492,6 +510,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         Args:
             drain: Handle the messages already queued before stopping.
         """
+        self._check_run()
         cell = self._cell
         cell.request_stop(drain=drain)
         if trio.lowlevel.current_task() is cell.task:
@@ -514,6 +533,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     async def _barrier(self) -> None:
         """Wait until every message queued before this call has been handled."""
+        if trio.lowlevel.current_task() is self._cell.task:
+            msg = f"actor {self._cell.name!r} cannot wait for itself to be idle (deadlock)"
+            raise RuntimeError(msg)
         reply = Reply()
         envelope = (_BARRIER, reply)
         await trio.lowlevel.checkpoint_if_cancelled()

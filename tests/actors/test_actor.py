@@ -752,3 +752,57 @@ async def test_idle_actor_keeps_no_message_or_reply_alive() -> None:
         gc.collect()
         assert message_ref() is None
         assert reply_ref() is None
+
+
+async def test_a_ref_used_from_another_thread_is_refused_and_the_actor_unharmed() -> None:
+    """trio's channels are not thread-safe: a send from a worker thread must fail at once,
+    with a clear error, instead of corrupting the mailbox and wedging the actor."""
+    async with open_actor(Counter(), name="counter") as ref:
+
+        def from_thread() -> str:
+            try:
+                ref.tell_nowait(Add(5))
+            except RuntimeError as exc:
+                return str(exc)
+            return "sent"
+
+        outcome = await trio.to_thread.run_sync(from_thread)
+        assert outcome == (
+            "actor 'counter' can only be used from the trio run that spawned it; from another "
+            "thread, go through trio.from_thread.run"
+        )
+        assert await ref.ask(Add(1)) == 1  # the thread's message was never queued
+
+        def other_run() -> str:
+            async def ask() -> object:
+                return await ref.ask(Get())
+
+            try:
+                trio.run(ask)
+            except RuntimeError as exc:
+                return str(exc)
+            return "asked"
+
+        assert (await trio.to_thread.run_sync(other_run)).startswith("actor 'counter' can only")
+        assert await ref.ask(Get()) == 1
+        assert ref.statistics().asks_waiting == 0
+
+
+@attrs.define(eq=False)
+class WaitsForItself(Actor[object, object]):
+    ref: ActorRef[object, object] | None = None
+
+    async def handle(self, message: object) -> object:
+        assert self.ref is not None
+        await wait_idle(self.ref)
+        return message
+
+
+async def test_wait_idle_from_the_actors_own_handler_is_an_error_not_a_deadlock() -> None:
+    """Like ask and tell, waiting for itself to be idle would wait forever."""
+    actor = WaitsForItself()
+    async with open_actor(actor, name="self-waiter") as ref:
+        actor.ref = ref
+        with pytest.raises(RuntimeError, match="cannot wait for itself to be idle"):
+            await ref.ask("x")
+        assert ref.statistics().failed == 1
