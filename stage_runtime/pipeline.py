@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from actors import ActorStoppedError
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator
 from stage_runtime.errors import ConfigError, PipelineStoppedError
@@ -186,16 +187,34 @@ class Pipeline:
         )
 
     async def stats(self) -> PipelineStats:
-        """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor)."""
-        return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+        """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor).
+
+        After the pipeline drained and stopped normally, the final statistics.
+
+        Raises:
+            PipelineStoppedError: the pipeline stopped abnormally (a crash or a cancellation), so
+                a stage's actor is gone without final statistics.
+        """
+        try:
+            return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+        except ActorStoppedError as exc:
+            msg = f"pipeline has stopped without final statistics ({exc})"
+            raise PipelineStoppedError(msg) from None
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
         """Empty every stage's cache (each entry logged as ``cleared``).
 
         Returns:
             Per stage, in pipeline order, the entries that were evicted.
+
+        Raises:
+            PipelineStoppedError: the pipeline has stopped (its caches are gone).
         """
-        return tuple([await stage.clear_cache() for stage in self._stages])
+        try:
+            return tuple([await stage.clear_cache() for stage in self._stages])
+        except ActorStoppedError as exc:
+            msg = f"pipeline has stopped: no cache to clear ({exc})"
+            raise PipelineStoppedError(msg) from None
 
     async def _drain(self) -> None:
         """Refuse new prefills, wait for the pending ones, then close stage 0's inbox."""

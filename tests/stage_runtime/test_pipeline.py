@@ -781,3 +781,23 @@ def test_cached_pipeline_equals_uncached_pipeline(
             if report.stage_id == config.stage_id and report.computed_tokens
         )
         assert sorted(registry.models[config.stage_id].calls) == claimed
+
+
+async def test_a_stopped_pipeline_answers_with_pipeline_errors_not_actor_internals(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a normal exit stats() gives the final numbers and clear_caches() has no caches;
+    after a cancelled one there are no final numbers. Both say so as PipelineStoppedError."""
+    configs = stage_configs(2, min_tokens=8, stride=8)
+    async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(20), session_id="s")
+    final = await pipeline.stats()
+    assert [s.cache.records if s.cache else None for s in final.stages] == [2, 2]
+    with pytest.raises(PipelineStoppedError, match="pipeline has stopped: no cache to clear"):
+        await pipeline.clear_caches()
+
+    with trio.move_on_after(1):  # leaves the block by cancellation: no orderly drain
+        async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as cancelled:
+            await trio.sleep_forever()
+    with pytest.raises(PipelineStoppedError, match="pipeline has stopped without final"):
+        await cancelled.stats()
