@@ -152,6 +152,7 @@ class _Cell:
     current: Reply | None = None
     task: trio.lowlevel.Task | None = None
     stopped: trio.Event = attrs.field(factory=trio.Event)
+    stop_requested: trio.Event = attrs.field(factory=trio.Event)
     trio_token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
     """The run the actor lives in; its refs work only from there."""
     full_logged_at: float = -math.inf
@@ -186,6 +187,7 @@ class _Cell:
         if not drain:
             self.drain = False
         self.send.close()
+        self.stop_requested.set()
 
     async def run(self, ref: ActorRef[Any, Any], task_status: trio.TaskStatus[Any]) -> None:
         self.task = trio.lowlevel.current_task()
@@ -242,7 +244,14 @@ class _Cell:
                     backoff_s=window.policy.backoff_s,
                 )
                 if window.policy.backoff_s > 0:
-                    await trio.sleep(window.policy.backoff_s)
+                    # A stop ends the backoff: a shutdown must not wait it out.
+                    with trio.move_on_after(window.policy.backoff_s):
+                        await self.stop_requested.wait()
+                queued = self.receive.statistics().current_buffer_used
+                if self.stop_requested.is_set() and (not self.drain or queued == 0):
+                    # Stopping, with nothing left to hand a rebuilt actor: do not build one.
+                    self.drained = self.drain
+                    return
                 continue
             # The actor is stopping: a failing on_stop is not restarted (there is nothing left to
             # serve), it propagates to the owning nursery like a crash without a policy.

@@ -146,6 +146,39 @@ async def test_backoff_delays_the_restart_in_virtual_time(
     assert handled_at - crashed_at == pytest.approx(2.5)
 
 
+async def test_a_stop_during_the_backoff_ends_it_without_a_rebuild(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A shutdown must not wait out a long backoff, nor build an actor only to stop it."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=3, within_s=60, backoff_s=30)
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, built, name="ledger", restart=policy)
+        await ref.tell("crash")
+        await trio.sleep(0.01)  # the crash happened; the backoff runs
+        stopping_at = trio.current_time()
+        await ref.stop(drain=False)
+        assert trio.current_time() - stopping_at < 0.01
+    assert len(built.actors) == 1
+
+
+async def test_a_draining_stop_during_the_backoff_still_serves_what_is_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With messages queued, stop(drain=True) rebuilds the actor at once to handle them."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=3, within_s=60, backoff_s=30)
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, built, name="ledger", restart=policy)
+        ref.tell_nowait("crash")
+        ref.tell_nowait(5)
+        await trio.sleep(0.01)
+        stopping_at = trio.current_time()
+        await ref.stop(drain=True)
+        assert trio.current_time() - stopping_at < 0.01
+    assert [message for _, message in built.actors[1].log] == [5]
+
+
 @attrs.define(eq=False)
 class FlakyStart(Actor[int, int]):
     """on_start fails for the first ``failures[0]`` builds."""
