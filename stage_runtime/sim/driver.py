@@ -322,9 +322,11 @@ class StageSummary:
     hits: int
     """Requests that restored at least one token here."""
     records: int
-    """Cache entries recorded (one per ladder rung)."""
+    """Records made: ladder entries (one per rung); in paged mode, record calls that stored
+    something (one per prompt)."""
     evictions: int
-    """Entries evicted (LRU) to make room."""
+    """Entries evicted to make room: ladder entries, or pages in paged mode (so a paged run
+    can show more evictions than records)."""
     evicted_bytes: int
     """Bytes those evictions freed."""
     resident_bytes_max: int

@@ -210,10 +210,20 @@ def render_report(
         f"pipeline: {config.stages} stages, {config.bytes_per_token:,} activation bytes per "
         f"token, concurrency {config.concurrency}, blocks of {config.block_size} tokens"
     )
+    if str(config.index) == "paged":
+        page_tokens = config.page_tokens if config.page_tokens is not None else config.stride
+        index = (
+            f"paged: pages of {page_tokens} tokens, {config.page_eviction} eviction, "
+            f"min {config.min_prefix_tokens} tokens"
+        )
+    else:
+        index = (
+            f"ladder: min {config.min_prefix_tokens} tokens, stride {config.stride}, "
+            f"record limit {config.record_limit}"
+        )
     console.print(
-        f"cache per stage: {config.max_entries} entries, {_capacity(result.capacity_tokens)}; "
-        f"ladder: min {config.min_prefix_tokens} tokens, stride {config.stride}, "
-        f"record limit {config.record_limit}"
+        f"cache per stage: {config.max_entries:,} entries, {_capacity(result.capacity_tokens)}; "
+        f"{index}"
     )
 
     totals = Table(box=box.SIMPLE, show_header=False)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 
 from stage_runtime.cli import main
 from stage_runtime.config import CacheIndex
@@ -79,3 +80,24 @@ def test_sim_config_passes_the_index_to_every_stage() -> None:
     assert kv_cache_config(SimConfig()).index is CacheIndex.LADDER
     with pytest.raises(ConfigError, match="index must be 'ladder' or 'paged', got 'tree'"):
         SimConfig(index="tree")
+
+
+def test_the_report_header_describes_the_index_in_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --index paged the header names the pages and eviction, not the ladder's settings."""
+    saved = structlog.get_config()  # main() configures logging like a program does
+    try:
+        _header_checks(capsys)
+    finally:
+        structlog.reset_defaults()
+        structlog.configure(**saved)
+
+
+def _header_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--index", "paged", "--limit-requests", "5", "--page-tokens", "256"]) == 0
+    header = " ".join(capsys.readouterr().out.split())
+    assert "paged: pages of 256 tokens, lru eviction, min 512 tokens" in header
+    assert "record limit" not in header
+    assert main(["demo", "--limit-requests", "5"]) == 0
+    assert "ladder: min 512 tokens, stride 512, record limit 2" in capsys.readouterr().out
