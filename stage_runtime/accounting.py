@@ -110,6 +110,9 @@ class _Group:
     segments: dict[bytes, int] = attrs.field(factory=dict)
     """Token bytes (int32 little-endian) of each distinct segment -> reference count."""
     bytes_per_token: int = 0
+    """The widest row among the segments held now (see ``widths``)."""
+    widths: dict[int, int] = attrs.field(factory=dict)
+    """Bytes per token -> references held with it, so the widest can shrink on removal."""
     unique_tokens: int | None = 0
     """Cached size of the token trie of ``segments``; ``None`` when it must be recomputed."""
 
@@ -148,7 +151,10 @@ class PrefixFootprint:
     """
 
     _groups: dict[bytes, _Group] = attrs.field(factory=dict, init=False)
-    _owners: dict[Hashable, list[tuple[bytes, bytes]]] = attrs.field(factory=dict, init=False)
+    _owners: dict[Hashable, tuple[int, list[tuple[bytes, bytes]]]] = attrs.field(
+        factory=dict, init=False
+    )
+    """Owner -> (its bytes per token, the (parent, segment) it holds)."""
     _dirty: set[bytes] = attrs.field(factory=set, init=False)
     _clean_tokens_bytes: int = attrs.field(default=0, init=False)
     """Sum of ``unique_tokens * bytes_per_token`` over groups that are not dirty."""
@@ -174,22 +180,34 @@ class PrefixFootprint:
                 self._invalidate(parent, group)
             group.segments[data] = count + 1
             group.bytes_per_token = max(group.bytes_per_token, bytes_per_token)
+            group.widths[bytes_per_token] = group.widths.get(bytes_per_token, 0) + 1
             held.append((parent, data))
-        self._owners[owner] = held
+        self._owners[owner] = (bytes_per_token, held)
 
     def remove(self, owner: Hashable) -> None:
         """Release what :meth:`add` counted for ``owner`` (unknown owners are ignored)."""
-        held = self._owners.pop(owner, None)
-        if held is None:
+        entry = self._owners.pop(owner, None)
+        if entry is None:
             return
+        width, held = entry
         for parent, data in held:
             group = self._groups[parent]
+            left = group.widths[width] - 1
+            if left:
+                group.widths[width] = left
+            else:
+                del group.widths[width]
+            widest = max(group.widths, default=0)
             count = group.segments[data] - 1
+            if count and widest == group.bytes_per_token:
+                group.segments[data] = count
+                continue
+            self._invalidate(parent, group)  # before the width changes: it uncounts the old
+            group.bytes_per_token = widest
             if count:
                 group.segments[data] = count
                 continue
             del group.segments[data]
-            self._invalidate(parent, group)
             if not group.segments:
                 self._dirty.discard(parent)
                 del self._groups[parent]

@@ -82,3 +82,21 @@ def test_residency_ratio_of_an_empty_cache_is_zero() -> None:
     )
     assert empty.residency_ratio == 0.0
     assert empty.misses == 0
+
+
+def test_footprint_width_shrinks_when_the_widest_owner_leaves() -> None:
+    """A group's byte width is that of the widest segment held now, not ever: after the f32
+    owner leaves, its f16 neighbour counts at 2 bytes per token (read in between or not)."""
+    for read_between in (False, True):
+        footprint = PrefixFootprint()
+        footprint.add("f32", [(b"root", tokens(1, 2))], 4)
+        footprint.add("f16", [(b"root", tokens(3, 4))], 2)
+        if read_between:
+            assert footprint.unique_bytes() == 4 * 4  # two 2-token segments at the widest, 4 B
+        footprint.remove("f32")
+        assert footprint.unique_bytes() == 2 * 2
+        footprint.add("f16-b", [(b"root", tokens(5, 6))], 2)
+        assert footprint.unique_bytes() == 4 * 2
+        footprint.remove("f16")
+        footprint.remove("f16-b")
+        assert footprint.unique_bytes() == 0
