@@ -87,6 +87,9 @@ class StageModel(Protocol):
 ModelFactory = Callable[[StageConfig], StageModel]
 """Builds the model of one stage from its configuration (called once per stage, at start)."""
 
+EMBED_COST_MACS: Final = 64
+"""What one embedding value (a float64 sine and its argument) costs, in multiply-adds."""
+
 THREAD_THRESHOLD_MACS: Final = 1 << 24
 """Default :attr:`CausalMixModel.thread_threshold_macs`: about 16.8M multiply-adds, a few ms of
 numpy. A 4-stage pipeline at width 64 computes prompts up to 4,096 tokens inline; at width 2,048,
@@ -123,11 +126,12 @@ class CausalMixModel:
 
     Stage 0 embeds token ids with seeded sinusoids, so any ``int32`` token id has an embedding.
 
-    A forward costs ``rows x width x width`` multiply-adds. Up to ``thread_threshold_macs`` it
-    runs inline on the event loop (cheap, and deterministic under trio's virtual clock, where a
-    thread would let time jump); above it, it runs in a worker thread
-    (``trio.to_thread.run_sync``), so a large forward does not freeze the other tasks (an HTTP
-    server keeps answering its probes). numpy releases the GIL in the matrix product.
+    A forward costs ``rows x width x width`` multiply-adds, an embedding about ``rows x width x``
+    :data:`EMBED_COST_MACS`. Up to ``thread_threshold_macs`` either runs inline on the event loop
+    (cheap, and deterministic under trio's virtual clock, where a thread would let time jump);
+    above it, it runs in a worker thread (``trio.to_thread.run_sync``), so a large prompt does
+    not freeze the other tasks (an HTTP server keeps answering its probes). numpy releases the
+    GIL in the matrix product and the sines.
 
     Args:
         width: Activation width (columns per token row); at least 1.
@@ -135,8 +139,8 @@ class CausalMixModel:
         stage_index: Written into produced frames as ``producer_stage_index``.
         layer_start: Written into produced frames.
         layer_end: Written into produced frames.
-        thread_threshold_macs: Forwards of more multiply-adds than this run in a worker thread;
-            ``0`` sends every forward to a thread.
+        thread_threshold_macs: Forwards (and, through :meth:`embed_async`, embeddings) of more
+            multiply-adds than this run in a worker thread; ``0`` sends every one to a thread.
     """
 
     width: int = attrs.field(default=64)
@@ -184,6 +188,17 @@ class CausalMixModel:
     def activation_width(self) -> int:
         """The width of the produced rows (part of the cache key)."""
         return self.width
+
+    async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """:meth:`embed`, in a worker thread when it is large (see ``thread_threshold_macs``).
+
+        A stage awaits this instead of calling :meth:`embed`: one sinusoid per token and column
+        costs about as much as :data:`EMBED_COST_MACS` multiply-adds, so at width 2,048 an
+        8,000-token prompt would hold the event loop for about a second.
+        """
+        if np.size(tokens) * self.width * EMBED_COST_MACS > self.thread_threshold_macs:
+            return await trio.to_thread.run_sync(self.embed, tokens)
+        return self.embed(tokens)
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """Embed token ids as seeded sinusoids, one float32 row per token."""

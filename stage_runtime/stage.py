@@ -357,7 +357,14 @@ class Stage:
         """Run the model for tokens ``k..N-1`` and join the result to the restored prefix."""
         assert self._model is not None
         model = self._model
-        inputs = request.frame if request.frame is not None else model.embed(request.tokens)
+        if request.frame is not None:
+            inputs = request.frame
+        else:
+            embed_async = getattr(model, "embed_async", None)  # optional: may leave the loop
+            if embed_async is not None:
+                inputs = await embed_async(request.tokens)
+            else:
+                inputs = model.embed(request.tokens)
         if not isinstance(inputs, ActivationFrame) or inputs.token_count != n:
             got = inputs.token_count if isinstance(inputs, ActivationFrame) else inputs
             msg = f"stage input must be a frame of {n} tokens, got {got!r}"

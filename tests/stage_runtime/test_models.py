@@ -16,6 +16,7 @@ from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import (
+    EMBED_COST_MACS,
     CausalMixModel,
     StageModel,
     VirtualStageModel,
@@ -201,6 +202,27 @@ async def test_causal_mix_model_runs_forwards_above_the_threshold_in_a_worker_th
     await model.forward(large, 0, None)
     assert threads[0] == threading.get_ident()
     assert threads[1] != threading.get_ident()
+
+
+async def test_causal_mix_model_embeds_large_prompts_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage awaits embed_async: rows x width x EMBED_COST_MACS above the threshold leaves the
+    event loop (at width 2,048 an 8,000-token embedding held it for about a second)."""
+    threads: list[int] = []
+    embed = CausalMixModel.embed
+
+    def recording(self: CausalMixModel, tokens: Any) -> Any:
+        threads.append(threading.get_ident())
+        return embed(self, tokens)
+
+    monkeypatch.setattr(CausalMixModel, "embed", recording)
+    model = CausalMixModel(width=8, thread_threshold_macs=10 * 8 * EMBED_COST_MACS)
+    small = await model.embed_async(np.arange(10, dtype=np.int32))
+    large = await model.embed_async(np.arange(11, dtype=np.int32))
+    assert threads[0] == threading.get_ident()
+    assert threads[1] != threading.get_ident()
+    np.testing.assert_array_equal(large.rows()[:10], small.rows())
 
 
 async def test_causal_mix_model_output_is_the_same_inline_or_threaded() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
@@ -369,6 +370,37 @@ async def test_a_whole_prompt_restore_calls_the_models_optional_full_restore() -
         after = await pipeline.prefill(prompt(24), session_id="s")
     assert restored(again) == restored(after) == [24, 24]
     assert computed(again) == [0, 0]
+
+
+@attrs.define(eq=False)
+class AsyncEmbedModel(WrappedModel):
+    """Embeds only through embed_async, counting the calls."""
+
+    calls: list[int] = attrs.field(factory=list)
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Never used by a stage when embed_async exists."""
+        raise AssertionError("the stage should await embed_async")
+
+    async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model, counting the tokens."""
+        self.calls.append(int(tokens.size))
+        return self.inner.embed(tokens)
+
+
+async def test_stage_zero_awaits_a_models_embed_async_when_it_has_one() -> None:
+    """embed_async lets a model embed off the event loop; the stage prefers it to embed."""
+    models: dict[str, AsyncEmbedModel] = {}
+    reference = mix_factory()
+
+    def factory(config: StageConfig) -> StageModel:
+        models[config.stage_id] = AsyncEmbedModel(reference(config))
+        return models[config.stage_id]
+
+    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(20), session_id="s")
+    assert models["stage-0"].calls == [20]
+    assert models["stage-1"].calls == []  # stage 1 gets stage 0's frame
 
 
 async def test_numpy_integer_activation_width_is_accepted() -> None:
