@@ -129,6 +129,20 @@ def _str(_instance: object, attribute: attrs.Attribute[Any], value: object) -> N
     if not isinstance(value, str):
         msg = f"{attribute.name} must be a string, got {value!r}"
         raise ConfigError(msg)
+    check_text(attribute.name, value)
+
+
+def check_text(name: str, value: str) -> None:
+    """Refuse a string that is not valid Unicode text (a lone surrogate, as JSON's ``"\\udfff"``
+    decodes to): it cannot be encoded as UTF-8 to be hashed into a key, or logged."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        msg = (
+            f"{name} must be valid UTF-8 text, got a lone surrogate "
+            f"{value[exc.start]!r} at index {exc.start}"
+        )
+        raise ConfigError(msg) from None
 
 
 def _nonempty_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -38,7 +38,7 @@ import trio
 
 from actors import ActorStoppedError
 from stage_runtime.cache import EvictedEntry
-from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator
+from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator, check_text
 from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
@@ -156,6 +156,15 @@ class Pipeline:
         if cache_salt is not None and not isinstance(cache_salt, str):
             msg = f"cache_salt must be a string or None, got {cache_salt!r}"
             raise ConfigError(msg)
+        # Checked here, not where a stage hashes the salt or logs the ids: there a bad string
+        # would crash the stage instead of failing this call.
+        for name, text in (
+            ("session_id", session_id),
+            ("request_id", request_id),
+            ("cache_salt", cache_salt),
+        ):
+            if text is not None:
+                check_text(name, text)
         request = PrefillRequest(
             request_id=request_id,
             session_id=session_id,

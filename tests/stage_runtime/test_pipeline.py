@@ -239,6 +239,18 @@ async def test_prompts_longer_than_the_stages_context_are_refused() -> None:
     assert [s.cache.records if s.cache else None for s in stats.stages] == [2, 2]
 
 
+@pytest.mark.parametrize("field", ["cache_salt", "session_id", "request_id"])
+async def test_text_that_is_not_unicode_is_refused_before_it_reaches_a_stage(field: str) -> None:
+    """A lone surrogate in the salt crashed a stage when it hashed it (a 65-token prompt through
+    the HTTP server took the server down); it is this caller's ConfigError now."""
+    kwargs: dict[str, Any] = {"session_id": "s", field: "tenant-\udfff"}
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        with pytest.raises(ConfigError, match=f"^{field} must be valid UTF-8 text, got a lone"):
+            await pipeline.prefill(prompt(300), **kwargs)
+        result = await pipeline.prefill(prompt(300), session_id="s", cache_salt="tenant")
+    assert computed(result) == [300, 300]
+
+
 async def test_bad_tokens_fail_only_that_caller() -> None:
     """Bad prompts raise ConfigError at once; the pipeline keeps serving."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:

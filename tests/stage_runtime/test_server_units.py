@@ -110,6 +110,18 @@ def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
         (_body(tokens=[1], session_id="s", token=[2]), "token", "unknown_field", "not a known"),
         (_body(tokens=[1], session_id="s", cache_salt=3), "cache_salt", "invalid_field", "string"),
         (_body(tokens=[1], session_id="s", cache_salt=""), "cache_salt", "invalid_field", "empty"),
+        (  # JSON can spell a lone surrogate; it cannot be hashed into a key or logged
+            b'{"tokens": [1], "session_id": "s", "cache_salt": "\\udfff"}',
+            "cache_salt",
+            "invalid_field",
+            "cache_salt must be valid UTF-8 text, got a lone surrogate",
+        ),
+        (
+            b'{"tokens": [1], "session_id": "a\\ud800b"}',
+            "session_id",
+            "invalid_field",
+            "at index 1",
+        ),
         (
             b'{"tokens": [1, ' + b"9" * 5000 + b'], "session_id": "s"}',
             "tokens",
