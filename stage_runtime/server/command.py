@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Final
 
 import structlog
 import trio
@@ -19,6 +20,7 @@ from stage_runtime._cli_support import (
     LOG_LEVELS,
     configure_logging,
     int_at_least,
+    int_between,
     non_negative_float,
     positive_float,
 )
@@ -34,11 +36,20 @@ _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
 
 
+MAX_WIDTH: Final = 8192
+"""Largest ``--width``: the reference model holds a ``width x width`` float64 matrix per stage
+(512 MiB at 8,192)."""
+
+_width = int_between(1, MAX_WIDTH)
+
+
 def _bind(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        msg = f"must be HOST:PORT with PORT in 0..65535, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
+    from stage_runtime.server.serve import _parse_bind  # one rule for the flag and serve()
+
+    try:
+        _parse_bind(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("bind ")) from None
     return text
 
 
@@ -96,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--width",
-        type=_positive_int,
+        type=_width,
         default=64,
         metavar="N",
         help="activation width of the reference model (default: %(default)s)",

@@ -98,6 +98,10 @@ class RunningServer:
 
 def _parse_bind(bind: str) -> tuple[str, int]:
     host, sep, port = bind.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if ":" in host and not bracketed:
+        msg = f"bind must put an IPv6 host in brackets, [HOST]:PORT (e.g. [::1]:8000), got {bind!r}"
+        raise ConfigError(msg)
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         msg = f"bind must be HOST:PORT with PORT in 0..65535, got {bind!r}"

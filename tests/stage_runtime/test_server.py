@@ -982,6 +982,27 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
             parser.parse_args(["--topology", "t.toml", *bad])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--bind", "::1", "must put an IPv6 host in brackets, [HOST]:PORT (e.g. [::1]:8000)"),
+        ("--width", "100000", "must be an integer in [1, 8,192], got 100000"),  # 80 GB matrix
+        ("--width", "99999999999999999999", "must be an integer in [1, 8,192]"),
+    ],
+)
+def test_serve_refuses_what_would_fail_after_the_pipeline_started(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unbracketed IPv6 host (read as host ':' port 1) and a reference-model width whose
+    matrix cannot be allocated are usage errors, not tracebacks once the stages start."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--topology", "t.toml", flag, value])
+    assert message in capsys.readouterr().err
+    assert parser.parse_args(["--topology", "t.toml", "--bind", "[::1]:0"]).bind == "[::1]:0"
+
+
 @pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("-1", "-1"), ("nan", "nan")])
 def test_serve_positive_durations_word_every_refusal_alike(
     value: str, shown: str, capsys: pytest.CaptureFixture[str]
