@@ -44,6 +44,7 @@ from typing import Any
 
 import trio
 
+from stage_runtime.errors import ConfigError
 from stage_runtime.models import reference_model_factory
 from stage_runtime.pipeline import open_pipeline
 from stage_runtime.server import (
@@ -98,4 +99,10 @@ if __name__ == "__main__":
     from stage_runtime.server.command import configure_logging
 
     configure_logging()
-    trio.run(serve_until_interrupted, sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:8000")
+    try:
+        trio.run(serve_until_interrupted, sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:8000")
+    except* (ConfigError, OSError) as group:  # a bad address, or one we cannot listen on
+        error: BaseException = group
+        while isinstance(error, BaseExceptionGroup):  # trio's nurseries nest the groups
+            error = error.exceptions[0]
+        sys.exit(f"http_server.py: error: {error}")

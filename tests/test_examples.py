@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -109,3 +111,19 @@ async def test_simulation_example_prints_each_stages_hits_and_misses(
     for _, hit, missed, restores, _ in stages:
         assert int(hit) + int(missed) == int(restores) == requests
     assert stages[0][4] == headline[2]
+
+
+def test_the_http_server_example_names_a_bad_address_in_one_line() -> None:
+    """A bad address is one line and exit code 1, not an exception-group traceback."""
+    done = subprocess.run(
+        [sys.executable, str(example("http_server")), "nohost"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "http_server.py: error: bind must be HOST:PORT with PORT in 0..65535, got 'nohost'"
+    )
+    assert "Traceback" not in done.stderr
