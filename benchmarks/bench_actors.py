@@ -31,6 +31,7 @@ import trio
 
 from actors import Actor, open_actor
 from actors.testing import wait_idle
+from stage_runtime._cli_support import int_at_least
 
 DEFAULT_JSON = Path(__file__).parent / "out" / "actors.json"
 ASK_GOAL_RATIO = 1.3
@@ -264,9 +265,10 @@ def print_table(result: dict[str, object]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """Run the benchmark, print the table, write the JSON and return the result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--reps", type=int, default=7, help="repetitions; medians are reported")
-    parser.add_argument("--asks", type=int, default=20_000, help="asks per repetition")
-    parser.add_argument("--tells", type=int, default=50_000, help="tells per repetition")
+    positive = int_at_least(1)
+    parser.add_argument("--reps", type=positive, default=7, help="repetitions; medians reported")
+    parser.add_argument("--asks", type=positive, default=20_000, help="asks per repetition")
+    parser.add_argument("--tells", type=positive, default=50_000, help="tells per repetition")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write JSON")
     args = parser.parse_args(argv)
     # The actors log only lifecycle events, never per message; capture them so the table stays

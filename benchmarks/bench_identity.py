@@ -42,6 +42,7 @@ from stage_runtime import (
     prefix_hash,
     prefix_hashes,
 )
+from stage_runtime._cli_support import int_at_least
 
 SIZES = (2048, 32768, 131072)
 BYTES_PER_TOKEN = 8192
@@ -235,7 +236,9 @@ def bench_restore(repeat: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """Run both parts, print a table, write JSON; returns the JSON document."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--repeat", type=int, default=7, help="samples per measurement (median)")
+    parser.add_argument(
+        "--repeat", type=int_at_least(1), default=7, help="samples per measurement (median)"
+    )
     parser.add_argument(
         "--json", type=Path, default=Path("benchmarks/out/identity.json"), help="output file"
     )

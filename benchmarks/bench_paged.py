@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from stage_runtime import ActivationFrame, KvStageIntegration, MessageBase
+from stage_runtime._cli_support import int_at_least
 from stage_runtime.sim import (
     BlockTokenizer,
     SimConfig,
@@ -324,15 +325,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         default=list(DEFAULT_CAPACITIES),
         help="tokens per stage, comma-separated; 0 = unbounded (1000000,3000000,10000000,0)",
     )
-    parser.add_argument("--stages", type=int, default=1, help="replay pipeline stages (1)")
-    parser.add_argument("--repeat", type=int, default=5, help="timing repetitions (median)")
-    parser.add_argument("--limit-requests", type=int, default=None)
+    parser.add_argument(
+        "--stages", type=int_at_least(1), default=1, help="replay pipeline stages (1)"
+    )
+    parser.add_argument(
+        "--repeat", type=int_at_least(1), default=5, help="timing repetitions (median)"
+    )
+    parser.add_argument("--limit-requests", type=int_at_least(1), default=None)
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON's, .png)")
     args = parser.parse_args(argv)
     trace_path = args.trace_option or args.trace_path
     if trace_path is None:
         parser.error("a trace path is required (positional or --trace)")
+    if not Path(trace_path).is_file():
+        parser.error(f"cannot read trace {trace_path}: no such file")
 
     # Warnings only: the library logs every record and eviction at info/debug.
     structlog.configure(

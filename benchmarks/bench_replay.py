@@ -28,6 +28,7 @@ import structlog
 import trio
 
 from actors import Actor, open_actor
+from stage_runtime._cli_support import int_at_least
 from stage_runtime.sim import BlockTokenizer, SimConfig, SimRequest, read_trace, run_replay
 
 TAKES_TRACE = True
@@ -123,14 +124,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace_path", nargs="?", help="the trace (.jsonl)")
     parser.add_argument("--trace", dest="trace_option", help="the trace (same as the positional)")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions (median reported)")
-    parser.add_argument("--limit-requests", type=int, default=None)
+    parser.add_argument("--stages", type=int_at_least(1), default=4)
+    parser.add_argument(
+        "--repeat", type=int_at_least(1), default=3, help="repetitions (median reported)"
+    )
+    parser.add_argument("--limit-requests", type=int_at_least(1), default=None)
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
     args = parser.parse_args(argv)
     trace_path = args.trace_option or args.trace_path
     if trace_path is None:
         parser.error("a trace path is required (positional or --trace)")
+    if not Path(trace_path).is_file():
+        parser.error(f"cannot read trace {trace_path}: no such file")
 
     # Warnings only: the library logs every record and eviction at info/debug.
     structlog.configure(

@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
+    known = [script.stem.removeprefix("bench_") for script in discover()]
+    unknown = sorted(set(args.only or ()) - set(known))
+    if unknown:
+        parser.error(f"--only must name benchmarks among {', '.join(known)}, got {unknown}")
+    if args.trace is not None and not Path(args.trace).is_file():
+        parser.error(f"cannot read trace {args.trace}: no such file")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
