@@ -379,17 +379,18 @@ class KvCacheConfig:
         for suffix, field in numbers.items():
             name = _ENV_PREFIX + suffix
             raw = _env_get(env, name)
-            if raw is None or not raw.strip():
+            digits = "" if raw is None else raw.strip()
+            if not digits:
                 continue
             variables[field] = name
             # ASCII decimal digits only: int() would also take "1_000" and non-ASCII digits.
-            if _DECIMAL.fullmatch(raw.strip()) is None:
+            if _DECIMAL.fullmatch(digits) is None:
                 msg = f"{name} must be an integer, got {raw!r}"
                 raise ConfigError(msg)
-            if len(raw.strip()) > _MAX_DIGITS:
-                msg = f"{name} is out of range: an integer of {len(raw.strip())} digits"
+            if len(digits) > _MAX_DIGITS:
+                msg = f"{name} is out of range: an integer of {len(digits)} digits"
                 raise ConfigError(msg)
-            values[field] = int(raw.strip())
+            values[field] = int(digits)
         raw_payload = _env_get(env, _ENV_PREFIX + "PAYLOAD")
         if raw_payload is not None:
             payload = _ENV_PAYLOAD_VALUES.get(raw_payload.strip().lower().replace("_", "-"))

@@ -363,6 +363,24 @@ class ActivationFrame:
         """Whether the payload is a zero-stride view (no memory behind it)."""
         return _is_zero_stride(self.payload)
 
+    def row_width(self) -> float | None:
+        """Values per token row, where the frame says it: a real (not virtual) token-major
+        single-sequence frame of a known dtype; None otherwise. A virtual frame's width is
+        nominal (a simulation sets its bytes per token freely). Not a whole number when the
+        rows are not whole elements."""
+        desc = self.desc
+        element = _NUMPY_DTYPE.get(desc.dtype)
+        if (
+            element is None
+            or desc.layout != ActivationLayout.TOKEN_MAJOR
+            or desc.flags
+            or desc.sequence_count != 1
+            or desc.token_count == 0
+            or self.is_virtual
+        ):
+            return None
+        return self.bytes_per_token / element.itemsize
+
     def rows(self) -> npt.NDArray[Any]:
         """The payload as a read-only ``(tokens, width)`` array in the frame's element type.
 

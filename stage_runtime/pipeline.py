@@ -102,7 +102,7 @@ class Pipeline:
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt :meth:`prefill` accepts: the smallest ``ctx_size`` of the stages."""
-        return min(config.ctx_size for config in self.stage_configs)
+        return context_tokens(self.stage_configs)
 
     async def prefill(
         self,
@@ -240,6 +240,11 @@ class Pipeline:
             request.fail(PipelineStoppedError(msg))
 
 
+def context_tokens(stages: Sequence[StageConfig]) -> int:
+    """The longest prompt a pipeline of ``stages`` can take: their smallest ``ctx_size``."""
+    return min(config.ctx_size for config in stages)
+
+
 def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
     """Validate tokens once, as a read-only int32 array no caller can mutate under us."""
     array = as_token_array(tokens)
@@ -340,22 +345,20 @@ def _validate_topology(
     """:func:`validate_topology`; ``locate(position, field)`` gives the line of a stage's field
     in ``source``, named in the message when known."""
 
+    where = f"{source}: " if source else ""
+
     def fail(position: int, field: str, problem: str) -> NoReturn:
         line = None if locate is None else locate(position, field)
-        where = f"{source}: " if source else ""
-        if line is not None:
-            where += f"line {line}: "
-        msg = f"{where}stage {stages[position].stage_id!r}: {problem}"
+        at = where if line is None else f"{where}line {line}: "
+        msg = f"{at}stage {stages[position].stage_id!r}: {problem}"
         raise ConfigError(msg)
 
     if not stages:
-        where = f"{source}: " if source else ""
         msg = f"{where}stages must hold at least one stage, got 0"
         raise ConfigError(msg)
     seen: set[str] = set()
     for position, config in enumerate(stages):
         if not isinstance(config, StageConfig):
-            where = f"{source}: " if source else ""
             msg = f"{where}stages[{position}] must be a StageConfig, got {type(config).__name__}"
             raise ConfigError(msg)
         if config.stage_id in seen:

@@ -28,7 +28,7 @@ Failure and cancellation, per request:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -51,7 +51,7 @@ from stage_runtime.cache_actor import (
 )
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError, StageFailedError
-from stage_runtime.frames import _NUMPY_DTYPE, ActivationFrame, ActivationLayout
+from stage_runtime.frames import ActivationFrame
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
@@ -200,6 +200,14 @@ class Stage:
     environ: Mapping[str, str] | None = None
     mailbox_size: int = 64
     _model: StageModel | None = attrs.field(default=None, init=False)
+    _embed_async: Callable[[npt.NDArray[np.int32]], Awaitable[ActivationFrame]] | None = (
+        attrs.field(default=None, init=False)
+    )
+    """The model's optional ``embed_async``, looked up once when the model is built."""
+    _full_restore: Callable[[ActivationFrame], Awaitable[None]] | None = attrs.field(
+        default=None, init=False
+    )
+    """The model's optional ``full_restore``, looked up once when the model is built."""
     _cache: ActorRef[CacheMessage, Any] | None = attrs.field(default=None, init=False)
     _lookup: bool = attrs.field(default=False, init=False)
     _record: bool = attrs.field(default=False, init=False)
@@ -226,7 +234,9 @@ class Stage:
 
     async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         config = self.config
-        self._model = self.model_factory(config)
+        self._model = model = self.model_factory(config)
+        self._embed_async = getattr(model, "embed_async", None)
+        self._full_restore = getattr(model, "full_restore", None)
         actor = CacheActor(config, environ=self.environ)
         self._lookup, self._record = actor.should_lookup, actor.should_record
         async with trio.open_nursery() as nursery:
@@ -296,12 +306,11 @@ class Stage:
                 if hit is not None:
                     restored = hit.frame
             k = 0 if restored is None else restored.token_count
-            if k >= n:
+            if restored is not None and k >= n:  # (n >= 1: a whole-prompt hit)
                 output = restored
-                full_restore = getattr(model, "full_restore", None)
-                if full_restore is not None:  # optional: what taking the restore costs
+                if self._full_restore is not None:  # optional: what taking the restore costs
                     try:
-                        await full_restore(restored)
+                        await self._full_restore(restored)
                     except Exception as exc:  # that caller's error, as a forward's would be
                         output = None
                         self._fail_request(request, exc)
@@ -359,12 +368,10 @@ class Stage:
         model = self._model
         if request.frame is not None:
             inputs = request.frame
+        elif self._embed_async is not None:  # optional: may embed off the event loop
+            inputs = await self._embed_async(request.tokens)
         else:
-            embed_async = getattr(model, "embed_async", None)  # optional: may leave the loop
-            if embed_async is not None:
-                inputs = await embed_async(request.tokens)
-            else:
-                inputs = model.embed(request.tokens)
+            inputs = model.embed(request.tokens)
         if not isinstance(inputs, ActivationFrame) or inputs.token_count != n:
             got = inputs.token_count if isinstance(inputs, ActivationFrame) else inputs
             msg = f"stage input must be a frame of {n} tokens, got {got!r}"
@@ -374,7 +381,15 @@ class Stage:
             got = suffix.token_count if isinstance(suffix, ActivationFrame) else suffix
             msg = f"model output must be a frame of {n - k} tokens, got {got!r}"
             raise FrameError(msg)
-        _check_row_width(suffix, model.activation_width)
+        width = suffix.row_width()
+        if width is not None and width != model.activation_width:
+            # The width is part of every cache key: rows of another width would be recorded
+            # under it and restored into later prompts.
+            msg = (
+                f"model output rows must be activation_width {model.activation_width} "
+                f"{suffix.desc.dtype.name} values wide, got {width:g}"
+            )
+            raise FrameError(msg)
         return suffix if restored is None else ActivationFrame.concat(restored, suffix)
 
     def _message_base(self, request: PrefillRequest) -> MessageBase:
@@ -389,34 +404,6 @@ class Stage:
             topology_id=config.topology_id,
             model_id=config.model_id,
         )
-
-
-def _check_row_width(frame: ActivationFrame, width: int) -> None:
-    """Refuse model output whose rows are not ``width`` values wide.
-
-    The width is part of every cache key, so rows of another width would be recorded under it
-    and restored into later prompts. Checked where the frame says its row width: real (not
-    virtual) token-major single-sequence rows of a known dtype. A virtual frame's width is
-    nominal (a simulation sets its bytes per token freely).
-    """
-    desc = frame.desc
-    element = _NUMPY_DTYPE.get(desc.dtype)
-    if (
-        element is None
-        or desc.layout != ActivationLayout.TOKEN_MAJOR
-        or desc.flags
-        or desc.sequence_count != 1
-        or desc.token_count == 0
-        or frame.is_virtual
-    ):
-        return
-    if frame.bytes_per_token != width * element.itemsize:
-        got = frame.bytes_per_token / element.itemsize
-        msg = (
-            f"model output rows must be activation_width {width} {desc.dtype.name} values "
-            f"wide, got {got:g}"
-        )
-        raise FrameError(msg)
 
 
 def _unwrap(exc: Exception) -> Exception:

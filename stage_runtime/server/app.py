@@ -38,6 +38,7 @@ import structlog
 import trio
 
 from stage_runtime.errors import ConfigError, PipelineStoppedError
+from stage_runtime.pipeline import context_tokens
 from stage_runtime.server.metrics import (
     CONTENT_TYPE,
     MetricFamily,
@@ -210,7 +211,7 @@ class PipelineApp:
     @property
     def max_tokens(self) -> int:
         """Longest accepted prompt: the smallest context size among the stages."""
-        return min(config.ctx_size for config in self.pipeline.stage_configs)
+        return context_tokens(self.pipeline.stage_configs)
 
     def drain(self) -> None:
         """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""

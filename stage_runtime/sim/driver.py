@@ -202,6 +202,11 @@ class SimConfig:
         """``stride_tokens``, resolved."""
         return self.block_size if self.stride_tokens is None else self.stride_tokens
 
+    @property
+    def effective_page_tokens(self) -> int:
+        """``page_tokens``, resolved: the stride when unset."""
+        return self.stride if self.page_tokens is None else self.page_tokens
+
     def check_capacity(self, capacity_tokens: int) -> None:
         """Refuse a capacity that is negative or whose byte bound no cache can hold.
 
@@ -245,7 +250,7 @@ class SimConfig:
             "ctx_size": self.ctx_size,
             "model_id": self.model_id,
             "index": str(self.index),
-            "page_tokens": self.page_tokens if self.page_tokens is not None else self.stride,
+            "page_tokens": self.effective_page_tokens,
             "page_eviction": self.page_eviction,
         }
 

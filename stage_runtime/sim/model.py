@@ -74,18 +74,19 @@ class SimulatedStageModel:
         if not 0 <= start < n:
             msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
             raise FrameError(msg)
-        restored_bytes = 0 if restored is None else restored.payload_bytes
-        delay = self.cost.stage_cost(
-            computed_tokens=n - start, restored_bytes=restored_bytes, stage_index=self.stage_index
-        )
-        if self.sleep and delay > 0:
-            await trio.sleep(delay)
+        await self._spend(n - start, 0 if restored is None else restored.payload_bytes)
         return self._frame(n - start)
 
     async def full_restore(self, restored: ActivationFrame) -> None:
         """Sleep for restoring the whole prompt (the stage runs no forward then)."""
+        await self._spend(0, restored.payload_bytes)
+
+    async def _spend(self, computed_tokens: int, restored_bytes: int) -> None:
+        """Sleep what computing and restoring cost this stage (when the model sleeps)."""
         delay = self.cost.stage_cost(
-            computed_tokens=0, restored_bytes=restored.payload_bytes, stage_index=self.stage_index
+            computed_tokens=computed_tokens,
+            restored_bytes=restored_bytes,
+            stage_index=self.stage_index,
         )
         if self.sleep and delay > 0:
             await trio.sleep(delay)

@@ -210,11 +210,10 @@ def render_report(
         f"pipeline: {config.stages} stages, {config.bytes_per_token:,} activation bytes per "
         f"token, concurrency {config.concurrency}, blocks of {config.block_size} tokens"
     )
-    if str(config.index) == "paged":
-        page_tokens = config.page_tokens if config.page_tokens is not None else config.stride
+    if config.index is CacheIndex.PAGED:
         index = (
-            f"paged: pages of {page_tokens} tokens, {config.page_eviction} eviction, "
-            f"min {config.min_prefix_tokens} tokens"
+            f"paged: pages of {config.effective_page_tokens} tokens, {config.page_eviction} "
+            f"eviction, min {config.min_prefix_tokens} tokens"
         )
     else:
         index = (

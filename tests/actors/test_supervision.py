@@ -151,14 +151,7 @@ async def test_a_stop_during_the_backoff_ends_it_without_a_rebuild(
 ) -> None:
     """A shutdown must not wait out a long backoff, nor build an actor only to stop it."""
     built = Built()
-    policy = RestartPolicy(max_restarts=3, within_s=60, backoff_s=30)
-    async with trio.open_nursery() as nursery:
-        ref = await spawn(nursery, built, name="ledger", restart=policy)
-        await ref.tell("crash")
-        await trio.sleep(0.01)  # the crash happened; the backoff runs
-        stopping_at = trio.current_time()
-        await ref.stop(drain=False)
-        assert trio.current_time() - stopping_at < 0.01
+    assert await _stop_during_backoff(built, [], drain=False) < 0.01
     assert len(built.actors) == 1
 
 
@@ -167,16 +160,23 @@ async def test_a_draining_stop_during_the_backoff_still_serves_what_is_queued(
 ) -> None:
     """With messages queued, stop(drain=True) rebuilds the actor at once to handle them."""
     built = Built()
+    assert await _stop_during_backoff(built, [5], drain=True) < 0.01
+    assert [message for _, message in built.actors[1].log] == [5]
+
+
+async def _stop_during_backoff(built: Built, queued: list[object], *, drain: bool) -> float:
+    """Crash a ledger with a 30 s restart backoff, queue ``queued`` behind the crash, stop it
+    during the backoff; returns how long the stop took (virtual seconds)."""
     policy = RestartPolicy(max_restarts=3, within_s=60, backoff_s=30)
     async with trio.open_nursery() as nursery:
         ref = await spawn(nursery, built, name="ledger", restart=policy)
         ref.tell_nowait("crash")
-        ref.tell_nowait(5)
-        await trio.sleep(0.01)
+        for message in queued:
+            ref.tell_nowait(message)
+        await trio.sleep(0.01)  # the crash happened; the backoff runs
         stopping_at = trio.current_time()
-        await ref.stop(drain=True)
-        assert trio.current_time() - stopping_at < 0.01
-    assert [message for _, message in built.actors[1].log] == [5]
+        await ref.stop(drain=drain)
+        return trio.current_time() - stopping_at
 
 
 @attrs.define(eq=False)

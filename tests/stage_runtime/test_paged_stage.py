@@ -375,27 +375,17 @@ def test_pages_of_one_row_description_share_one_meta_object() -> None:
     assert restored(kv, config, [1, 2, 3, 4, 5, 6, 7, 8]) == 8
 
 
-def _bounded_paged(max_bytes: int, page_tokens: int, eviction: str = "lru") -> tuple[Any, Any]:
-    config = StageConfig.from_mapping(
-        {
-            "stage_id": "s0",
-            "model_id": "m",
-            "layer_start": 0,
-            "layer_end": 2,
-            "kv_cache": {
-                "mode": "lookup-record",
-                "min_tokens": 0,
-                "index": "paged",
-                "page_tokens": page_tokens,
-                "shared_prefix_stride_tokens": page_tokens,
-                "max_bytes": max_bytes,
-                "page_eviction": eviction,
-            },
-        }
+def _bounded_paged(
+    max_bytes: int, page_tokens: int, eviction: str = "lru"
+) -> tuple[KvStageIntegration, StageConfig]:
+    return integration(
+        "paged",
+        min_tokens=0,
+        page_tokens=page_tokens,
+        shared_prefix_stride_tokens=page_tokens,
+        max_bytes=max_bytes,
+        page_eviction=eviction,
     )
-    kv = KvStageIntegration.from_config(config, environ={})
-    assert kv is not None
-    return kv, config
 
 
 @pytest.mark.parametrize("eviction", ["lru", "reuse"])
