@@ -523,6 +523,8 @@ class PagedActivationIndex:
     )
     _misses: MissTracker = attrs.field(init=False)
     _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
+    _pin_memo: tuple[_Entry, int, int] | None = attrs.field(default=None, init=False)
+    """:meth:`_pinned`'s last sum: (protected entry, entries and bytes of its chain)."""
     _unpushed: _Entry | None = attrs.field(default=None, init=False)
     """The entry the running record stored last, not yet in the leaf heap."""
     _unfootprinted: dict[bytes, tuple[PageChain, _Entry]] = attrs.field(factory=dict, init=False)
@@ -621,6 +623,7 @@ class PagedActivationIndex:
         evicted: list[_Eviction] = []
         stored = [0, 0, 0]  # entries, bytes, reused
         self._op_clock = self._clock
+        self._pin_memo = None
         if n == 0 or n < self.min_tokens or payload.size == 0:
             return self._outcome(stored, None, truncated=False, evicted=evicted)
         if not token_major or payload.size % n:
@@ -944,6 +947,7 @@ class PagedActivationIndex:
         limit = self.max_entries - 1 if new_entry else len(entries)  # entries that may stay
         held: list[tuple[float, int, int, _Entry]] = []
         ok = True
+        checked = False
         while True:
             if len(entries) > limit:
                 reason: Literal["max_entries", "max_bytes"] = "max_entries"
@@ -951,6 +955,13 @@ class PagedActivationIndex:
                 reason = "max_bytes"
             else:
                 break
+            if not checked:
+                # Evicting is only worth it if it can make the room: what can never go (this
+                # prompt's chain so far and the entry being replaced) must leave enough.
+                checked = True
+                count, nbytes = self._pinned(protect, also)
+                if count > limit or (max_bytes and nbytes + size > max_bytes):
+                    return False
             # The least recently used resident leaf (as _pop_leaf), skipping the protected ones.
             victim = None
             while leaves:
@@ -974,6 +985,33 @@ class PagedActivationIndex:
         for item in held:
             heapq.heappush(leaves, item)
         return ok
+
+    def _pinned(self, protect: _Entry | None, also: _Entry | None) -> tuple[int, int]:
+        """Entries and bytes that :meth:`_make_room` can never evict: ``protect`` with its
+        ancestors (a cached entry's parent is cached, and is never a leaf), and ``also``.
+
+        Pages of one record are protected in chain order, so the sum is carried over from the
+        previous call of the record (reset when a record starts) instead of walking the chain."""
+        memo = self._pin_memo
+        if protect is None:
+            count = nbytes = 0
+        elif memo is not None and memo[0] is protect:
+            _, count, nbytes = memo
+        elif memo is not None and protect.parent is memo[0]:
+            count, nbytes = memo[1] + 1, memo[2] + protect.nbytes
+        else:
+            count = nbytes = 0
+            entry: _Entry | None = protect
+            while entry is not None:
+                count += 1
+                nbytes += entry.nbytes
+                entry = entry.parent
+        if protect is not None:
+            self._pin_memo = (protect, count, nbytes)
+        if also is not None and also is not protect:
+            count += 1
+            nbytes += also.nbytes
+        return count, nbytes
 
     def _make_room_lru(
         self, size: int, also: _Entry | None, evicted: list[_Eviction], *, new_entries: int

@@ -478,20 +478,23 @@ class ReferenceIndex:
         if not tokens or len(tokens) < self.min_tokens:
             return evicted
         protect: Key | None = None
-        for key in self.keys_of(ns, tokens):
+        chain_bytes = 0  # of the keys before this one: all cached, none evictable
+        for i, key in enumerate(self.keys_of(ns, tokens)):
             start = (len(key[1]) - 1) // self.p * self.p
             size = (len(key[1]) - start) * BPT
             if key in self.entries:
                 self.use(key, hit=False)
                 protect = key
+                chain_bytes += size
                 continue
+            if i + 1 > self.max_entries or (self.max_bytes and chain_bytes + size > self.max_bytes):
+                return evicted  # no room even with every other entry gone: evict nothing
             while len(self.entries) + 1 > self.max_entries or (
                 self.max_bytes and self.nbytes() + size > self.max_bytes
             ):
                 parents = {self.parent(k) for k in self.entries}
                 leaves = [k for k in self.entries if k not in parents and k != protect]
-                if not leaves:
-                    return evicted
+                assert leaves, "room that the check above found could not be made"
                 victim = min(leaves, key=lambda k: (self.value[k], self.entries[k]))
                 self.inflation = max(self.inflation, self.value[victim])
                 del self.entries[victim]
@@ -504,6 +507,7 @@ class ReferenceIndex:
             self.value[key] = self.inflation + self.prior(key) if self.eviction == "reuse" else 0.0
             self.tombstones.discard(key)
             protect = key
+            chain_bytes += size
         return evicted
 
     def restore(self, ns: bytes, tokens: tuple[int, ...]) -> tuple[int, str | None]:

@@ -409,10 +409,11 @@ def test_a_record_that_can_store_nothing_evicts_nothing(eviction: str) -> None:
     assert hit.token_count == 2
 
 
-def test_a_refused_re_record_evicts_nothing() -> None:
-    """Re-recording a cached page with rows too large for the bound keeps the old rows, and
-    (under LRU) no other entry is evicted for a room that is then not used."""
-    kv, config = _bounded_paged(max_bytes=24, page_tokens=2)
+@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+def test_a_refused_re_record_evicts_nothing(eviction: str) -> None:
+    """Re-recording a cached page with rows too large for the bound keeps the old rows, and no
+    other entry is evicted for a room that is then not used."""
+    kv, config = _bounded_paged(max_bytes=24, page_tokens=2, eviction=eviction)
     base = MessageBase()
     prompt, other = np.array([1, 2], np.int32), np.array([9], np.int32)
     f16 = np.float16
