@@ -297,6 +297,7 @@ class Stage:
         base = self._message_base(request) if self._lookup or self._record else None
         restored: ActivationFrame | None = None
         output: ActivationFrame | None = None
+        failed = False
         with trio.CancelScope() as scope:
             request._scope = scope
             if base is not None and self._lookup:
@@ -306,22 +307,27 @@ class Stage:
                 if hit is not None:
                     restored = hit.frame
             k = 0 if restored is None else restored.token_count
-            if restored is not None and k >= n:  # (n >= 1: a whole-prompt hit)
-                output = restored
-                if self._full_restore is not None:  # optional: what taking the restore costs
-                    try:
+            # A model error is that caller's error. Raised in a group with a Cancelled (the
+            # model's own nursery interrupted), the Cancelled goes on to its cancel scope.
+            try:
+                if restored is not None and k >= n:  # (n >= 1: a whole-prompt hit)
+                    if self._full_restore is not None:  # optional: what taking it costs
                         await self._full_restore(restored)
-                    except Exception as exc:  # that caller's error, as a forward's would be
-                        output = None
-                        self._fail_request(request, exc)
-            else:
-                try:
+                    output = restored
+                else:
                     output = await self._compute(request, restored, k, n)
-                except Exception as exc:  # the model failed on this input: that caller's error
-                    self._fail_request(request, exc)
+            except Exception as exc:
+                failed = self._model_failed(request, scope, exc)
+            except BaseExceptionGroup as group:
+                cancelled, rest = group.split(trio.Cancelled)
+                if not isinstance(rest, ExceptionGroup):
+                    raise  # only Cancelled, or something that is not an Exception (^C...)
+                failed = self._model_failed(request, scope, _unwrap(rest))
+                if cancelled is not None:
+                    raise cancelled from None
         request._scope = None
         if output is None or not request.live:
-            if output is not None or scope.cancelled_caught:
+            if not failed and (output is not None or scope.cancel_called):
                 self._counts["skipped"] += 1  # abandoned while this stage worked on it
             return  # no record, nothing forwarded
         records: tuple[ResidentActivationRecord, ...] = ()
@@ -350,15 +356,22 @@ class Stage:
         else:
             await self.outbox.send(request)
 
-    def _fail_request(self, request: PrefillRequest, exc: Exception) -> None:
+    def _model_failed(
+        self, request: PrefillRequest, scope: trio.CancelScope, exc: Exception
+    ) -> bool:
+        """Settle ``request`` with the model's error; returns whether it counts as failed.
+
+        When the caller had given up (the stage's scope was cancelled), the error is what
+        interrupting the model raised: the request was abandoned, not failed, and the error is
+        logged at info level only."""
+        event = dict(request_id=request.request_id, error_type=type(exc).__name__, error=str(exc))
+        if scope.cancel_called:
+            log.info("prefill_interrupted", **event)
+            return False
         request.fail(exc)
         self._counts["failed"] += 1
-        log.warning(
-            "prefill_failed",
-            request_id=request.request_id,
-            error_type=type(exc).__name__,
-            error=str(exc),
-        )
+        log.warning("prefill_failed", **event)
+        return True
 
     async def _compute(
         self, request: PrefillRequest, restored: ActivationFrame | None, k: int, n: int

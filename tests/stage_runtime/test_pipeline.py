@@ -447,6 +447,75 @@ async def test_cancelled_caller_leaves_no_partial_state(
     assert (stopped["stage-0"]["completed"], stopped["stage-0"]["skipped"]) == (2, 0)
 
 
+@attrs.define(eq=False)
+class InterruptibleModel(WrappedModel):
+    """Takes ``seconds`` on 77-token prompts; when cancelled then, it raises an ordinary error
+    (as an interrupted device or RPC call might). With ``shards`` the work runs in the model's
+    own nursery, which then raises a group of that error and a Cancelled."""
+
+    shards: bool = False
+    seconds: float = 10.0
+    interrupted: int = 0
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        if inputs.token_count == 77 and self.seconds:
+            if self.shards:
+                async with trio.open_nursery() as nursery:
+                    for i in range(2):
+                        nursery.start_soon(self._work, i)
+            else:
+                await self._work(0)
+        return await self.inner.forward(inputs, start, restored)
+
+    async def _work(self, shard: int) -> None:
+        try:
+            await trio.sleep(self.seconds)
+        except trio.Cancelled:
+            if shard == 0:
+                self.interrupted += 1
+                raise RuntimeError("shard 0: transfer interrupted") from None
+            raise
+
+
+@pytest.mark.parametrize("shards", [False, True])
+async def test_a_model_error_raised_by_cancellation_fails_only_that_caller(
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent], shards: bool
+) -> None:
+    """Cancelling a caller whose stage model raises an error when cancelled (alone, or grouped
+    with the Cancelled by the model's own nursery): the abandoned request is skipped, not a
+    failure; another caller's prefill completes and the pipeline keeps serving."""
+    models: dict[str, InterruptibleModel] = {}
+
+    def factory(config: StageConfig) -> StageModel:
+        inner = virtual_model_factory(width=4, seconds_per_token=0.01)(config)
+        models[config.stage_id] = InterruptibleModel(
+            inner, shards=shards, seconds=10.0 if config.stage_index == 1 else 0.0
+        )
+        return models[config.stage_id]
+
+    others: list[PrefillResult] = []
+
+    async def other(pipeline: Any) -> None:
+        others.append(await pipeline.prefill(prompt(64, start=500), session_id="other"))
+
+    async with open_pipeline(stage_configs(2, min_tokens=8), factory, environ=NO_ENV) as pipeline:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other, pipeline)
+            with trio.move_on_after(2.0) as scope:  # stage 1 is in the model's wait by then
+                await pipeline.prefill(prompt(77), session_id="slow")
+            assert scope.cancelled_caught
+        assert models["stage-1"].interrupted == 1
+        assert restored(others[0]) == [0, 0]
+        after = await pipeline.prefill(prompt(90), session_id="later")
+        assert restored(after) == [72, 0]
+    stopped = {e["stage"]: e for e in events_named(logs, "stage_stopped")}
+    assert (stopped["stage-1"]["completed"], stopped["stage-1"]["skipped"]) == (2, 1)
+    assert stopped["stage-1"]["failed"] == 0
+    assert not events_named(logs, "prefill_failed")
+
+
 async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
