@@ -16,8 +16,9 @@ Two reference models ship with the library:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, Protocol, TypeVar, TypeVarTuple, runtime_checkable
 
 import attrs
 import numpy as np
@@ -95,6 +96,18 @@ THREAD_THRESHOLD_MACS: Final = 1 << 24
 numpy. A 4-stage pipeline at width 64 computes prompts up to 4,096 tokens inline; at width 2,048,
 prompts longer than 4 tokens go to a worker thread."""
 
+CHUNK_MACS: Final = 1 << 24
+""":class:`CausalMixModel` computes in row chunks of about this many multiply-adds (a few ms);
+a worker thread stops between chunks once its caller is cancelled."""
+
+
+_R = TypeVar("_R")
+_Args = TypeVarTuple("_Args")
+
+
+class _Interrupted(Exception):
+    """Raised in an abandoned worker thread to stop it between chunks (nobody reads it)."""
+
 
 def _check_forward_arguments(
     inputs: ActivationFrame, start: int, restored: ActivationFrame | None
@@ -131,7 +144,9 @@ class CausalMixModel:
     (cheap, and deterministic under trio's virtual clock, where a thread would let time jump);
     above it, it runs in a worker thread (``trio.to_thread.run_sync``), so a large prompt does
     not freeze the other tasks (an HTTP server keeps answering its probes). numpy releases the
-    GIL in the matrix product and the sines.
+    GIL in the matrix product and the sines. Work is done in row chunks of about
+    :data:`CHUNK_MACS`; cancelling the caller of a threaded forward or embedding returns at once
+    and stops the thread at its next chunk, so the stage is free for the next request.
 
     Args:
         width: Activation width (columns per token row); at least 1.
@@ -197,15 +212,25 @@ class CausalMixModel:
         8,000-token prompt would hold the event loop for about a second.
         """
         if np.size(tokens) * self.width * EMBED_COST_MACS > self.thread_threshold_macs:
-            return await trio.to_thread.run_sync(self.embed, tokens)
+            return self._frame(await _in_thread(self._embed_rows, tokens))
         return self.embed(tokens)
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """Embed token ids as seeded sinusoids, one float32 row per token."""
+        return self._frame(self._embed_rows(tokens, None))
+
+    def _embed_rows(
+        self, tokens: npt.NDArray[np.int32], stop: threading.Event | None
+    ) -> npt.NDArray[np.float32]:
         # The modulus keeps angles small enough that float64 keeps their fractional part.
         ids = (np.asarray(tokens, dtype=np.int64) % 65_521).astype(np.float64)
-        rows = np.sin(ids[:, None] * self._frequencies[None, :] + self._phases[None, :])
-        return self._frame(rows.astype(np.float32))
+        rows = np.empty((ids.size, self.width), dtype=np.float32)
+        step = max(1, CHUNK_MACS // (self.width * EMBED_COST_MACS))
+        for i in range(0, ids.size, step):
+            _check_stop(stop)
+            angles = ids[i : i + step, None] * self._frequencies[None, :] + self._phases[None, :]
+            rows[i : i + step] = np.sin(angles)
+        return rows
 
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
@@ -218,9 +243,9 @@ class CausalMixModel:
             raise FrameError(msg)
         last = None if restored is None else restored.rows()[-1]
         if x.shape[0] * self.width * self.width > self.thread_threshold_macs:
-            rows = await trio.to_thread.run_sync(self._continue, x, start, last)
+            rows = await _in_thread(self._continue, x, start, last)
         else:
-            rows = self._continue(x, start, last)
+            rows = self._continue(x, start, last, None)
         return self._frame(rows)
 
     def _continue(
@@ -228,9 +253,15 @@ class CausalMixModel:
         x: npt.NDArray[np.floating],
         start: int,
         last: npt.NDArray[np.floating] | None,
+        stop: threading.Event | None,
     ) -> npt.NDArray[np.float32]:
         """The output rows for inputs ``x`` (tokens ``start..``), after ``last`` (row start-1)."""
-        sums = np.cumsum(np.tanh(x.astype(np.float64)) @ self._mix, axis=0)
+        mixed = np.empty((x.shape[0], self.width), dtype=np.float64)
+        step = max(1, CHUNK_MACS // (self.width * self.width))
+        for i in range(0, x.shape[0], step):
+            _check_stop(stop)
+            mixed[i : i + step] = np.tanh(x[i : i + step].astype(np.float64)) @ self._mix
+        sums = np.cumsum(mixed, axis=0)
         if last is not None:
             # The running sum up to token start-1 is the last restored mean times its count.
             sums += last.astype(np.float64) * start
@@ -244,6 +275,21 @@ class CausalMixModel:
             layer_start=self.layer_start,
             layer_end=self.layer_end,
         )
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise _Interrupted
+
+
+async def _in_thread(work: Callable[[*_Args, threading.Event | None], _R], *args: *_Args) -> _R:
+    """``work(*args, stop)`` in a worker thread. Cancelling the caller returns at once (the
+    thread is abandoned) and sets ``stop``, which ``work`` checks between chunks."""
+    stop = threading.Event()
+    try:
+        return await trio.to_thread.run_sync(work, *args, stop, abandon_on_cancel=True)
+    finally:
+        stop.set()
 
 
 _VIRTUAL_FRAME_MEMO = 65_536

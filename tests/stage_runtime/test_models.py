@@ -12,6 +12,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage_runtime import models
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
@@ -210,19 +211,84 @@ async def test_causal_mix_model_embeds_large_prompts_in_a_worker_thread(
     """A stage awaits embed_async: rows x width x EMBED_COST_MACS above the threshold leaves the
     event loop (at width 2,048 an 8,000-token embedding held it for about a second)."""
     threads: list[int] = []
-    embed = CausalMixModel.embed
+    embed = CausalMixModel._embed_rows
 
-    def recording(self: CausalMixModel, tokens: Any) -> Any:
+    def recording(self: CausalMixModel, tokens: Any, stop: Any) -> Any:
         threads.append(threading.get_ident())
-        return embed(self, tokens)
+        return embed(self, tokens, stop)
 
-    monkeypatch.setattr(CausalMixModel, "embed", recording)
+    monkeypatch.setattr(CausalMixModel, "_embed_rows", recording)
     model = CausalMixModel(width=8, thread_threshold_macs=10 * 8 * EMBED_COST_MACS)
     small = await model.embed_async(np.arange(10, dtype=np.int32))
     large = await model.embed_async(np.arange(11, dtype=np.int32))
     assert threads[0] == threading.get_ident()
     assert threads[1] != threading.get_ident()
     np.testing.assert_array_equal(large.rows()[:10], small.rows())
+
+
+@pytest.mark.parametrize("work", ["forward", "embed"])
+async def test_cancelling_a_threaded_computation_stops_its_thread(
+    monkeypatch: pytest.MonkeyPatch, work: str
+) -> None:
+    """The caller of a threaded forward (or embedding) that is cancelled gets control back at
+    once, and the worker thread stops at its next chunk instead of computing the rest."""
+    row_macs = 8 * 8 if work == "forward" else 8 * EMBED_COST_MACS
+    monkeypatch.setattr(models, "CHUNK_MACS", row_macs)  # one row per chunk
+    chunks: list[int] = []
+    reached, gate, ended = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[str] = []
+    check = models._check_stop
+
+    def gated(stop: threading.Event | None) -> None:
+        if stop is None:  # inline: not the computation under test
+            return
+        chunks.append(1)
+        if len(chunks) == 2:
+            reached.set()
+            assert gate.wait(30)  # a bound, so that a bug fails instead of hanging
+        check(stop)
+
+    monkeypatch.setattr(models, "_check_stop", gated)
+    name = "_continue" if work == "forward" else "_embed_rows"
+    compute = getattr(CausalMixModel, name)
+
+    def watched(self: CausalMixModel, *args: Any) -> Any:
+        try:
+            result = compute(self, *args)
+        except BaseException as exc:
+            outcome.append(type(exc).__name__)
+            raise
+        finally:
+            ended.set()
+        outcome.append("finished")
+        return result
+
+    monkeypatch.setattr(CausalMixModel, name, watched)
+    model = CausalMixModel(width=8, thread_threshold_macs=0)
+    inputs = model.embed(np.arange(30, dtype=np.int32))
+    outcome.clear()
+    ended.clear()
+    scope = trio.CancelScope()
+    returned = trio.Event()
+
+    async def call() -> None:
+        with scope:
+            if work == "forward":
+                await model.forward(inputs, 0, None)
+            else:
+                await model.embed_async(np.arange(30, dtype=np.int32))
+        returned.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        assert await trio.to_thread.run_sync(reached.wait, 30)  # the thread's second chunk
+        scope.cancel()
+        await returned.wait()  # the caller is back while the thread still waits
+        assert outcome == []
+        gate.set()
+    assert await trio.to_thread.run_sync(ended.wait, 30)
+    assert outcome == ["_Interrupted"]
+    assert len(chunks) == 2  # of 30
 
 
 async def test_causal_mix_model_output_is_the_same_inline_or_threaded() -> None:
