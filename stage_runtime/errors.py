@@ -51,3 +51,10 @@ class PipelineStoppedError(StageRuntimeError):
 
     Not the request's fault: the same request may succeed on another pipeline.
     """
+
+
+def sole_exception(exc: Exception) -> Exception:
+    """The single exception inside (nested) one-member groups, else ``exc`` itself."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -50,7 +50,7 @@ from stage_runtime.cache_actor import (
     RestoreActivation,
 )
 from stage_runtime.config import MessageBase, StageConfig
-from stage_runtime.errors import FrameError, StageFailedError
+from stage_runtime.errors import FrameError, StageFailedError, sole_exception
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
@@ -228,7 +228,7 @@ class Stage:
             try:
                 await self._run(task_status)
             except Exception as exc:
-                cause = _unwrap(exc)
+                cause = sole_exception(exc)
                 msg = f"stage {stage_id!r} failed: {cause!r}"
                 raise StageFailedError(msg, stage_id=stage_id) from cause
 
@@ -322,7 +322,7 @@ class Stage:
                 cancelled, rest = group.split(trio.Cancelled)
                 if not isinstance(rest, ExceptionGroup):
                     raise  # only Cancelled, or something that is not an Exception (^C...)
-                failed = self._model_failed(request, scope, _unwrap(rest))
+                failed = self._model_failed(request, scope, sole_exception(rest))
                 if cancelled is not None:
                     raise cancelled from None
         request._scope = None
@@ -417,10 +417,3 @@ class Stage:
             topology_id=config.topology_id,
             model_id=config.model_id,
         )
-
-
-def _unwrap(exc: Exception) -> Exception:
-    """The single exception inside (nested) one-member groups, else ``exc`` itself."""
-    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc

@@ -26,7 +26,7 @@ import attrs
 import structlog
 import trio
 
-from stage_runtime.errors import ConfigError
+from stage_runtime.errors import ConfigError, sole_exception
 from stage_runtime.server.app import PipelineApp
 
 if TYPE_CHECKING:
@@ -122,17 +122,72 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _hypercorn_config(sock: socket.socket, *, shutdown_timeout_s: float) -> Config:
+def _hypercorn_config(*, shutdown_timeout_s: float) -> Config:
     from hypercorn.config import Config
 
     config = Config()
-    # Hypercorn adopts the bound socket through its file descriptor (and closes it when done).
-    config.bind = [f"fd://{sock.detach()}"]
     config.graceful_timeout = shutdown_timeout_s + ANSWER_MARGIN_S
     # Hypercorn's own messages go to a stdlib logger; the application decides where they end up.
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = None  # `request_served` is the access log
     return config
+
+
+async def _serve_connections(
+    app: PipelineApp,
+    config: Config,
+    sock: socket.socket,
+    *,
+    shutdown_trigger: trio.Event,
+    task_status: trio.TaskStatus[str],
+) -> None:
+    """Serve HTTP on ``sock`` with hypercorn's trio connection handler until ``shutdown_trigger``.
+
+    This is hypercorn's trio worker loop (``hypercorn.trio.serve``) with one difference: an
+    exception from one connection drops that connection only. Hypercorn's own loop lets it end
+    the server, and its HTTP/2 code raises on body data for a stream already answered (hypercorn
+    issue #329), so one HTTP/2 client could stop every other request. The app needs no lifespan
+    events. Once triggered: the listener closes, idle connections close, and connections still
+    answering get ``config.graceful_timeout`` before they are cancelled.
+    """
+    from hypercorn.app_wrappers import ASGIWrapper
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+
+    # PipelineApp speaks ASGI 3 with plain mappings, not hypercorn's TypedDicts.
+    wrapped = ASGIWrapper(cast("ASGIFramework", app))
+    context = WorkerContext(None)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        # Typed for TLS streams; hypercorn serves plain ones too (it checks which it got).
+        tls = cast("trio.SSLStream[trio.SocketStream]", stream)
+        try:
+            await TCPServer(wrapped, config, context, ConnectionState({}), tls)
+        except Exception as exc:  # that connection's failure (hypercorn closed its stream)
+            cause = sole_exception(exc)
+            log.warning(
+                "connection_failed", error_type=type(cause).__name__, error=repr(cause)[:200]
+            )
+
+    sock.listen(config.backlog)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+    async with trio.open_nursery() as connections:
+        try:
+            async with listener, trio.open_nursery() as accepting:
+                accepting.start_soon(
+                    partial(
+                        trio.serve_listeners, connection, [listener], handler_nursery=connections
+                    )
+                )
+                task_status.started(url)
+                await shutdown_trigger.wait()
+                accepting.cancel_scope.cancel()
+        finally:
+            await context.terminated.set()  # idle keep-alive connections close now
+            connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
 
 
 async def serve(
@@ -169,28 +224,24 @@ async def serve(
     """
     host, port = _parse_bind(bind)
     try:
-        from hypercorn.trio import serve as hypercorn_serve
+        import hypercorn.trio  # noqa: F401
     except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installed extras
         msg = "serving needs the server extra: pip install 'stage-runtime[server]'"
         raise ConfigError(msg) from exc
-    config = _hypercorn_config(
-        _listening_socket(host, port), shutdown_timeout_s=app.settings.shutdown_timeout_s
-    )
+    config = _hypercorn_config(shutdown_timeout_s=app.settings.shutdown_timeout_s)
+    sock = _listening_socket(host, port)
 
     shutdown_requested = trio.Event()
     signal_scope = trio.CancelScope()
     server: RunningServer | None = None
 
-    async def run_hypercorn(*, task_status: trio.TaskStatus[list[str]]) -> None:
+    async def run_hypercorn(*, task_status: trio.TaskStatus[str]) -> None:
         try:
-            await hypercorn_serve(
-                # PipelineApp speaks ASGI 3 with plain mappings, not hypercorn's TypedDicts.
-                cast("ASGIFramework", app),
-                config,
-                shutdown_trigger=shutdown_requested.wait,
-                task_status=task_status,
+            await _serve_connections(
+                app, config, sock, shutdown_trigger=shutdown_requested, task_status=task_status
             )
         finally:
+            sock.close()
             signal_scope.cancel()  # the server is done: stop listening for signals
 
     with ExitStack() as stack:
@@ -202,10 +253,10 @@ async def serve(
         )
         try:
             async with trio.open_nursery() as nursery:
-                binds: list[str] = await nursery.start(run_hypercorn)
+                url: str = await nursery.start(run_hypercorn)
                 server = RunningServer(
                     app=app,
-                    url=binds[0],
+                    url=url,
                     shutdown_requested=shutdown_requested,
                     cancel_scope=nursery.cancel_scope,
                 )

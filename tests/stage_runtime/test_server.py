@@ -511,6 +511,57 @@ async def test_declared_content_length_over_limit_is_refused_before_reading() ->
     assert b'"field":"body"' in response
 
 
+async def _h2_answer_then_body(url: str, path: str, body: bytes) -> int:
+    """One HTTP/2 request (prior knowledge) whose body is sent only after the whole answer
+    arrived: the body reaches a stream the server has closed. Returns the answer's status."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    port = int(url.rsplit(":", 1)[1])
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        sid = connection.get_next_available_stream_id()
+        headers = [(":method", "POST"), (":path", path), (":scheme", "http")]
+        headers += [(":authority", "test"), ("content-length", str(len(body)))]
+        connection.send_headers(sid, headers)
+        await stream.send_all(connection.data_to_send())
+        status, ended = 0, False
+        while not ended:
+            data = await stream.receive_some()
+            assert data, "the server closed the connection before answering"
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived) and event.stream_id == sid:
+                    status = int(dict(event.headers)[b":status"])
+                ended |= isinstance(event, h2.events.StreamEnded) and event.stream_id == sid
+            await stream.send_all(connection.data_to_send())
+        connection.send_data(sid, body, end_stream=True)
+        await stream.send_all(connection.data_to_send())
+        with trio.move_on_after(1):  # the server may answer the late body by closing: fine
+            while await stream.receive_some():
+                pass
+    return status
+
+
+@pytest.mark.parametrize(("path", "status"), [("/healthz", 405), ("/v1/prefill", 413)])
+async def test_a_body_arriving_after_an_http2_answer_does_not_stop_the_server(
+    path: str, status: int
+) -> None:
+    """hypercorn fails on HTTP/2 body data for a stream it has answered (its issue #329): that
+    connection is dropped, and the server goes on serving the others."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=ServerSettings(max_body_bytes=512)) as h:
+            # The answer comes first: to a wrong method, or to a declared length over the limit.
+            assert await _h2_answer_then_body(h.server.url, path, b"x" * 600) == status
+            healthy = await h.client.get("/healthz")
+            body = {"tokens": prompt(24), "session_id": "h1"}
+            answer = await h.client.post("/v1/prefill", json=body)
+    assert healthy.status_code == 200
+    assert answer.status_code == 200
+
+
 # -- load and faults ------------------------------------------------------------------------------
 
 
