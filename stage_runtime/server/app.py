@@ -131,6 +131,11 @@ class ServerSettings:
     """How long a graceful shutdown lets in-flight prefills run; those still running then are
     cancelled and answered ``503`` (``"error": "shutdown_timeout"``)."""
 
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    """How long a client may take to send a prefill's body; a slower or stalled one is answered
+    ``408`` (``"error": "body_timeout"``) and its connection closed, so stalled uploads cannot
+    pile up."""
+
 
 @attrs.frozen(kw_only=True)
 class _Response:
@@ -152,6 +157,10 @@ def _error(status: int, error: str, message: str, *, field: str | None = None) -
     if field is not None:
         log_fields += (("field", field),)
     return attrs.evolve(response, log_fields=log_fields)
+
+
+class _ShuttingDownError(Exception):
+    """A prefill's body was still arriving when the shutdown started: it is not admitted."""
 
 
 class _ClientDisconnectedError(Exception):
@@ -192,6 +201,8 @@ class PipelineApp:
     _computed_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
     _shutdown_deadline: float = attrs.field(default=math.inf, init=False)
     _prefill_deadlines: set[trio.CancelScope] = attrs.field(factory=set, init=False)
+    _body_reads: set[trio.CancelScope] = attrs.field(factory=set, init=False)
+    """Scopes of the bodies being read: a shutdown cuts them short (not admitted yet)."""
 
     @property
     def draining(self) -> bool:
@@ -236,6 +247,8 @@ class PipelineApp:
             )
             for scope in self._prefill_deadlines:
                 scope.deadline = self._shutdown_deadline
+            for scope in self._body_reads:
+                scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
@@ -340,6 +353,13 @@ class PipelineApp:
     def _retry_after(self) -> str:
         return str(self.settings.retry_after_s)
 
+    def _draining_response(self) -> _Response:
+        self._rejected["draining"] += 1
+        return attrs.evolve(
+            _error(503, "draining", "server is draining: retry on another instance"),
+            headers=(("retry-after", self._retry_after),),
+        )
+
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
         for name, value in scope.get("headers", ()):
@@ -348,27 +368,35 @@ class PipelineApp:
                 raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientDisconnectedError
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                # Stop reading here: a client streaming gigabytes is refused after `limit` bytes.
-                msg = f"body must be at most {limit} bytes, got more than {limit}"
-                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        timeout = self.settings.body_timeout_s
+        with trio.move_on_after(timeout) as reading:
+            self._body_reads.add(reading)
+            try:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientDisconnectedError
+                    chunk: bytes = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        # Stop here: a client streaming gigabytes is refused after `limit` bytes.
+                        msg = f"body must be at most {limit} bytes, got more than {limit}"
+                        raise InvalidRequestError(
+                            msg, field="body", error="body_too_large", status=413
+                        )
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+            finally:
+                self._body_reads.discard(reading)
+        if self._shutdown_deadline != math.inf:  # cut short by a shutdown: never admitted
+            raise _ShuttingDownError
+        msg = f"body must arrive within body_timeout_s ({timeout:g} s), got {size} bytes by then"
+        raise InvalidRequestError(msg, field="body", error="body_timeout", status=408)
 
     async def _prefill(self, scope: Scope, receive: Receive) -> _Response:
         if not self.ready:
-            self._rejected["draining"] += 1
-            return attrs.evolve(
-                _error(503, "draining", "server is draining: retry on another instance"),
-                headers=(("retry-after", self._retry_after),),
-            )
+            return self._draining_response()
         try:
             body = await self._read_body(scope, receive)
             request = parse_prefill_request(
@@ -376,6 +404,8 @@ class PipelineApp:
             )
         except InvalidRequestError as exc:
             return _error(exc.status, exc.error, str(exc), field=exc.field)
+        except _ShuttingDownError:
+            return self._draining_response()
         if self._inflight >= self.settings.max_inflight:
             self._rejected["overloaded"] += 1
             message = (

@@ -98,6 +98,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on shutdown, how long in-flight requests may still run (default: %(default)s)",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a client may take to send a prefill's body; slower ones get 408 "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--drain-grace",
         type=non_negative_float,
         default=0.0,
@@ -153,6 +161,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after,
         shutdown_timeout_s=args.shutdown_timeout,
+        body_timeout_s=args.body_timeout,
     )
     factory = reference_model_factory(width=args.width, seed=args.seed)
     async with open_pipeline(stages, factory, channel_size=args.channel_size) as pipeline:

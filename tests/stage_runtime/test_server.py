@@ -562,6 +562,68 @@ async def test_a_body_arriving_after_an_http2_answer_does_not_stop_the_server(
     assert answer.status_code == 200
 
 
+async def _call_app_with_a_stalled_body(
+    app: Any, answered: list[MutableMapping[str, Any]], received: trio.Event
+) -> None:
+    """Call ``app`` with a prefill whose body sends 10 bytes, then nothing."""
+    parts: list[MutableMapping[str, Any]] = [
+        {"type": "http.request", "body": b'{"tokens":', "more_body": True}
+    ]
+
+    async def receive() -> MutableMapping[str, Any]:
+        if parts:
+            return parts.pop()
+        received.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        answered.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/prefill", "headers": []}
+    await app(scope, receive, send)
+
+
+async def test_a_stalled_body_is_answered_408_at_the_body_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client that stops sending its body gets 408 naming the timeout, after body_timeout_s."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+        app = create_app(p, settings=ServerSettings(body_timeout_s=5))
+        answered: list[MutableMapping[str, Any]] = []
+        started = trio.current_time()
+        await _call_app_with_a_stalled_body(app, answered, trio.Event())
+        assert trio.current_time() - started == pytest.approx(5)
+    assert answered[0]["status"] == 408
+    document = json.loads(answered[1]["body"])
+    assert (document["error"], document["field"]) == ("body_timeout", "body")
+    assert document["message"] == (
+        "body must arrive within body_timeout_s (5 s), got 10 bytes by then"
+    )
+
+
+async def test_a_shutdown_answers_bodies_still_arriving_503_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A prefill whose body is still arriving when the shutdown starts is not admitted: 503
+    draining with Retry-After, at once (the shutdown does not wait for it)."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+        app = create_app(p, settings=ServerSettings(body_timeout_s=60))
+        answered: list[MutableMapping[str, Any]] = []
+        received = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_call_app_with_a_stalled_body, app, answered, received)
+            await received.wait()
+            started = trio.current_time()
+            app.start_shutdown()
+        assert trio.current_time() == started
+        stats = await app.stats_document()
+    assert answered[0]["status"] == 503
+    assert (b"retry-after", b"1") in answered[0]["headers"]
+    assert json.loads(answered[1]["body"])["error"] == "draining"
+    assert stats["server"]["rejected"]["draining"] == 1
+
+
 # -- load and faults ------------------------------------------------------------------------------
 
 
@@ -1020,7 +1082,9 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
     args = parser.parse_args(["--topology", "t.toml"])
     assert (args.bind, args.max_inflight, args.max_body_bytes) == ("127.0.0.1:8000", 64, 1 << 20)
     assert args.topology == Path("t.toml")
+    assert args.body_timeout == 30.0
     for bad in (
+        ["--body-timeout", "0"],
         ["--max-inflight", "0"],
         ["--max-body-bytes", "many"],
         ["--bind", "localhost"],

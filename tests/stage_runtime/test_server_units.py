@@ -236,6 +236,8 @@ def test_render_metrics_formats_special_float_values() -> None:
         ("retry_after_s", 0),
         ("shutdown_timeout_s", 0.0),
         ("shutdown_timeout_s", float("nan")),
+        ("body_timeout_s", -1),
+        ("body_timeout_s", "30"),
     ],
 )
 def test_server_settings_reject_non_positive_or_mistyped_limits(field: str, value: object) -> None:
