@@ -10,6 +10,10 @@ from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["TheoreticalMax", "theoretical_max_hit_ratio"]
 
+_ID_MASK = 2**64 - 1
+"""Block ids are 64-bit values, signed or unsigned (:class:`~stage_runtime.sim.BlockTokenizer`
+takes them modulo 2^64)."""
+
 
 @attrs.frozen(kw_only=True)
 class TheoreticalMax:
@@ -54,7 +58,7 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
         parent = -1
         restoring = True
         for block_id, used in request.block_layout(block_size):
-            key = (parent, block_id)
+            key = (parent, block_id & _ID_MASK)  # as the token blocks: -1 is 2^64 - 1
             node = nodes.get(key)
             if node is None:
                 node = len(nodes)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stage_runtime.sim import SimRequest, theoretical_max_hit_ratio
+from stage_runtime.sim import BlockTokenizer, SimRequest, theoretical_max_hit_ratio
 
 
 def _request(index: int, ids: list[int], length: int) -> SimRequest:
@@ -44,3 +44,12 @@ def test_empty_workload_has_ratio_zero() -> None:
     """No requests: zero tokens, ratio 0."""
     result = theoretical_max_hit_ratio([], block_size=512)
     assert (result.hit_tokens, result.prompt_tokens, result.ratio) == (0, 0, 0.0)
+
+
+def test_signed_and_unsigned_spellings_of_an_id_are_one_block() -> None:
+    """Ids are 64-bit values: -1 and 2^64 - 1 name the same block, for the token blocks (taken
+    modulo 2^64) and for the maximum alike, so a replay can never beat the maximum."""
+    requests = [_request(0, [-1, 5], 1024), _request(1, [2**64 - 1, 5], 1024)]
+    assert theoretical_max_hit_ratio(requests, block_size=512).hit_tokens == 1024
+    tokenizer = BlockTokenizer(512)
+    assert (tokenizer.block(-1) == tokenizer.block(2**64 - 1)).all()
