@@ -30,6 +30,7 @@ from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
+from stage_runtime.policy import CandidatePolicy
 from stage_runtime.sim.blocks import BlockTokenizer
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.model import simulated_model_factory
@@ -203,6 +204,12 @@ class SimConfig:
         return self.block_size if self.stride_tokens is None else self.stride_tokens
 
     @property
+    def effective_stride(self) -> int:
+        """The ladder's grid spacing actually used: the stride capped at the min tokens (the
+        upstream's rule, spec §2), at least 1. ``--min-tokens 64 --stride 128`` probes every 64."""
+        return CandidatePolicy.from_cache_config(kv_cache_config(self)).effective_stride
+
+    @property
     def effective_page_tokens(self) -> int:
         """``page_tokens``, resolved: the stride when unset."""
         return self.stride if self.page_tokens is None else self.page_tokens
@@ -237,6 +244,7 @@ class SimConfig:
             "block_size": self.block_size,
             "min_tokens": self.min_prefix_tokens,
             "stride_tokens": self.stride,
+            "effective_stride_tokens": self.effective_stride,
             "record_limit": self.record_limit,
             "max_entries": self.max_entries,
             "capacity_tokens": capacity,

@@ -216,8 +216,11 @@ def render_report(
             f"eviction, min {config.min_prefix_tokens} tokens"
         )
     else:
+        stride = f"stride {config.stride}"
+        if config.effective_stride != config.stride:
+            stride += f" (grid every {config.effective_stride}: capped at the min)"
         index = (
-            f"ladder: min {config.min_prefix_tokens} tokens, stride {config.stride}, "
+            f"ladder: min {config.min_prefix_tokens} tokens, {stride}, "
             f"record limit {config.record_limit}"
         )
     console.print(

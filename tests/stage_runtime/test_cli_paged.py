@@ -101,3 +101,7 @@ def _header_checks(capsys: pytest.CaptureFixture[str]) -> None:
     assert "record limit" not in header
     assert main(["demo", "--limit-requests", "5"]) == 0
     assert "ladder: min 512 tokens, stride 512, record limit 2" in capsys.readouterr().out
+    # The upstream caps the grid's spacing at the min tokens: the header says which applies.
+    assert main(["demo", "--limit-requests", "5", "--min-tokens", "64", "--stride", "128"]) == 0
+    header = " ".join(capsys.readouterr().out.split())
+    assert "stride 128 (grid every 64: capped at the min), record limit 2" in header

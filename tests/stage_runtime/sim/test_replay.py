@@ -314,3 +314,20 @@ def test_concurrency_1_keeps_file_order_and_more_follows_timestamps() -> None:
     assert [o.restored_tokens[0] for o in in_file_order.outcomes] == [0, 32]
     by_arrival = run_replay(trace, _config(concurrency=2))
     assert [o.restored_tokens[0] for o in by_arrival.outcomes] == [32, 0]
+
+
+def test_the_grid_spacing_is_the_stride_capped_at_the_min_tokens() -> None:
+    """As in the upstream: min 100 with stride 512 puts the grid every 100 tokens, so the first
+    prompt records 1,024 and 1,000 (not 512), and a second one sharing only its first 512
+    tokens restores nothing (a 512-token grid would have restored 512). The JSON says which
+    stride applied."""
+    config = SimConfig(stages=1, block_size=512, min_tokens=100, stride_tokens=512)
+    trace = [
+        SimRequest(index=0, input_length=1024, block_ids=(1, 2)),
+        SimRequest(index=1, input_length=1024, block_ids=(1, 3)),
+    ]
+    assert config.effective_stride == 100
+    result = run_replay(trace, config)
+    assert result.stages[0].restored_tokens == 0  # 1,000 and 1,024 were recorded: no 500 there
+    document = config.as_dict()
+    assert (document["stride_tokens"], document["effective_stride_tokens"]) == (512, 100)

@@ -83,7 +83,7 @@ def test_json_has_the_stable_keys(result: ReplayResult) -> None:
     config = document["config"]
     assert isinstance(config, dict)
     assert config["min_tokens"] == 16
-    assert config["stride_tokens"] == 16
+    assert config["stride_tokens"] == config["effective_stride_tokens"] == 16
     assert config["source"] == {"kind": "trace", "path": "t.jsonl"}
     assert json.loads(json.dumps(document)) == document
 
