@@ -431,8 +431,9 @@ class _Collector:
     ) -> None:
         reports = result.stages
         for position, report in enumerate(reports):
-            self.records[position] += len(report.records)
             for record in report.records:
+                if record.payload_bytes:  # (a paged prompt whose pages were all cached: none)
+                    self.records[position] += 1
                 if record.resident_bytes > self.resident_max[position]:
                     self.resident_max[position] = record.resident_bytes
                 self.evictions[position] += record.evicted_entries

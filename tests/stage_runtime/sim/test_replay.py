@@ -331,3 +331,13 @@ def test_the_grid_spacing_is_the_stride_capped_at_the_min_tokens() -> None:
     assert result.stages[0].restored_tokens == 0  # 1,000 and 1,024 were recorded: no 500 there
     document = config.as_dict()
     assert (document["stride_tokens"], document["effective_stride_tokens"]) == (512, 100)
+
+
+def test_paged_records_count_the_prompts_that_stored_pages() -> None:
+    """With --index paged, a prompt whose pages were all cached already stores nothing: three
+    identical prompts make one record per stage, not three."""
+    config = SimConfig(stages=2, block_size=16, bytes_per_token=2, index="paged")
+    trace = [SimRequest(index=i, input_length=64, block_ids=(1, 2, 3, 4)) for i in range(3)]
+    result = run_replay(trace, config)
+    assert [stage.records for stage in result.stages] == [1, 1]
+    assert [stage.restored_tokens for stage in result.stages] == [128, 128]
