@@ -254,12 +254,25 @@ def _env_get(environ: Mapping[str, str], name: str) -> str | None:
     return raw
 
 
+_RUST_WHITESPACE: Final = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+    "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+"""Unicode ``White_Space``: what Rust's ``str::trim`` removes (Python's ``strip()`` also removes
+the separators U+001C..U+001F)."""
+
+
+def _trim(raw: str) -> str:
+    """``raw`` trimmed as the upstream trims environment values (Rust's ``str::trim``)."""
+    return raw.strip(_RUST_WHITESPACE)
+
+
 def _env_mode(environ: Mapping[str, str]) -> CacheMode | None:
     """Mode from the first mode variable that is set; None if unset or unrecognised."""
     for name in _ENV_MODE:
         raw = _env_get(environ, name)
         if raw is not None:
-            return _ENV_MODE_VALUES.get(raw.strip().lower().replace("_", "-"))
+            return _ENV_MODE_VALUES.get(_trim(raw).lower().replace("_", "-"))
     return None
 
 
@@ -285,7 +298,7 @@ def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     env = _environment(environ)
     for name in _ENV_MODE:
         raw = _env_get(env, name)
-        normal = None if raw is None else raw.strip().lower().replace("_", "-")
+        normal = None if raw is None else _trim(raw).lower().replace("_", "-")
         if normal is not None and _ENV_MODE_VALUES.get(normal) is CacheMode.DISABLED:
             return True
     return False
@@ -379,7 +392,7 @@ class KvCacheConfig:
         for suffix, field in numbers.items():
             name = _ENV_PREFIX + suffix
             raw = _env_get(env, name)
-            digits = "" if raw is None else raw.strip()
+            digits = "" if raw is None else _trim(raw)
             if not digits:
                 continue
             variables[field] = name
@@ -393,7 +406,7 @@ class KvCacheConfig:
             values[field] = int(digits)
         raw_payload = _env_get(env, _ENV_PREFIX + "PAYLOAD")
         if raw_payload is not None:
-            payload = _ENV_PAYLOAD_VALUES.get(raw_payload.strip().lower().replace("_", "-"))
+            payload = _ENV_PAYLOAD_VALUES.get(_trim(raw_payload).lower().replace("_", "-"))
             if payload is None:
                 choices = ", ".join(repr(k) for k in _ENV_PAYLOAD_VALUES if k)
                 msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {raw_payload!r}"

@@ -89,9 +89,21 @@ _RUST_ARCH: Final = {
     "riscv64": "riscv64",
     "loongarch64": "loongarch64",
     "mips64": "mips64",
+    "mips64el": "mips64",
     "mips": "mips",
+    "mipsel": "mips",
+    "armv5tel": "arm",
+    "armv5tejl": "arm",
+    "armv7": "arm",
+    "aarch64_be": "aarch64",
+    "i86pc": "x86_64",
+    "sparc64": "sparc64",
     "wasm32": "wasm32",
 }
+
+_RUST_ARCH_32: Final = {"x86_64": "x86", "aarch64": "arm", "powerpc64": "powerpc"}
+"""A 32-bit interpreter on a 64-bit kernel reports the kernel's machine; the interpreter's
+target (what a Rust build for it would name) is the 32-bit architecture."""
 
 
 @attrs.frozen(kw_only=True)
@@ -116,10 +128,12 @@ class PlatformIdentity:
 @functools.cache
 def _current_platform() -> PlatformIdentity:
     machine = _platform.machine().lower()
+    arch = _RUST_ARCH.get(machine, machine)
+    pointer_width = struct.calcsize("P") * 8
+    if pointer_width == 32:
+        arch = _RUST_ARCH_32.get(arch, arch)
     return PlatformIdentity(
-        arch=_RUST_ARCH.get(machine, machine),
-        little_endian=sys.byteorder == "little",
-        pointer_width=struct.calcsize("P") * 8,
+        arch=arch, little_endian=sys.byteorder == "little", pointer_width=pointer_width
     )
 
 

@@ -33,7 +33,12 @@ def _count(_instance: object, attribute: attrs.Attribute[Any], value: object) ->
 
 def round_half_away_from_zero(value: float) -> int:
     """Round like Rust's ``f64::round`` (2.5 -> 3, -2.5 -> -3), unlike Python's ``round``."""
-    return int(math.copysign(math.floor(abs(value) + 0.5), value))
+    # Not floor(|x| + 0.5): that sum rounds itself (0.49999999999999994 + 0.5 == 1.0).
+    magnitude = abs(value)
+    whole = math.floor(magnitude)
+    if magnitude - whole >= 0.5:
+        whole += 1
+    return int(math.copysign(whole, value))
 
 
 def derive_max_resident_tokens(ctx_size: int) -> int:

@@ -383,6 +383,20 @@ def test_env_numbers_accept_surrounding_space_and_a_plus_sign() -> None:
     assert cfg.min_tokens == 256
 
 
+def test_env_values_are_trimmed_as_rust_trims_them() -> None:
+    """Rust's trim() removes Unicode White_Space (ideographic space included) but not the
+    separators U+001C..U+001F, which Python's strip() would also remove."""
+    spaced = KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "\u3000on\n"})
+    assert spaced is not None
+    assert spaced.mode is CacheMode.LOOKUP_RECORD
+    assert KvCacheConfig.from_env({"STAGE_RUNTIME_KV_CACHE": "on\x1f"}) is None
+    assert not kill_switch_engaged({"STAGE_RUNTIME_PREFIX_CACHE": "\x1coff"})
+    with pytest.raises(ConfigError, match="MIN_TOKENS must be an integer"):
+        KvCacheConfig.from_env(
+            {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS": "256\x1d"}
+        )
+
+
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [

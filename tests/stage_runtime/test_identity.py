@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import struct
+import sys
 from typing import Any
 
 import attrs
@@ -145,12 +146,22 @@ def test_namespace_hash_is_the_stream_without_tokens() -> None:
 def test_current_platform_uses_rust_arch_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """platform.machine() spellings map to Rust target_arch names; byte order and width come
     from the interpreter."""
-    for machine, arch in [("AMD64", "x86_64"), ("arm64", "aarch64"), ("i686", "x86")]:
+    machines = [("AMD64", "x86_64"), ("arm64", "aarch64"), ("i686", "x86")]
+    machines += [("armv5tel", "arm"), ("mips64el", "mips64"), ("mipsel", "mips")]
+    machines += [("aarch64_be", "aarch64")]
+    for machine, arch in machines:
         monkeypatch.setattr("platform.machine", lambda m=machine: m)
         identity_module._current_platform.cache_clear()
         current = PlatformIdentity.current()
         assert current.arch == arch
         assert current.pointer_width == struct.calcsize("P") * 8
+    # A 32-bit interpreter on a 64-bit kernel is a 32-bit target, as a Rust build for it.
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    monkeypatch.setattr("struct.calcsize", lambda _format: 4)
+    identity_module._current_platform.cache_clear()
+    assert PlatformIdentity.current() == PlatformIdentity(
+        arch="x86", little_endian=sys.byteorder == "little", pointer_width=32
+    )
     monkeypatch.undo()
     identity_module._current_platform.cache_clear()
     assert prefix_hash(config(), 0, [1]) == prefix_hash(

@@ -256,6 +256,11 @@ def test_rounding_is_half_away_from_zero() -> None:
     assert round_half_away_from_zero(3.5) == 4
     assert round_half_away_from_zero(2.4999) == 2
     assert round_half_away_from_zero(-2.5) == -3
+    # Where |x| + 0.5 itself rounds, Rust's f64::round does not: the largest double below 0.5,
+    # and odd integers in [2^52, 2^53).
+    assert round_half_away_from_zero(0.49999999999999994) == 0
+    assert round_half_away_from_zero(-0.49999999999999994) == 0
+    assert round_half_away_from_zero(4503599627370497.0) == 4503599627370497
 
 
 def test_geometric_tie_prefers_the_larger_value() -> None:
