@@ -34,12 +34,20 @@ def capture_actor_logs() -> Iterator[list[LogEvent]]:
     """Capture structlog events, keeping keys bound with contextvars (such as ``actor=``).
 
     ``structlog.testing.capture_logs()`` on its own drops contextvars-bound keys; this merges them
-    first. Events are captured as dicts: ``exc_info`` keeps the exception object itself.
+    first. Events are captured as dicts: ``exc_info`` keeps the exception object itself. Events
+    of every level are captured, also when the program configured a level-filtering logger
+    (``make_filtering_bound_logger(INFO)`` drops debug events before any processor sees them),
+    except from loggers structlog cached before (``cache_logger_on_first_use=True``).
     """
+    wrapper_class = structlog.get_config()["wrapper_class"]
     with structlog.testing.capture_logs(
         processors=[structlog.contextvars.merge_contextvars]
     ) as logs:
-        yield logs
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(0))
+        try:
+            yield logs
+        finally:
+            structlog.configure(wrapper_class=wrapper_class)
 
 
 def events_named(logs: Iterable[EventT], event: str) -> list[EventT]:

@@ -38,10 +38,11 @@ from typing import Any
 
 import attrs
 import pytest
+import structlog
 
 from actors import ActorRef, open_actor
 from actors.testing import capture_actor_logs
-from stage_runtime.cache_actor import CacheActor
+from stage_runtime.cache_actor import CacheActor, CacheMessage
 from stage_runtime.config import CacheMode, KvCacheConfig, StageConfig
 from stage_runtime.models import reference_model_factory
 from stage_runtime.pipeline import Pipeline, open_pipeline
@@ -92,7 +93,7 @@ async def pipeline(stage_config: StageConfig) -> AsyncIterator[Pipeline]:
         )
         for index in range(PIPELINE_STAGES)
     ]
-    # environ={} keeps the test independent of SKIPPY_* variables in the developer's shell.
+    # environ={} keeps the test independent of STAGE_RUNTIME_KV_CACHE* variables in the shell.
     async with open_pipeline(
         stages, reference_model_factory(width=PIPELINE_WIDTH), environ={}
     ) as running:
@@ -100,7 +101,7 @@ async def pipeline(stage_config: StageConfig) -> AsyncIterator[Pipeline]:
 
 
 @pytest.fixture
-async def cache_actor(stage_config: StageConfig) -> AsyncIterator[ActorRef[Any, Any]]:
+async def cache_actor(stage_config: StageConfig) -> AsyncIterator[ActorRef[CacheMessage, Any]]:
     """A running cache actor owning the cache of ``stage_config``."""
     async with open_actor(
         CacheActor(stage_config, environ={}), name=f"cache-{stage_config.stage_id}"
@@ -110,6 +111,16 @@ async def cache_actor(stage_config: StageConfig) -> AsyncIterator[ActorRef[Any, 
 
 @pytest.fixture
 def capture_stage_logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """Every structlog event of the test, with contextvars-bound keys kept."""
-    with capture_actor_logs() as logs:
-        yield logs
+    """Every structlog event of the test (any level), with contextvars-bound keys kept.
+
+    The test starts with no contextvars bound, so keys an earlier test bound and never unbound
+    do not show up in its events; the earlier bindings are restored afterwards.
+    """
+    bound = structlog.contextvars.get_contextvars()
+    structlog.contextvars.clear_contextvars()
+    try:
+        with capture_actor_logs() as logs:
+            yield logs
+    finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**bound)

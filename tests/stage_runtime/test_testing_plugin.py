@@ -150,6 +150,47 @@ def test_capture_stage_logs_keeps_contextvars_bound_keys(pytester: pytest.Pytest
     result.assert_outcomes(passed=1)
 
 
+def test_capture_stage_logs_is_isolated_from_earlier_tests_and_log_levels(
+    pytester: pytest.Pytester,
+) -> None:
+    """Keys an earlier test bound and never unbound stay out of a later test's events, and
+    debug events are captured though the program filters its loggers at info (the README
+    example asserts on the debug event activation_restored)."""
+    pytester.makeini(TRIO_INI)
+    pytester.makeconftest(
+        """
+        import logging
+        import structlog
+
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        """
+    )
+    pytester.makepyfile(
+        test_logs="""
+        import structlog
+
+        def test_a_binds_and_forgets():
+            structlog.contextvars.bind_contextvars(request_id="from-test-a")
+
+        def test_b_sees_only_its_own_keys(capture_stage_logs):
+            structlog.get_logger("user").debug("hello")
+            assert capture_stage_logs == [{"event": "hello", "log_level": "debug"}]
+
+        def test_c_earlier_bindings_are_back():
+            assert structlog.contextvars.get_contextvars() == {"request_id": "from-test-a"}
+
+        async def test_readme_example(pipeline, capture_stage_logs):
+            tokens = list(range(64))
+            await pipeline.prefill(tokens, session_id="a")
+            result = await pipeline.prefill(tokens, session_id="a")
+            assert all(stage.restored_tokens > 0 for stage in result.stages)
+            assert any(e["event"] == "activation_restored" for e in capture_stage_logs)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=4)
+
+
 def test_plugin_does_not_import_the_http_server() -> None:
     """Loading the plugin pulls in neither hypercorn nor the server package."""
     code = (
