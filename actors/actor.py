@@ -165,7 +165,10 @@ class _Cell:
             self.max_queued = min(queued, self.mailbox_size)
 
     def note_full(self) -> None:
-        """Log that a sender has to wait for room, at most once per interval."""
+        """Log that a sender has to wait for room, at most once per interval (a rendezvous
+        mailbox, size 0, always makes senders wait for the actor: not worth a warning)."""
+        if self.mailbox_size == 0:
+            return
         now = trio.current_time()
         if now - self.full_logged_at < MAILBOX_FULL_LOG_INTERVAL_S:
             self.full_suppressed += 1
@@ -207,6 +210,12 @@ class _Cell:
             hook: str | None = "factory"
             try:
                 actor = self.factory()
+                if not isinstance(actor, Actor):
+                    msg = (
+                        f"actor {self.name!r}: the factory must return an Actor, "
+                        f"got {type(actor).__name__}"
+                    )
+                    raise TypeError(msg)
                 hook = "on_start"
                 await actor.on_start()
                 hook = None
@@ -220,6 +229,10 @@ class _Cell:
                     _log_hook_failure(hook, exc)
                 if window is None:
                     raise
+                if self._nothing_left_to_serve():
+                    # Crashed while stopping: a rebuilt actor would have nothing to do.
+                    self.drained = self.drain
+                    return
                 if not window.record(trio.current_time()):
                     policy = window.policy
                     log.error(
@@ -235,11 +248,10 @@ class _Cell:
                         f"{policy.within_s}s, max_restarts={policy.max_restarts}"
                     )
                     raise RestartLimitError(msg) from exc
-                self.restarts += 1
                 log.warning(
                     "actor_restarted",
                     attempt=window.attempt,
-                    restarts=self.restarts,
+                    restarts=self.restarts + 1,
                     cause=repr(exc),
                     backoff_s=window.policy.backoff_s,
                 )
@@ -247,11 +259,11 @@ class _Cell:
                     # A stop ends the backoff: a shutdown must not wait it out.
                     with trio.move_on_after(window.policy.backoff_s):
                         await self.stop_requested.wait()
-                queued = self.receive.statistics().current_buffer_used
-                if self.stop_requested.is_set() and (not self.drain or queued == 0):
-                    # Stopping, with nothing left to hand a rebuilt actor: do not build one.
+                if self._nothing_left_to_serve():
+                    # Stopped during the backoff: do not build an actor only to stop it.
                     self.drained = self.drain
                     return
+                self.restarts += 1
                 continue
             # The actor is stopping: a failing on_stop is not restarted (there is nothing left to
             # serve), it propagates to the owning nursery like a crash without a policy.
@@ -261,6 +273,12 @@ class _Cell:
                 _log_hook_failure("on_stop", exc)
                 raise
             return
+
+    def _nothing_left_to_serve(self) -> bool:
+        """Stopping, and a rebuilt actor would get no message (none queued, or no drain)."""
+        if not self.stop_requested.is_set():
+            return False
+        return not self.drain or self.receive.statistics().current_buffer_used == 0
 
     async def _serve(self, actor: Actor[Any, Any]) -> bool:
         """Handle messages until the mailbox ends; return whether it was drained."""

@@ -150,6 +150,22 @@ async def test_mailbox_full_warning_is_rate_limited(
     assert sum(f["suppressed"] for f in full) + len(full) <= 28
 
 
+async def test_a_rendezvous_mailbox_never_warns_that_it_is_full(
+    actor_logs: list[LogEvent], autojump_clock: trio.testing.MockClock
+) -> None:
+    """With mailbox_size 0 every tell waits for the actor by design: no actor_mailbox_full."""
+
+    @attrs.define(eq=False)
+    class Sluggish(Actor[int, None]):
+        async def handle(self, message: int) -> None:
+            await trio.sleep(0.1)
+
+    async with open_actor(Sluggish, name="slug", mailbox_size=0) as ref:
+        for i in range(30):
+            await ref.tell(i)
+    assert events_named(actor_logs, "actor_mailbox_full") == []
+
+
 async def test_tell_with_room_logs_nothing_per_message(actor_logs: list[LogEvent]) -> None:
     """The happy path is silent: only lifecycle events, no per-message logging."""
     async with open_actor(RecordingActor, name="quiet") as ref:

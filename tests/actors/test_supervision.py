@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from actors import Actor, RestartLimitError, RestartPolicy, open_actor, spawn
-from actors.testing import RecordingActor, wait_idle
+from actors import Actor, ActorRef, RestartLimitError, RestartPolicy, open_actor, spawn
+from actors.testing import RecordingActor, capture_actor_logs, events_named, wait_idle
 
 
 @attrs.define(eq=False)
@@ -22,7 +22,9 @@ class Ledger(Actor[object, int]):
 
     async def handle(self, message: object) -> int:
         self.log.append((trio.current_time(), message))
-        if message == "crash":
+        if message == "slow crash":
+            await trio.sleep(1)
+        if message in ("crash", "slow crash"):
             msg = "crash requested"
             raise RuntimeError(msg)
         if isinstance(message, int):
@@ -151,8 +153,12 @@ async def test_a_stop_during_the_backoff_ends_it_without_a_rebuild(
 ) -> None:
     """A shutdown must not wait out a long backoff, nor build an actor only to stop it."""
     built = Built()
-    assert await _stop_during_backoff(built, [], drain=False) < 0.01
+    with capture_actor_logs() as logs:
+        assert await _stop_during_backoff(built, [], drain=False) < 0.01
     assert len(built.actors) == 1
+    # The restart was announced at the crash, with its backoff; it never happened.
+    assert [e["restarts"] for e in events_named(logs, "actor_restarted")] == [1]
+    assert _last_ref[0].statistics().restarts == 0
 
 
 async def test_a_draining_stop_during_the_backoff_still_serves_what_is_queued(
@@ -164,12 +170,53 @@ async def test_a_draining_stop_during_the_backoff_still_serves_what_is_queued(
     assert [message for _, message in built.actors[1].log] == [5]
 
 
+_last_ref: list[ActorRef[object, int]] = []
+"""The ref :func:`_stop_during_backoff` used last (its statistics outlive it)."""
+
+
+async def test_a_crash_while_stopping_is_not_a_restart(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A message that crashes the actor while it stops, with nothing queued behind it, ends it:
+    no rebuild, no restart counted or announced, and the crash still logged."""
+    built = Built()
+    policy = RestartPolicy(max_restarts=3, within_s=60)
+    with capture_actor_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            ref = await spawn(nursery, built, name="ledger", restart=policy)
+            ref.tell_nowait("slow crash")
+            await trio.sleep(0.5)  # handling it
+            await ref.stop(drain=True)
+    assert len(built.actors) == 1
+    assert ref.statistics().restarts == 0
+    assert ref.statistics().failed == 1
+    assert events_named(logs, "actor_restarted") == []
+    assert len(events_named(logs, "actor_message_failed")) == 1
+
+
+def test_a_factory_that_returns_no_actor_is_named() -> None:
+    """A factory returning something else fails with a TypeError naming the actor."""
+
+    async def main() -> None:
+        async with open_actor(lambda: 42, name="answer"):  # type: ignore[arg-type,return-value]
+            pass
+
+    with pytest.raises(BaseExceptionGroup) as caught:
+        trio.run(main)
+    error = caught.value.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, TypeError)
+    assert str(error) == "actor 'answer': the factory must return an Actor, got int"
+
+
 async def _stop_during_backoff(built: Built, queued: list[object], *, drain: bool) -> float:
     """Crash a ledger with a 30 s restart backoff, queue ``queued`` behind the crash, stop it
     during the backoff; returns how long the stop took (virtual seconds)."""
     policy = RestartPolicy(max_restarts=3, within_s=60, backoff_s=30)
     async with trio.open_nursery() as nursery:
         ref = await spawn(nursery, built, name="ledger", restart=policy)
+        _last_ref[:] = [ref]
         ref.tell_nowait("crash")
         for message in queued:
             ref.tell_nowait(message)
