@@ -72,7 +72,11 @@ async def ask_actor(count: int) -> float:
 
 
 async def ask_channels(count: int) -> float:
-    """Elapsed seconds for ``count`` request/reply round trips over two memory channels."""
+    """Elapsed seconds for ``count`` request/reply round trips over two memory channels.
+
+    Written as tight as by hand: one request is outstanding at a time, so both channels always
+    have room and ``send_nowait`` does (``await send`` would add a schedule point per message
+    that ``ask`` does not pay, flattering the actor)."""
     request_send, request_receive = trio.open_memory_channel[int](64)
     reply_send, reply_receive = trio.open_memory_channel[int](1)
     server = Echo()
@@ -80,13 +84,13 @@ async def ask_channels(count: int) -> float:
     async def serve() -> None:
         async with reply_send:
             async for message in request_receive:
-                await reply_send.send(await server.handle(message))
+                reply_send.send_nowait(await server.handle(message))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve)
         start = time.perf_counter()
         for i in range(count):
-            await request_send.send(i)
+            request_send.send_nowait(i)
             await reply_receive.receive()
         elapsed = time.perf_counter() - start
         await request_send.aclose()
