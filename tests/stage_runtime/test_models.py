@@ -234,6 +234,7 @@ async def test_cancelling_a_threaded_computation_stops_its_thread(
     once, and the worker thread stops at its next chunk instead of computing the rest."""
     row_macs = 8 * 8 if work == "forward" else 8 * EMBED_COST_MACS
     monkeypatch.setattr(models, "CHUNK_MACS", row_macs)  # one row per chunk
+    monkeypatch.setattr(models, "CHUNK_ROWS", 1)
     chunks: list[int] = []
     reached, gate, ended = threading.Event(), threading.Event(), threading.Event()
     outcome: list[str] = []
