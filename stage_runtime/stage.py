@@ -28,6 +28,7 @@ Failure and cancellation, per request:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -361,11 +362,12 @@ class Stage:
     ) -> bool:
         """Settle ``request`` with the model's error; returns whether it counts as failed.
 
-        When the caller had given up (the stage's scope was cancelled), the error is what
-        interrupting the model raised: the request was abandoned, not failed, and the error is
-        logged at info level only."""
+        When the model was being interrupted, the error is what interrupting it raised, not a
+        failure: the caller gave up (the request's scope was cancelled: it counts as skipped), or
+        the stage itself is being cancelled (the pipeline stopping: it fails the request with
+        ``PipelineStoppedError``). Either way the error is logged at info level only."""
         event = dict(request_id=request.request_id, error_type=type(exc).__name__, error=str(exc))
-        if scope.cancel_called:
+        if scope.cancel_called or trio.current_effective_deadline() == -math.inf:
             log.info("prefill_interrupted", **event)
             return False
         request.fail(exc)

@@ -516,6 +516,38 @@ async def test_a_model_error_raised_by_cancellation_fails_only_that_caller(
     assert not events_named(logs, "prefill_failed")
 
 
+@pytest.mark.parametrize("shards", [False, True])
+async def test_a_model_interrupted_by_the_pipeline_stopping_is_not_the_requests_failure(
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent], shards: bool
+) -> None:
+    """The pipeline's block is cancelled while stage 1's model computes; the model raises when
+    interrupted. Its caller (in another task) learns that the pipeline stopped, not that the
+    model failed on its prompt."""
+    outcome: list[BaseException] = []
+
+    def factory(config: StageConfig) -> StageModel:
+        inner = virtual_model_factory(width=4, seconds_per_token=0.01)(config)
+        seconds = 10.0 if config.stage_index == 1 else 0.0
+        return InterruptibleModel(inner, shards=shards, seconds=seconds)
+
+    async def caller(pipeline: Any, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        try:
+            await pipeline.prefill(prompt(77), session_id="s")
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as callers:
+        with trio.move_on_after(2.0):  # stage 1 is in the model's wait by then
+            async with open_pipeline(stage_configs(2, min_tokens=8), factory, environ=NO_ENV) as p:
+                await callers.start(caller, p)
+                await trio.sleep_forever()
+    assert [type(error) for error in outcome] == [PipelineStoppedError]
+    assert not events_named(logs, "prefill_failed")
+    [interrupted] = events_named(logs, "prefill_interrupted")
+    assert interrupted["error"] == "shard 0: transfer interrupted"
+
+
 async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
