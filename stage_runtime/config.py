@@ -178,7 +178,7 @@ def _enum(kind: type[_E], name: str, value: object) -> _E:
         return value
     if isinstance(value, str):
         try:
-            return kind(value.strip().lower().replace("_", "-"))
+            return kind(_trim(value).lower().replace("_", "-"))
         except ValueError:
             pass
     choices = ", ".join(repr(str(member)) for member in kind)
@@ -413,12 +413,12 @@ class KvCacheConfig:
                 raise ConfigError(msg)
             values["payload"] = payload
         raw_index = _env_get(env, _ENV_PREFIX + "INDEX")
-        if raw_index is not None and raw_index.strip():
-            values["index"] = raw_index
+        if raw_index is not None and _trim(raw_index):
+            values["index"] = _trim(raw_index)
             variables["index"] = _ENV_PREFIX + "INDEX"
         raw_eviction = _env_get(env, _ENV_PREFIX + "PAGE_EVICTION")
-        if raw_eviction is not None and raw_eviction.strip():
-            values["page_eviction"] = raw_eviction
+        if raw_eviction is not None and _trim(raw_eviction):
+            values["page_eviction"] = _trim(raw_eviction)
             variables["page_eviction"] = _ENV_PREFIX + "PAGE_EVICTION"
         try:
             return cls(**values)

@@ -17,6 +17,7 @@ import functools
 import platform as _platform
 import struct
 import sys
+import sysconfig
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, Final
 
@@ -130,7 +131,9 @@ def _current_platform() -> PlatformIdentity:
     machine = _platform.machine().lower()
     arch = _RUST_ARCH.get(machine, machine)
     pointer_width = struct.calcsize("P") * 8
-    if pointer_width == 32:
+    # ...unless it is a 32-bit ABI of the 64-bit architecture (x32, ILP32): same target_arch.
+    multiarch = str(sysconfig.get_config_var("MULTIARCH") or "")
+    if pointer_width == 32 and not multiarch.endswith(("x32", "ilp32")):
         arch = _RUST_ARCH_32.get(arch, arch)
     return PlatformIdentity(
         arch=arch, little_endian=sys.byteorder == "little", pointer_width=pointer_width

@@ -58,7 +58,7 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
         parent = -1
         restoring = True
         for block_id, used in request.block_layout(block_size):
-            key = (parent, block_id & _ID_MASK)  # as the token blocks: -1 is 2^64 - 1
+            key = (parent, int(block_id) & _ID_MASK)  # as the token blocks: -1 is 2^64 - 1
             node = nodes.get(key)
             if node is None:
                 node = len(nodes)

@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 from stage_runtime import (
+    CacheIndex,
     CacheMode,
     CachePayload,
     ConfigError,
@@ -395,6 +396,15 @@ def test_env_values_are_trimmed_as_rust_trims_them() -> None:
         KvCacheConfig.from_env(
             {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_MIN_TOKENS": "256\x1d"}
         )
+    with pytest.raises(ConfigError, match="KV_CACHE_INDEX must be one of"):
+        KvCacheConfig.from_env(
+            {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "\x1cpaged"}
+        )
+    paged = KvCacheConfig.from_env(
+        {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_INDEX": "\u3000paged\n"}
+    )
+    assert paged is not None
+    assert paged.index is CacheIndex.PAGED
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,10 @@ def test_current_platform_uses_rust_arch_names(monkeypatch: pytest.MonkeyPatch) 
     assert PlatformIdentity.current() == PlatformIdentity(
         arch="x86", little_endian=sys.byteorder == "little", pointer_width=32
     )
+    # ...but the x32 ABI is Rust's x86_64 with 32-bit pointers.
+    monkeypatch.setattr("sysconfig.get_config_var", lambda _name: "x86_64-linux-gnux32")
+    identity_module._current_platform.cache_clear()
+    assert PlatformIdentity.current().arch == "x86_64"
     monkeypatch.undo()
     identity_module._current_platform.cache_clear()
     assert prefix_hash(config(), 0, [1]) == prefix_hash(

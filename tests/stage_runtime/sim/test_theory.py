@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from stage_runtime.sim import BlockTokenizer, SimRequest, theoretical_max_hit_ratio
 
 
@@ -53,3 +55,9 @@ def test_signed_and_unsigned_spellings_of_an_id_are_one_block() -> None:
     assert theoretical_max_hit_ratio(requests, block_size=512).hit_tokens == 1024
     tokenizer = BlockTokenizer(512)
     assert (tokenizer.block(-1) == tokenizer.block(2**64 - 1)).all()
+
+
+def test_numpy_integer_ids_are_accepted() -> None:
+    """Ids given as numpy integers (the library API takes any integers) count like ints."""
+    requests = [_request(0, list(np.array([1, 2], dtype=np.int64)), 1024)] * 2
+    assert theoretical_max_hit_ratio(requests, block_size=512).hit_tokens == 1024
