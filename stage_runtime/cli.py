@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -89,10 +88,12 @@ def _capacities(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(msg)
     parse = int_at_least(0)
     try:
-        return [parse(part) for part in parts]
+        capacities = {parse(part) for part in parts}
     except argparse.ArgumentTypeError as exc:
         msg = f"every capacity {exc}"
         raise argparse.ArgumentTypeError(msg) from None
+    # Each once, in the report's order (smallest first, unbounded last), JSON included.
+    return sorted(capacities, key=lambda capacity: (capacity == 0, capacity))
 
 
 _POSITIVE = int_at_least(1)
@@ -126,7 +127,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_between(_MIN_BLOCK_SIZE, _MAX_BLOCK_SIZE),
         metavar="N",
         default=512,
-        help="tokens per trace hash id (512)",
+        help="tokens per block: per trace hash id, or per block of a synthetic prompt (512)",
     )
     pipeline.add_argument(
         "--min-tokens",
@@ -161,8 +162,8 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--index",
         choices=["ladder", "paged"],
         default="ladder",
-        help="cache index: ladder = the upstream's per-length entries; paged = shared pages "
-        "(ladder)",
+        help="cache index: 'ladder', the upstream's per-length entries, or 'paged', pages "
+        "shared across prompts (default: ladder)",
     )
     pipeline.add_argument(
         "--page-tokens",
@@ -175,8 +176,8 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--page-eviction",
         choices=["lru", "reuse"],
         default=None,
-        help="with --index paged: evict the least recently used page, or the least valuable "
-        "by reuse and recompute saved (lru)",
+        help="with --index paged: 'lru' evicts the least recently used page, 'reuse' the "
+        "least valuable by reuse and recompute saved (default: lru)",
     )
     pipeline.add_argument(
         "--capacity-tokens",
@@ -207,14 +208,14 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         type=_POSITIVE,
         metavar="N",
         default=1,
-        help="requests in flight; 1 = file order, one at a time; more = arrivals by timestamp",
+        help="requests in flight; 1 = file order, one at a time; more = arrivals by timestamp (1)",
     )
     run.add_argument(
         "--limit-requests",
         type=_POSITIVE,
         metavar="N",
         default=None,
-        help="replay only the first N requests",
+        help="replay only the first N requests (default: all)",
     )
     run.add_argument(
         "--prefill-us-per-token",
@@ -257,12 +258,16 @@ def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
     try:
         from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        serve = subcommands.add_parser("serve", help=help_text, description=help_text)
-        serve.set_defaults(run=_serve_unavailable)
+        serve = subcommands.add_parser(
+            "serve", help=help_text, description=help_text, allow_abbrev=False
+        )
+        serve.set_defaults(run=_serve_unavailable, parser=serve)
         return
-    serve = subcommands.add_parser("serve", help=help_text, description=help_text)
+    serve = subcommands.add_parser(
+        "serve", help=help_text, description=help_text, allow_abbrev=False
+    )
     command.add_serve_arguments(serve)
-    serve.set_defaults(run=_run_serve)
+    serve.set_defaults(run=_run_serve, parser=serve)
 
 
 def _serve_unavailable(args: argparse.Namespace) -> int:
@@ -285,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``stage-runtime`` argument parser (subcommands demo, replay, simulate, serve)."""
     parser = _Parser(
         prog=PROG,
+        allow_abbrev=False,
         description="Pipeline-parallel LLM inference on trio with per-stage activation caches: "
         "replay request traces through a simulated pipeline and see what the cache buys.",
     )
@@ -293,15 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = subcommands.add_parser(
         "demo",
+        allow_abbrev=False,
         help="replay the bundled 300-request trace excerpt through 4 stages",
         description="Replay the bundled excerpt of the Mooncake synthetic trace (300 requests, "
         "Apache-2.0) through a simulated 4-stage pipeline and report what the cache bought.",
     )
     _add_simulation_arguments(demo)
-    demo.set_defaults(run=_run_simulation)
+    demo.set_defaults(run=_run_simulation, parser=demo)
 
     replay = subcommands.add_parser(
         "replay",
+        allow_abbrev=False,
         help="replay a Mooncake-format trace (.jsonl)",
         description="Replay a Mooncake-format request trace through a simulated pipeline.",
     )
@@ -314,10 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip malformed lines (counted in the report) instead of stopping at the first",
     )
     _add_simulation_arguments(replay)
-    replay.set_defaults(run=_run_simulation)
+    replay.set_defaults(run=_run_simulation, parser=replay)
 
     simulate = subcommands.add_parser(
         "simulate",
+        allow_abbrev=False,
         help="replay a synthetic workload (shared system prompts, conversations)",
         description="Replay a synthetic workload: groups of prompts sharing a system prompt, "
         "and multi-turn conversations, arriving as a seeded Poisson process.",
@@ -369,13 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         default=4.0,
         metavar="PER_S",
-        help="mean arrivals per second (4)",
+        help="mean arrivals per second; sets the timestamps, which only --concurrency above 1 "
+        "follows (4)",
     )
     workload.add_argument(
         "--seed", type=_NON_NEGATIVE, default=0, metavar="N", help="seed of order and arrivals (0)"
     )
     _add_simulation_arguments(simulate)
-    simulate.set_defaults(run=_run_simulation)
+    simulate.set_defaults(run=_run_simulation, parser=simulate)
 
     _add_serve(subcommands)
     return parser
@@ -466,9 +476,20 @@ def _check_usage(args: argparse.Namespace) -> None:
     if costs > 1 and costs != args.stages:
         msg = f"--prefill-us-per-token needs one cost or one per stage ({args.stages}), got {costs}"
         raise _UsageError(msg)
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
-        raise _UsageError(msg)
+    if args.plot is not None:
+        try:  # now, not after a replay that may take minutes
+            import matplotlib  # noqa: F401
+        except Exception as exc:  # missing, or broken (any import error)
+            msg = (
+                f"--plot needs matplotlib ({type(exc).__name__}: {exc}); install it with: "
+                "pip install 'stage-runtime[plot]'"
+            )
+            raise _UsageError(msg) from exc
+        if args.json not in (None, "-") and os.path.abspath(args.json) == os.path.abspath(
+            args.plot
+        ):
+            msg = f"--json and --plot name the same file ({args.plot}): the plot would replace it"
+            raise _UsageError(msg)
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
         msg = "--groups and --conversations are both 0: the workload has no requests"
         raise _UsageError(msg)
@@ -617,7 +638,8 @@ def _run_simulation(args: argparse.Namespace) -> int:
     status = Console(stderr=True)
     capacities: list[int] | None = args.sweep_capacity
     runs = len(capacities) if capacities else 1
-    show_progress = status.is_terminal and not json_to_stdout
+    # Off with -v: log lines written under a live bar end up glued to it.
+    show_progress = status.is_terminal and not json_to_stdout and not args.verbose
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -630,7 +652,14 @@ def _run_simulation(args: argparse.Namespace) -> int:
         task = progress.add_task("replaying", total=len(requests) * runs)
 
         def advance(done: int) -> None:
-            progress.update(task, completed=done)
+            if capacities:  # say which replay of the sweep this is
+                run_index = min(done // max(len(requests), 1), runs - 1)
+                capacity = capacities[run_index]
+                shown = f"{capacity:,} tokens" if capacity else "unbounded"
+                description = f"capacity {shown} ({run_index + 1}/{runs})"
+                progress.update(task, completed=done, description=description)
+            else:
+                progress.update(task, completed=done)
 
         if capacities:
             results = sim.run_sweep(requests, config, capacities, progress=advance)
@@ -693,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.run is not _serve_unavailable:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # names the command
     prefix = f"{PROG} {args.command}: error:"
     run: Callable[[argparse.Namespace], int] = args.run
     try:

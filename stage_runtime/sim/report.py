@@ -12,7 +12,7 @@ from rich.table import Table
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.driver import ReplayResult, StageSummary
+from stage_runtime.sim.driver import ReplayResult, SimConfig, StageSummary
 
 __all__ = [
     "PLOT_FORMATS",
@@ -193,19 +193,8 @@ def _capacity(tokens: int) -> str:
     return "unbounded" if tokens == 0 else f"{tokens:,} tokens"
 
 
-def render_report(
-    console: Console, result: ReplayResult, *, title: str, skipped_lines: int = 0
-) -> None:
-    """Print one replay as tables: totals, stages, time to first token.
-
-    Args:
-        console: Where to print.
-        result: The replay.
-        title: What was replayed (shown on the first line).
-        skipped_lines: Malformed trace lines skipped (shown when not 0).
-    """
-    config = result.config
-    console.print(f"[bold]{title}[/bold]")
+def _print_settings(console: Console, config: SimConfig, capacity: str) -> None:
+    """The header lines: the pipeline, and each stage's cache bounds and index."""
     console.print(
         f"pipeline: {config.stages} stages, {config.bytes_per_token:,} activation bytes per "
         f"token, concurrency {config.concurrency}, blocks of {config.block_size} tokens"
@@ -223,10 +212,22 @@ def render_report(
             f"ladder: min {config.min_prefix_tokens} tokens, {stride}, "
             f"record limit {config.record_limit}"
         )
-    console.print(
-        f"cache per stage: {config.max_entries:,} entries, {_capacity(result.capacity_tokens)}; "
-        f"{index}"
-    )
+    console.print(f"cache per stage: {config.max_entries:,} entries, {capacity}; {index}")
+
+
+def render_report(
+    console: Console, result: ReplayResult, *, title: str, skipped_lines: int = 0
+) -> None:
+    """Print one replay as tables: totals, stages, time to first token.
+
+    Args:
+        console: Where to print.
+        result: The replay.
+        title: What was replayed (shown on the first line).
+        skipped_lines: Malformed trace lines skipped (shown when not 0).
+    """
+    console.print(f"[bold]{title}[/bold]")
+    _print_settings(console, result.config, _capacity(result.capacity_tokens))
 
     totals = Table(box=box.SIMPLE, show_header=False)
     totals.add_column("what")
@@ -300,7 +301,8 @@ def render_report(
             left=0,
         )
     )
-    if result.token_hit_ratio >= result.theoretical.ratio - 1e-9:
+    gap = result.theoretical.ratio - result.token_hit_ratio
+    if gap < 0.0005:  # less than what the percentages show (0.1%)
         hint = "Nothing more was there to restore."
     elif result.config.index is CacheIndex.LADDER:
         hint = (
@@ -331,6 +333,7 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     if not results:
         return
     first = results[0]
+    _print_settings(console, first.config, "capacity swept (below)")
     console.print(
         f"{first.requests:,} requests, {first.prompt_tokens:,} prompt tokens, theoretical max "
         f"{first.theoretical.ratio:.1%} (infinite cache, per block)"

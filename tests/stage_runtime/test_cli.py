@@ -18,7 +18,7 @@ import pytest
 import structlog
 import structlog.testing
 
-from stage_runtime.cli import main
+from stage_runtime.cli import build_parser, main
 
 TINY = [
     {"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [1, 2, 3]},
@@ -315,17 +315,43 @@ def test_serve_without_the_server_extra_names_the_missing_package(
 def test_plot_without_matplotlib_is_refused_before_replaying(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--plot without the plot extra exits 2 at once, naming the extra to install."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
-    )
+    """--plot without the plot extra (or with a broken one) exits 2 at once, naming the extra
+    to install."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it fails
     assert main(["demo", "--plot", "out.png"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'stage-runtime[plot]'" in err
+    assert "ModuleNotFoundError" in err
     assert err.count("\n") == 1
+
+
+def test_json_and_plot_to_the_same_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plot would silently replace the JSON: refused before replaying."""
+    target = tmp_path / "out.png"
+    assert main(["demo", "--json", str(target), "--plot", str(target)]) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err
+    assert not target.exists()
+
+
+def test_unknown_and_abbreviated_flags_name_the_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unknown flag is refused by the subcommand (its name in the message), and prefixes
+    of flags are not accepted (--limit is not --limit-requests)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--limit", "10"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "stage-runtime demo: error: unrecognized arguments: --limit 10\n"
+    )
+
+
+def test_sweep_capacities_are_run_once_each_in_the_reports_order() -> None:
+    """Duplicates are dropped and the JSON list follows the table: smallest first, 0 last."""
+    args = build_parser().parse_args(["demo", "--sweep-capacity", "0,262144,65536,0"])
+    assert args.sweep_capacity == [65536, 262144, 0]
 
 
 def test_cli_limits_agree_with_the_simulation() -> None:

@@ -16,6 +16,7 @@ from stage_runtime.sim import (
     ReplayResult,
     SimConfig,
     SimRequest,
+    TheoreticalMax,
     render_report,
     render_sweep,
     result_to_json,
@@ -144,6 +145,8 @@ def test_sweep_report_has_a_row_per_capacity() -> None:
     assert [row[0] for row in rows if row and row[0] in ("8", "unbounded")] == ["8", "unbounded"]
     assert "capacity (tokens)" in text
     assert "held / unique (stage 0)" in text
+    # The settings that bound the sweep besides the capacity (the entry bound first of all).
+    assert f"cache per stage: {CONFIG.max_entries} entries, capacity swept (below)" in text
     uncached = results[0].ttft_uncached
     assert f"TTFT without cache: p50 {uncached.p50 * 1000:.1f} ms" in text
 
@@ -265,3 +268,18 @@ def test_closing_line_points_at_what_closes_the_gap(index: str, hint: str) -> No
     text = console.export_text()
     assert hint in text
     assert ("Try --index paged" in text) is (index == "ladder")
+
+
+def test_a_gap_too_small_to_show_is_no_gap() -> None:
+    """A gap below what the percentages show (under 0.05 points) is reported as nothing more
+    to restore, not as advice to change settings."""
+    result = run_replay(TRACE, CONFIG)
+    tokens = 100_000
+    maximum = TheoreticalMax(hit_tokens=50_000, prompt_tokens=tokens)
+    for restored, hint in ((49_960, "Nothing more was there"), (49_000, "closes the gap")):
+        shown = attrs.evolve(
+            result, prompt_tokens=tokens, restored_tokens=restored, theoretical=maximum
+        )
+        console = Console(record=True, width=200)
+        render_report(console, shown, title="gap")
+        assert hint in console.export_text()
