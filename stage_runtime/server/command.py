@@ -118,7 +118,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_width,
         default=64,
         metavar="N",
-        help="activation width of the reference model (default: %(default)s)",
+        help="activation width of the reference model, at most 8,192 (default: %(default)s)",
     )
     parser.add_argument(
         "--seed",

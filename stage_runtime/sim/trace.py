@@ -147,10 +147,13 @@ def parse_trace_line(
             invalid value; the message names the file, line and field.
     """
     if isinstance(text, bytes):
+        raw = text
         try:
-            text = text.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             rule = f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            if line == 1 and raw.startswith(b"\x1f\x8b"):
+                rule += "; it is gzip-compressed: zcat it into 'replay -'"
             raise _fail(path, line, "", rule) from exc
     if line == 1 and text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark some editors write at the start of a file
@@ -163,7 +166,10 @@ def parse_trace_line(
     except RecursionError:
         raise _fail(path, line, "", "is not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
-        raise _fail(path, line, "", f"must be a JSON object, got {type(record).__name__}")
+        rule = f"must be a JSON object, got {type(record).__name__}"
+        if isinstance(record, list):
+            rule += " (a trace is JSON lines: one request object per line, not one array)"
+        raise _fail(path, line, "", rule)
 
     if "timestamp" not in record:
         raise _fail(path, line, "timestamp", "is missing")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def test_block_layout_cuts_the_last_block() -> None:
     ("text", "field", "fragment"),
     [
         ("{not json", "", "is not valid JSON"),
-        ("[1, 2]", "", "must be a JSON object, got list"),
+        ("[1, 2]", "", "must be a JSON object, got list (a trace is JSON lines: one request"),
         # what json.loads raises besides JSONDecodeError
         ('{"timestamp": ' + "9" * 5000 + "}", "", "is not valid JSON (Exceeds the limit (4300"),
         ("[" * 100_000 + "]" * 100_000, "", "is not valid JSON (nested too deeply)"),
@@ -147,6 +148,14 @@ def test_non_utf8_file_is_a_trace_format_error(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match=r"binary\.jsonl:1: is not UTF-8") as caught:
         read_trace(path)
     assert caught.value.line == 1
+
+
+def test_a_gzipped_trace_is_named_as_such(tmp_path: Path) -> None:
+    """A compressed trace read as text gets the hint to decompress it into 'replay -'."""
+    path = tmp_path / "trace.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"timestamp": 0}\n' * 50))
+    with pytest.raises(TraceFormatError, match="it is gzip-compressed: zcat it into 'replay -'"):
+        read_trace(path)
 
 
 def test_skip_bad_lines_skips_a_non_utf8_line_and_keeps_the_rest(tmp_path: Path) -> None:
