@@ -245,6 +245,7 @@ async def serve(
             signal_scope.cancel()  # the server is done: stop listening for signals
 
     with ExitStack() as stack:
+        stack.callback(sock.close)  # on every way out, a failure to handle signals included
         # Installed before the socket listens, so that no signal can find the default handler.
         received = (
             stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))

@@ -1075,6 +1075,36 @@ async def test_each_request_logs_one_request_served_event(capture_stage_logs: Lo
 # -- command line and example --------------------------------------------------------------------
 
 
+def test_serve_closes_its_socket_when_signals_cannot_be_handled() -> None:
+    """handle_signals off the main thread fails (trio's rule) after the socket was bound: the
+    socket is closed then, not left to the garbage collector (a ResourceWarning)."""
+    import gc
+    import threading
+    import warnings
+
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+            await real_serve(create_app(p), bind="127.0.0.1:0", handle_signals=True)
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert "main thread" in repr(errors)
+        errors.clear()  # its traceback holds the frames, hence the socket
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
 def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
     """The serve flags parse with sensible defaults and refuse nonsense."""
     parser = argparse.ArgumentParser()
