@@ -303,11 +303,17 @@ class _Cell:
                     continue
                 self.current = reply
             try:
-                result = handle(message)
-                # A plain def may still hand back an awaitable (a decorated or partial async
-                # handler); await it rather than replying with a coroutine object.
-                if is_async or inspect.isawaitable(result):
-                    result = await result
+                try:
+                    result = handle(message)
+                    # A plain def may still hand back an awaitable (a decorated or partial async
+                    # handler); await it rather than replying with a coroutine object.
+                    if is_async or inspect.isawaitable(result):
+                        result = await result
+                except trio.Cancelled as cancelled:
+                    if trio.current_effective_deadline() == -math.inf:
+                        raise  # a real cancellation of the actor
+                    error = _stray_cancelled("the handler")
+                    raise error from cancelled
             except Exception as exc:
                 self.processed += 1
                 self.failed += 1
@@ -358,6 +364,16 @@ class _Cell:
         self.receive.close()
         self.stopped.set()
         log.info("actor_stopped", processed=self.processed, drained=self.drained, dropped=dropped)
+
+
+def _stray_cancelled(who: str) -> RuntimeError:
+    """The error for a ``trio.Cancelled`` that no cancelled scope delivered (one kept from an
+    earlier cancellation and raised again): a bug, handled like any other exception, where
+    letting it through would end the task silently."""
+    return RuntimeError(
+        f"{who} raised trio.Cancelled while nothing around it was cancelled (a Cancelled kept "
+        "from an earlier cancellation and raised again?)"
+    )
 
 
 def _log_hook_failure(hook: str, exc: Exception) -> None:

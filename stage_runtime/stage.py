@@ -319,6 +319,17 @@ class Stage:
                     output = await self._compute(request, restored, k, n)
             except Exception as exc:
                 failed = self._model_failed(request, scope, exc)
+            except trio.Cancelled as stray:
+                if trio.current_effective_deadline() == -math.inf:
+                    raise  # a real cancellation: of this request, or of the stage
+                # Nothing was cancelled: the model raised a Cancelled it kept from an earlier
+                # cancellation. Let through, it would end the stage task without a word.
+                error = RuntimeError(
+                    "the model raised trio.Cancelled while nothing around it was cancelled "
+                    "(a Cancelled kept from an earlier cancellation and raised again?)"
+                )
+                error.__cause__ = stray
+                failed = self._model_failed(request, scope, error)
             except BaseExceptionGroup as group:
                 cancelled, rest = group.split(trio.Cancelled)
                 if not isinstance(rest, ExceptionGroup):

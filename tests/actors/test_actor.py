@@ -806,3 +806,32 @@ async def test_wait_idle_from_the_actors_own_handler_is_an_error_not_a_deadlock(
         with pytest.raises(RuntimeError, match="cannot wait for itself to be idle"):
             await ref.ask("x")
         assert ref.statistics().failed == 1
+
+
+async def test_a_stray_cancelled_from_a_handler_is_an_error_not_a_silent_stop() -> None:
+    """A handler that raises a trio.Cancelled it kept from an earlier cancellation (nothing is
+    cancelled now) fails that ask with a RuntimeError saying so; the actor keeps running."""
+
+    @attrs.define(eq=False)
+    class Hoarder(Actor[str, str]):
+        kept: list[trio.Cancelled] = attrs.field(factory=list)
+
+        async def handle(self, message: str) -> str:
+            if message == "keep":
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    try:
+                        await trio.sleep(1)
+                    except trio.Cancelled as cancelled:
+                        self.kept.append(cancelled)
+                        raise
+                return "kept"
+            if message == "raise it":
+                raise self.kept[0]
+            return message
+
+    async with open_actor(Hoarder, name="hoarder") as ref:
+        assert await ref.ask("keep") == "kept"
+        with pytest.raises(RuntimeError, match=r"raised trio\.Cancelled while nothing around it"):
+            await ref.ask("raise it")
+        assert await ref.ask("still here") == "still here"

@@ -548,6 +548,47 @@ async def test_a_model_interrupted_by_the_pipeline_stopping_is_not_the_requests_
     assert interrupted["error"] == "shard 0: transfer interrupted"
 
 
+@attrs.define(eq=False)
+class HoardingModel(WrappedModel):
+    """Keeps the Cancelled of an abandoned 77-token prompt and raises it on a 33-token one."""
+
+    kept: list[trio.Cancelled] = attrs.field(factory=list)
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        if inputs.token_count == 77:
+            try:
+                await trio.sleep(10)
+            except trio.Cancelled as cancelled:
+                self.kept.append(cancelled)
+                raise
+        if inputs.token_count == 33:
+            raise self.kept[0]
+        return await self.inner.forward(inputs, start, restored)
+
+
+async def test_a_stray_cancelled_from_a_model_fails_that_request_and_names_the_bug(
+    autojump_clock: trio.testing.MockClock, logs: list[LogEvent]
+) -> None:
+    """A model raising a Cancelled kept from an earlier cancellation used to end its stage task
+    silently (the next stage was blamed). It is that request's model error now."""
+
+    def factory(config: StageConfig) -> StageModel:
+        inner = virtual_model_factory(width=4, seconds_per_token=0.01)(config)
+        return HoardingModel(inner) if config.stage_index == 1 else WrappedModel(inner)
+
+    async with open_pipeline(stage_configs(2, min_tokens=8), factory, environ=NO_ENV) as pipeline:
+        with trio.move_on_after(2.0):
+            await pipeline.prefill(prompt(77), session_id="s")
+        with pytest.raises(RuntimeError, match=r"raised trio\.Cancelled while nothing around it"):
+            await pipeline.prefill(prompt(33, start=500), session_id="s")
+        after = await pipeline.prefill(prompt(20, start=900), session_id="s")
+    assert restored(after) == [0, 0]
+    [failed] = events_named(logs, "prefill_failed")
+    assert failed["error_type"] == "RuntimeError"
+
+
 async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
