@@ -201,6 +201,7 @@ class PipelineApp:
     _computed_tokens: Counter[str] = attrs.field(factory=Counter, init=False)
     _shutdown_deadline: float = attrs.field(default=math.inf, init=False)
     _prefill_deadlines: set[trio.CancelScope] = attrs.field(factory=set, init=False)
+    _dropped: int = attrs.field(default=0, init=False)
     _body_reads: set[trio.CancelScope] = attrs.field(factory=set, init=False)
     """Scopes of the bodies being read: a shutdown cuts them short (not admitted yet)."""
 
@@ -268,8 +269,32 @@ class PipelineApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    @property
+    def dropped(self) -> int:
+        """Requests cancelled before they were answered (a forced shutdown), each logged as
+        ``request_dropped``; a graceful shutdown drops none."""
+        return self._dropped
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = trio.current_time()
+        method: str = scope["method"]
+        path: str = scope["path"]
+        try:
+            await self._serve_http(scope, receive, send, started)
+        except (trio.Cancelled, BaseExceptionGroup) as exc:
+            # A Cancelled, or (out of the prefill's nursery) a group of nothing else.
+            if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is not None:
+                raise
+            self._dropped += 1
+            log.warning(
+                "request_dropped",
+                method=method,
+                path=path,
+                elapsed_s=round(trio.current_time() - started, 6),
+            )
+            raise
+
+    async def _serve_http(self, scope: Scope, receive: Receive, send: Send, started: float) -> None:
         method: str = scope["method"]
         path: str = scope["path"]
         response: _Response | None

@@ -148,7 +148,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> int:
+    """Serve until shut down; returns the requests a forced shutdown dropped."""
     # Imported here: the pipeline pulls in numpy and the runtime, serving pulls in hypercorn.
     from stage_runtime.models import reference_model_factory
     from stage_runtime.pipeline import load_topology, open_pipeline
@@ -168,6 +169,7 @@ async def _serve(args: argparse.Namespace) -> None:
         app = create_app(pipeline, settings=settings)
         await serve(app, bind=args.bind, handle_signals=True, drain_grace_s=args.drain_grace)
     # Leaving open_pipeline after the server has drained stops the stages.
+    return app.dropped
 
 
 def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
@@ -182,7 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run ``stage-runtime serve`` with parsed ``args``; returns the process exit status.
 
     ``0`` after a graceful shutdown, ``2`` for a bad topology or option or a missing ``server``
-    extra, ``1`` when the address cannot be bound.
+    extra, ``1`` when the address cannot be bound or a forced shutdown dropped requests.
     """
     # Before anything starts: without the extra, fail in one line, not after the pipeline ran.
     for module in SERVER_MODULES:
@@ -198,15 +200,24 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(level=args.log_level, log_format=args.log_format)
     log = structlog.get_logger(__name__)
     status = 0
+    dropped = 0
     # Errors raised inside the pipeline's or hypercorn's nurseries arrive in exception groups.
     try:
-        trio.run(_serve, args)
+        dropped = trio.run(_serve, args)
     except* ConfigError as group:
         print(f"stage-runtime serve: error: {_first_leaf(group)}", file=sys.stderr)
         status = 2
     except* OSError as group:
         message = f"cannot listen on {args.bind}: {_first_leaf(group)}"
         print(f"stage-runtime serve: error: {message}", file=sys.stderr)
+        status = 1
+    if status == 0 and dropped:
+        # A forced shutdown: tell a supervisor that requests went unanswered.
+        print(
+            f"stage-runtime serve: error: a forced shutdown dropped {dropped} request(s) "
+            "before they were answered",
+            file=sys.stderr,
+        )
         status = 1
     if status == 0:
         log.info("serve_finished")

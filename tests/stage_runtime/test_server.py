@@ -751,6 +751,60 @@ async def test_client_disconnect_cancels_its_prefill_without_disturbing_others(
     assert stats["server"]["prefills"] == 1
 
 
+async def test_a_forced_stop_counts_and_logs_each_request_it_drops(
+    capture_stage_logs: LogEvents,
+) -> None:
+    """abort() cancels the requests in flight: each is logged as request_dropped and counted
+    in app.dropped (the serve command then exits 1), where a graceful stop drops none."""
+    gate = trio.Event()
+    lost: list[Exception] = []
+
+    async def held(url: str, index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as own:
+            body = {"tokens": prompt(24, offset=index), "session_id": f"s{index}"}
+            try:
+                await own.post("/v1/prefill", json=body)
+            except httpx.HTTPError as exc:  # the connection is dropped unanswered
+                lost.append(exc)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(model_factory=gated_factory(gate)) as h:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(held, h.server.url, 0)
+                nursery.start_soon(held, h.server.url, 1)
+                await h.pipeline.wait_until(lambda p: p.entered == 2)
+                h.server.abort()
+                await h.server.wait_stopped()
+            app = h.server.app
+            gate.set()
+    assert len(lost) == 2
+    assert app.dropped == 2
+    dropped = [e for e in capture_stage_logs if e["event"] == "request_dropped"]
+    assert [(e["method"], e["path"], e["log_level"]) for e in dropped] == [
+        ("POST", "/v1/prefill", "warning")
+    ] * 2
+
+
+def test_the_serve_command_exits_1_when_a_forced_shutdown_dropped_requests(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A supervisor can tell a forced stop that lost requests from a clean one."""
+    from stage_runtime.server import command
+
+    async def served(args: argparse.Namespace) -> int:
+        return 3
+
+    monkeypatch.setattr(command, "_serve", served)
+    monkeypatch.setattr(command, "configure_logging", lambda **kwargs: None)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert run_serve(parser.parse_args(["--topology", "t.toml"])) == 1
+    assert capsys.readouterr().err == (
+        "stage-runtime serve: error: a forced shutdown dropped 3 request(s) before they were "
+        "answered\n"
+    )
+
+
 async def test_graceful_shutdown_drains_inflight_requests_then_stops_pipeline() -> None:
     """Draining fails readiness and refuses new work; in-flight requests all complete."""
     gate = trio.Event()
