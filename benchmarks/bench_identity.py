@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 import numpy as np
@@ -49,6 +49,7 @@ BYTES_PER_TOKEN = 8192
 RESTORE_SIZES = (2048, 131072)
 IDENTITY_GOAL = 1.5  # issue 2: all candidates must cost under 1.5x hashing the tokens once
 RESTORE_GOAL = 2.0  # "about the same" read as at most twice the 2,048-token restore
+_T = TypeVar("_T")
 NAIVE_MAX = 32768  # one pass per candidate is quadratic; skip it above this size
 
 
@@ -81,6 +82,26 @@ def _median_seconds(fn: Callable[[], object], repeat: int, budget_s: float = 0.0
         start = time.perf_counter()
         for _ in range(loops):
             fn()
+        samples.append((time.perf_counter() - start) / loops)
+    return statistics.median(samples)
+
+
+def _median_seconds_each(
+    setup: Callable[[], _T], fn: Callable[[_T], object], repeat: int, budget_s: float = 0.02
+) -> float:
+    """Like :func:`_median_seconds`, for calls that each need a fresh ``setup()`` (untimed)."""
+    fn(setup())  # warm up
+    state = setup()
+    start = time.perf_counter()
+    fn(state)
+    once = max(time.perf_counter() - start, 1e-7)
+    loops = max(1, int(budget_s / once))
+    samples = []
+    for _ in range(repeat):
+        states = [setup() for _ in range(loops)]
+        start = time.perf_counter()
+        for state in states:
+            fn(state)
         samples.append((time.perf_counter() - start) / loops)
     return statistics.median(samples)
 
@@ -192,10 +213,12 @@ def _restore_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
 
 
 def _prefill_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
-    """One stage's cache work for a prompt extending a cached one: restore, then record."""
+    """One stage's cache work for a prompt extending a cached one: restore, then record.
+
+    Every timed call gets a cache of its own holding only the earlier, 17-token shorter prompt
+    (built untimed): reusing one cache would make every call after the first an exact repeat
+    of the prompt the previous call recorded, which restores whole and records nothing new."""
     base = MessageBase(session_id="bench", chat_template_id="ns")
-    kv = KvStageIntegration.from_config(config, environ={})
-    assert kv is not None
     rng = np.random.default_rng(n)
     prompt = rng.integers(0, 150_000, size=n, dtype=np.int32)
     earlier = prompt[: n - 17]
@@ -203,15 +226,23 @@ def _prefill_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
         size: ActivationFrame.virtual(token_count=size, bytes_per_token=BYTES_PER_TOKEN)
         for size in (n, n - 17)
     }
-    kv.record_resident_activation(config, base, 0, earlier, 4096, frame_of[n - 17])
+    grid = config.kv_cache.shared_prefix_stride_tokens if config.kv_cache else 1
+    expected_hit = (n - 17) // grid * grid  # the longest recorded rung below the earlier prompt
 
-    def prefill() -> None:
-        kv._memo = None  # a prompt this stage has not hashed yet
+    def seeded() -> KvStageIntegration:
+        kv = KvStageIntegration.from_config(config, environ={})
+        assert kv is not None
+        kv.record_resident_activation(config, base, 0, earlier, 4096, frame_of[n - 17])
+        kv._memo = None  # the prompt arrives later: this stage has not hashed it yet
+        return kv
+
+    def prefill(kv: KvStageIntegration) -> None:
         hit = kv.restore_resident_activation(config, base, 0, prompt, 4096)
         assert hit is not None
+        assert hit.token_count == expected_hit, (hit.token_count, expected_hit)
         kv.record_resident_activation(config, base, 0, prompt, 4096, frame_of[n])
 
-    work = _median_seconds(prefill, repeat)
+    work = _median_seconds_each(seeded, prefill, repeat)
     once = _median_seconds(lambda: prefix_hash(config, 0, prompt, "ns"), repeat)
     return {
         "tokens": n,
@@ -256,6 +287,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "restore": restores,
         "prefill_hot_path": prefills,
         "restore_large_over_small": large["restore_s"] / small["restore_s"],
+        # Not the goal's figure, reported next to it: with the identity pass (hashing the
+        # prompt's candidate lengths, which grows with the tokens: the identity goal's subject).
+        "restore_with_identity_pass_large_over_small": large["restore_with_identity_pass_s"]
+        / small["restore_with_identity_pass_s"],
         # Issue 2 asks for all-candidates / hash-once under 1.5; recorded, not asserted.
         "ratio_target": 1.5,
         "ratio_target_met": all(r["ratio"] < 1.5 for r in identities),
@@ -271,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             for r in identities
         ),
         {
-            "name": f"restore {large['tokens']:,} / {small['tokens']:,} tokens (8,192 B/token)",
+            "name": f"restore {large['tokens']:,} / {small['tokens']:,} tokens (8,192 B/token; "
+            "identities already computed)",
             "target": f"about the same: <= {RESTORE_GOAL}x, payload not copied",
             "measured": round(large["restore_s"] / small["restore_s"], 2),
             "met": large["restore_s"] / small["restore_s"] <= RESTORE_GOAL
@@ -309,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
     print(
         f"restore {large['tokens']} / {small['tokens']}: {result['restore_large_over_small']:.2f}x"
+        " (identities computed); with the identity pass "
+        f"{result['restore_with_identity_pass_large_over_small']:.2f}x"
     )
 
     print()

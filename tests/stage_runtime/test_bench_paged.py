@@ -60,6 +60,9 @@ def test_bench_paged_writes_json_and_a_plot(tmp_path: Path) -> None:
     assert set(goals["replay_wall_paged_within_1_5x_of_ladder"]["per_capacity"]) == {"1024", "0"}
     assert document["all_required_goals_met"] is False  # the bounded goal was not measured
     assert "ladder vs paged" in done.stdout
+    # A small trace is not the one the block-LRU figures are for: they are not used at all.
+    assert document["block_lru_reference"] == {}
+    assert "its goals are not run" in done.stdout
 
 
 def _bench() -> ModuleType:
@@ -122,3 +125,11 @@ def test_goals_record_whether_each_target_is_met() -> None:
         "replay_wall_paged_within_1_5x_of_ladder": False,
     }
     assert [goal["required"] for goal in bad.values()] == [True, True, False, True, True]
+
+
+def test_block_lru_goals_are_not_run_without_their_reference() -> None:
+    """On another workload (another trace, --limit-requests) there is no block-LRU figure to
+    compare with: that goal is not run rather than judged against the full trace's numbers."""
+    goals = _bench().evaluate_goals(_results(), [3_000_000, 0], 0.651, references={})
+    assert goals["bounded_paged_at_least_block_lru"]["met"] is None
+    assert goals["stretch_reuse_eviction_beats_lru_3000000"]["block_lru_reference"] is None
