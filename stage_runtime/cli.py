@@ -521,22 +521,18 @@ def _check_prompt_lengths(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
 
 
-PAGED_DEFAULT_MAX_ENTRIES = 1_000_000
-"""``--max-entries`` default with ``--index paged``: pages are entries, bytes do the bounding."""
-
-
 def _sim_config(args: argparse.Namespace) -> SimConfig:
     from stage_runtime.sim import CostModel, SimConfig
 
+    # Unset, --max-entries is SimConfig's default for the index (64, or 1,000,000 pages).
+    entries = {} if args.max_entries is None else {"max_entries": args.max_entries}
     return SimConfig(
+        **entries,
         stages=args.stages,
         block_size=args.block_size,
         min_tokens=args.min_tokens,
         stride_tokens=args.stride,
         record_limit=args.record_limit,
-        max_entries=args.max_entries
-        if args.max_entries is not None
-        else (PAGED_DEFAULT_MAX_ENTRIES if args.index == "paged" else 64),
         index=args.index,
         page_tokens=args.page_tokens,
         page_eviction=args.page_eviction or "lru",

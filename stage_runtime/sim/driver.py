@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import numpy as np
@@ -43,6 +43,7 @@ __all__ = [
     "MAX_CACHE_BYTES",
     "MAX_STAGES",
     "MIN_BLOCK_SIZE",
+    "PAGED_MAX_ENTRIES",
     "ReplayResult",
     "RequestOutcome",
     "SimConfig",
@@ -125,6 +126,11 @@ def _eviction(instance: object, attribute: attrs.Attribute[Any], value: object) 
         raise ConfigError(msg)
 
 
+PAGED_MAX_ENTRIES: Final = 1_000_000
+"""Default :attr:`SimConfig.max_entries` with ``index="paged"``: every page is an entry, so
+the ladder's 64 would hold 64 pages (32K tokens at 512 per page)."""
+
+
 @attrs.frozen(kw_only=True)
 class SimConfig:
     """Everything a replay depends on besides the requests (the CLI's flags)."""
@@ -143,9 +149,6 @@ class SimConfig:
 
     record_limit: int = attrs.field(default=2, validator=_at_least(0))
     """Prefix lengths one record stores (``0``: every grid length)."""
-
-    max_entries: int = attrs.field(default=64, validator=_at_least(1))
-    """Entries per stage cache."""
 
     capacity_tokens: int = attrs.field(default=0, validator=_at_least(0))
     """Per-stage cache capacity in tokens (``max_bytes = capacity * bytes_per_token``; 0: none)."""
@@ -170,6 +173,17 @@ class SimConfig:
 
     index: CacheIndex = attrs.field(default=CacheIndex.LADDER, converter=_to_index)
     """Cache index: ``ladder`` (upstream) or ``paged`` (shared pages)."""
+
+    max_entries: int = attrs.field(
+        default=attrs.Factory(
+            lambda self: PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64,
+            takes_self=True,
+        ),
+        validator=_at_least(1),
+    )
+    """Entries per stage cache; by default 64 with the ladder (the upstream's default) and
+    :data:`PAGED_MAX_ENTRIES` with pages, where every page is an entry and the capacity
+    (``capacity_tokens``) does the bounding."""
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
     """Tokens per page in paged mode; ``None``: the stride."""
@@ -555,7 +569,12 @@ async def replay(
     wall_start = time.perf_counter()
     # Channels as deep as the concurrency: a stage never waits for room downstream, so the
     # stages behave as FIFO queues with unbounded buffers, the model the uncached TTFT uses.
-    async with open_pipeline(configs, factory, channel_size=max(4, config.concurrency)) as pipeline:
+    # environ={}: a simulation is what its SimConfig says. The STAGE_RUNTIME_KV_CACHE* variables
+    # (the kill switch, bounds) are for stages serving traffic; read here, they would silently
+    # turn a what-if into something else (the kill switch made every replay restore 0%).
+    async with open_pipeline(
+        configs, factory, channel_size=max(4, config.concurrency), environ={}
+    ) as pipeline:
         clock_start = trio.current_time()
         if config.concurrency == 1:
             for request in requests:

@@ -19,6 +19,7 @@ import trio
 
 from stage_runtime import ConfigError
 from stage_runtime.sim import (
+    PAGED_MAX_ENTRIES,
     CostModel,
     SimConfig,
     SimRequest,
@@ -341,3 +342,23 @@ def test_paged_records_count_the_prompts_that_stored_pages() -> None:
     result = run_replay(trace, config)
     assert [stage.records for stage in result.stages] == [1, 1]
     assert [stage.restored_tokens for stage in result.stages] == [128, 128]
+
+
+def test_the_environment_does_not_change_a_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache kill switch and bounds in the environment are for serving stages: a replay is
+    what its SimConfig says (it used to restore 0% under STAGE_RUNTIME_KV_CACHE=off)."""
+    trace = [SimRequest(index=i, input_length=64, block_ids=(1, 2, 3, 4)) for i in range(2)]
+    config = SimConfig(stages=2, block_size=16, bytes_per_token=2)
+    expected = run_replay(trace, config).restored_tokens
+    assert expected > 0
+    monkeypatch.setenv("STAGE_RUNTIME_KV_CACHE", "off")
+    monkeypatch.setenv("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "1")
+    assert run_replay(trace, config).restored_tokens == expected
+
+
+def test_the_paged_index_defaults_to_a_page_count_bound_not_the_ladders_64() -> None:
+    """SimConfig gives --index paged the same default as the command line: every page is an
+    entry, so 64 would hold 64 pages; unset, max_entries is PAGED_MAX_ENTRIES."""
+    assert SimConfig().max_entries == 64
+    assert SimConfig(index="paged").max_entries == PAGED_MAX_ENTRIES == 1_000_000
+    assert SimConfig(index="paged", max_entries=5).max_entries == 5
