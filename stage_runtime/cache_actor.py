@@ -43,6 +43,7 @@ from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
+from stage_runtime.index_modes import PagedActivationRestore, PagedStageIntegration
 from stage_runtime.integration import (
     KvStageIntegration,
     ResidentActivationRecord,
@@ -83,6 +84,12 @@ class RestoreActivation:
 
     token_start: int = 0
     """Position of ``tokens[0]`` in the sequence (0 for a prefill)."""
+
+    pages: bool = False
+    """With a paged index, reply with the hit page by page (a
+    :class:`~stage_runtime.index_modes.PagedActivationRestore`: views, nothing joined) instead
+    of one assembled frame, so the caller can join them off the event loop. No effect with the
+    ladder."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -194,14 +201,25 @@ class CacheActor(Actor[CacheMessage, Any]):
         )
         raise ConfigError(msg)
 
-    def _restore(self, message: RestoreActivation) -> ResidentActivationRestore | None:
+    def _restore(
+        self, message: RestoreActivation
+    ) -> ResidentActivationRestore | PagedActivationRestore | None:
         tokens, start, width = _check_common(message)
+        if not isinstance(message.pages, bool):
+            msg = f"pages must be a bool, got {message.pages!r}"
+            raise ConfigError(msg)
         integration = self._integration
         if integration is None or not integration.should_lookup() or tokens.size == 0:
             return None
-        restore = integration.restore_resident_activation(
-            self._config, message.base, start, tokens, width
-        )
+        restore: ResidentActivationRestore | PagedActivationRestore | None
+        if message.pages and isinstance(integration, PagedStageIntegration):
+            restore = integration.restore_resident_pages(
+                self._config, message.base, start, tokens, width
+            )
+        else:
+            restore = integration.restore_resident_activation(
+                self._config, message.base, start, tokens, width
+            )
         requested = int(tokens.size)
         if restore is None:
             log.debug(

@@ -378,6 +378,17 @@ class PagedRestore:
             yield start, page
             start += count
 
+    def copy_bytes(self) -> int:
+        """Bytes :meth:`payload` copies: none for one page or for virtual pages of one fill
+        value, else the whole prefix."""
+        if len(self.pages) == 1 or self._virtual_fill():
+            return 0
+        return self.payload_bytes
+
+    def _virtual_fill(self) -> bool:
+        pages = self.pages
+        return all(_is_virtual(p) for p in pages) and len({int(p[0]) for p in pages}) == 1
+
     def payload(self) -> Payload:
         """The whole prefix as one read-only 1-D ``uint8`` array (at most one copy).
 
@@ -387,11 +398,9 @@ class PagedRestore:
         if len(self.pages) == 1:
             return self.pages[0]
         total = self.payload_bytes
-        if all(_is_virtual(p) for p in self.pages):
-            fill = {int(p[0]) for p in self.pages}
-            if len(fill) == 1:
-                out: Payload = np.broadcast_to(self.pages[0][:1], (total,))
-                return out
+        if self._virtual_fill():
+            out: Payload = np.broadcast_to(self.pages[0][:1], (total,))
+            return out
         joined = np.concatenate(self.pages)
         joined.flags.writeable = False
         return joined

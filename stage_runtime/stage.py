@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final, TypeVarTuple
 
 import attrs
 import numpy as np
@@ -53,8 +53,27 @@ from stage_runtime.cache_actor import (
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError, StageFailedError, sole_exception
 from stage_runtime.frames import ActivationFrame
+from stage_runtime.index_modes import PagedActivationRestore
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
+
+_Args = TypeVarTuple("_Args")
+
+COPY_IN_THREAD_BYTES: Final = 16 << 20
+"""Joining restored rows with computed ones copies them; from this many bytes on the copy runs
+in a worker thread (a 12K-token prefix at width 4,096 is 192 MiB: hundreds of ms on the event
+loop, which would stall every other task)."""
+
+
+async def _copying(
+    work: Callable[[*_Args], ActivationFrame], *args: *_Args, nbytes: int
+) -> ActivationFrame:
+    """``work(*args)``, which copies about ``nbytes``: inline when small, else in a worker
+    thread (abandoned if the caller is cancelled: the copy has no other effect)."""
+    if nbytes < COPY_IN_THREAD_BYTES:
+        return work(*args)
+    return await trio.to_thread.run_sync(work, *args, abandon_on_cancel=True)
+
 
 # Stage and PrefillRequest are the pipeline's internals (open_pipeline builds and feeds them);
 # only the reports are public, re-exported from the package.
@@ -303,10 +322,12 @@ class Stage:
             request._scope = scope
             if base is not None and self._lookup:
                 hit = await cache.ask(
-                    RestoreActivation(base=base, tokens=tokens, activation_width=width)
+                    RestoreActivation(base=base, tokens=tokens, activation_width=width, pages=True)
                 )
-                if hit is not None:
-                    restored = hit.frame
+                if isinstance(hit, PagedActivationRestore):  # pages: join them (maybe a copy)
+                    restored = await _copying(hit.frame, nbytes=hit.source.copy_bytes())
+                elif hit is not None:
+                    restored = hit.frame  # a view of the cached frame
             k = 0 if restored is None else restored.token_count
             # A model error is that caller's error. Raised in a group with a Cancelled (the
             # model's own nursery interrupted), the Cancelled goes on to its cancel scope.
@@ -416,7 +437,11 @@ class Stage:
                 f"{suffix.desc.dtype.name} values wide, got {width:g}"
             )
             raise FrameError(msg)
-        return suffix if restored is None else ActivationFrame.concat(restored, suffix)
+        if restored is None:
+            return suffix
+        both = restored.payload_bytes + suffix.payload_bytes
+        copied = 0 if restored.is_virtual and suffix.is_virtual else both
+        return await _copying(ActivationFrame.concat, restored, suffix, nbytes=copied)
 
     def _message_base(self, request: PrefillRequest) -> MessageBase:
         config = self.config

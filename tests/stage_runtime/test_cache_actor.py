@@ -530,3 +530,27 @@ def test_messages_are_frozen() -> None:
     for message in messages:
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             message.token_start = 1
+
+
+async def test_a_paged_restore_can_be_asked_for_page_by_page() -> None:
+    """RestoreActivation(pages=True) replies with the pages (views, nothing joined) where the
+    index is paged, and the assembled frame otherwise; a non-bool is refused by name."""
+    from stage_runtime.index_modes import PagedActivationRestore
+
+    config = seed_config(index="paged", min_tokens=8, stride=8)  # pages of 8 tokens
+    tokens = np.arange(32, dtype=np.int32)
+    frame = ActivationFrame.from_array(np.ones((32, 4), np.float32))
+    base = MessageBase()
+    async with open_actor(CacheActor(config, environ={}), name="cache") as ref:
+        await ref.ask(RecordActivation(base=base, tokens=tokens, activation_width=4, frame=frame))
+        pages = await ref.ask(
+            RestoreActivation(base=base, tokens=tokens, activation_width=4, pages=True)
+        )
+        whole = await ref.ask(RestoreActivation(base=base, tokens=tokens, activation_width=4))
+        with pytest.raises(ConfigError, match="pages must be a bool, got 'yes'"):
+            await ref.ask(
+                RestoreActivation(base=base, tokens=tokens, activation_width=4, pages="yes")  # type: ignore[arg-type]
+            )
+    assert isinstance(pages, PagedActivationRestore)
+    assert len(pages.pages()) == 4
+    assert whole.frame.same_content(pages.frame())
