@@ -229,10 +229,7 @@ class _Cell:
                     _log_hook_failure(hook, exc)
                 if window is None:
                     raise
-                if self._nothing_left_to_serve():
-                    # Crashed while stopping: a rebuilt actor would have nothing to do.
-                    self.drained = self.drain
-                    return
+                stopping = self._nothing_left_to_serve()
                 if not window.record(trio.current_time()):
                     policy = window.policy
                     log.error(
@@ -248,6 +245,11 @@ class _Cell:
                         f"{policy.within_s}s, max_restarts={policy.max_restarts}"
                     )
                     raise RestartLimitError(msg) from exc
+                if stopping:
+                    # Crashed while stopping (within the limit): a rebuilt actor would have
+                    # nothing to do, so none is built and no restart is announced.
+                    self.drained = self.drain
+                    return
                 log.warning(
                     "actor_restarted",
                     attempt=window.attempt,

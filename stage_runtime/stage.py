@@ -69,10 +69,12 @@ async def _copying(
     work: Callable[[*_Args], ActivationFrame], *args: *_Args, nbytes: int
 ) -> ActivationFrame:
     """``work(*args)``, which copies about ``nbytes``: inline when small, else in a worker
-    thread (abandoned if the caller is cancelled: the copy has no other effect)."""
+    thread. A cancelled stage waits for the copy (tens of ms) rather than abandoning it: a
+    stage then never has more than one copy running, where abandoned ones would pile up,
+    each holding its memory and a worker thread."""
     if nbytes < COPY_IN_THREAD_BYTES:
         return work(*args)
-    return await trio.to_thread.run_sync(work, *args, abandon_on_cancel=True)
+    return await trio.to_thread.run_sync(work, *args)
 
 
 # Stage and PrefillRequest are the pipeline's internals (open_pipeline builds and feeds them);

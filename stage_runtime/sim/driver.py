@@ -82,7 +82,8 @@ ProgressCallback = Callable[[int], None]
 def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
     def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            msg = f"{attribute.name} must be an integer >= {minimum}, got {value!r}"
+            name = attribute.alias or attribute.name  # the keyword the caller used
+            msg = f"{name} must be an integer >= {minimum}, got {value!r}"
             raise ConfigError(msg)
 
     return check
@@ -174,16 +175,20 @@ class SimConfig:
     index: CacheIndex = attrs.field(default=CacheIndex.LADDER, converter=_to_index)
     """Cache index: ``ladder`` (upstream) or ``paged`` (shared pages)."""
 
-    max_entries: int = attrs.field(
-        default=attrs.Factory(
-            lambda self: PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64,
-            takes_self=True,
-        ),
-        validator=_at_least(1),
+    _max_entries: int | None = attrs.field(
+        default=None, alias="max_entries", validator=_optional_at_least(1)
     )
-    """Entries per stage cache; by default 64 with the ladder (the upstream's default) and
-    :data:`PAGED_MAX_ENTRIES` with pages, where every page is an entry and the capacity
-    (``capacity_tokens``) does the bounding."""
+    """``max_entries`` as given (None: the index's default; kept as None so that
+    ``attrs.evolve(config, index=...)`` gets the new index's default)."""
+
+    @property
+    def max_entries(self) -> int:
+        """Entries per stage cache; by default 64 with the ladder (the upstream's default) and
+        :data:`PAGED_MAX_ENTRIES` with pages, where every page is an entry and the capacity
+        (``capacity_tokens``) does the bounding."""
+        if self._max_entries is not None:
+            return self._max_entries
+        return PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
     """Tokens per page in paged mode; ``None``: the stride."""

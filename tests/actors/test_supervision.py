@@ -194,6 +194,20 @@ async def test_a_crash_while_stopping_is_not_a_restart(
     assert len(events_named(logs, "actor_message_failed")) == 1
 
 
+async def test_a_crash_while_stopping_still_counts_toward_the_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Stopping does not exempt a crash from the policy: with max_restarts=0 ("give up at
+    once") a crash while stopping raises RestartLimitError as it would at any other time."""
+    policy = RestartPolicy(max_restarts=0, within_s=60)
+    with pytest.RaisesGroup(RestartLimitError):
+        async with trio.open_nursery() as nursery:
+            ref = await spawn(nursery, Built(), name="ledger", restart=policy)
+            ref.tell_nowait("slow crash")
+            await trio.sleep(0.5)
+            await ref.stop(drain=True)
+
+
 def test_a_factory_that_returns_no_actor_is_named() -> None:
     """A factory returning something else fails with a TypeError naming the actor."""
 

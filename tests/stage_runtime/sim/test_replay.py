@@ -14,6 +14,7 @@ restore 32 + 16 + (16 + 4) = 68.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 
@@ -362,3 +363,9 @@ def test_the_paged_index_defaults_to_a_page_count_bound_not_the_ladders_64() -> 
     assert SimConfig().max_entries == 64
     assert SimConfig(index="paged").max_entries == PAGED_MAX_ENTRIES == 1_000_000
     assert SimConfig(index="paged", max_entries=5).max_entries == 5
+    # A copy with another index gets that index's default, unless max_entries was given.
+    assert attrs.evolve(SimConfig(), index="paged").max_entries == PAGED_MAX_ENTRIES
+    assert attrs.evolve(SimConfig(index="paged"), index="ladder").max_entries == 64
+    assert attrs.evolve(SimConfig(max_entries=7), index="paged").max_entries == 7
+    with pytest.raises(ConfigError, match=r"^max_entries must be an integer >= 1, got 0$"):
+        SimConfig(max_entries=0)
