@@ -125,15 +125,18 @@ async def test_user_logs_inside_handle_are_tagged_with_actor(
     assert "actor" not in caller
 
 
+@attrs.define(eq=False)
+class Sluggish(Actor[int, None]):
+    """Takes 0.1 s (virtual) per message."""
+
+    async def handle(self, message: int) -> None:
+        await trio.sleep(0.1)
+
+
 async def test_mailbox_full_warning_is_rate_limited(
     actor_logs: list[LogEvent], autojump_clock: trio.testing.MockClock
 ) -> None:
     """A tell that must wait logs actor_mailbox_full at most once a second, counting the rest."""
-
-    @attrs.define(eq=False)
-    class Sluggish(Actor[int, None]):
-        async def handle(self, message: int) -> None:
-            await trio.sleep(0.1)
 
     async with open_actor(Sluggish, name="slug", mailbox_size=1) as ref:
         for i in range(30):  # 3 s of work; nearly every tell has to wait
@@ -154,11 +157,6 @@ async def test_a_rendezvous_mailbox_never_warns_that_it_is_full(
     actor_logs: list[LogEvent], autojump_clock: trio.testing.MockClock
 ) -> None:
     """With mailbox_size 0 every tell waits for the actor by design: no actor_mailbox_full."""
-
-    @attrs.define(eq=False)
-    class Sluggish(Actor[int, None]):
-        async def handle(self, message: int) -> None:
-            await trio.sleep(0.1)
 
     async with open_actor(Sluggish, name="slug", mailbox_size=0) as ref:
         for i in range(30):
