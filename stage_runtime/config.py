@@ -565,12 +565,17 @@ class StageConfig:
         source = os.fspath(path)
         text = _read_text(source)
         try:
-            document = json.loads(text)
+            document = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKeyError as exc:
+            raise _duplicate_key(text, source, exc.key) from None
         except json.JSONDecodeError as exc:
             msg = f"{source}: invalid JSON: {exc}"
             raise ConfigError(msg) from exc
         except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
             raise _unreadable_number(text, source, exc) from None
+        except RecursionError:
+            msg = f"{source}: invalid JSON: arrays or objects nested too deeply"
+            raise ConfigError(msg) from None
         if not isinstance(document, dict):
             msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
             raise ConfigError(msg)
@@ -656,6 +661,30 @@ def _unreadable_number(text: str, source: str, exc: ValueError) -> ConfigError:
     return ConfigError(f"{source}: line {line}: integer of {digits} digits is out of range")
 
 
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a repeated key (json keeps the last one silently, where TOML
+    refuses it: a repeated ``kv_cache`` would drop the first block's settings)."""
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateKeyError(key)
+        document[key] = value
+    return document
+
+
+def _duplicate_key(text: str, source: str, key: str) -> ConfigError:
+    """The error for a key a JSON object repeats, with the line of its second occurrence."""
+    found = list(re.finditer(rf'"{re.escape(json.dumps(key)[1:-1])}"\s*:', text))
+    where = f"line {text.count(chr(10), 0, found[1].start()) + 1}: " if len(found) > 1 else ""
+    return ConfigError(f"{source}: {where}key {key!r} appears twice in one object")
+
+
 def _parse_toml(text: str, *, source: str) -> dict[str, Any]:
     """Parse TOML ``text`` read from ``source``; a ConfigError names the file and the line."""
     try:
@@ -665,6 +694,9 @@ def _parse_toml(text: str, *, source: str) -> dict[str, Any]:
         raise ConfigError(msg) from exc
     except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
         raise _unreadable_number(text, source, exc) from None
+    except RecursionError:
+        msg = f"{source}: invalid TOML: arrays or tables nested too deeply"
+        raise ConfigError(msg) from None
 
 
 def _read_text(source: str) -> str:

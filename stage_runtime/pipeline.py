@@ -42,6 +42,7 @@ from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator
 from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
+from stage_runtime.integration import KvStageIntegration
 from stage_runtime.models import ModelFactory
 from stage_runtime.stage import PrefillRequest, Stage, StagePrefillReport, StageStats
 
@@ -282,8 +283,9 @@ async def open_pipeline(
         The running :class:`Pipeline`. Leaving the block drains it (see the module docstring).
 
     Raises:
-        ConfigError: the topology is invalid (names the stage and field), ``model_factory`` is
-            not callable, or ``channel_size``/``mailbox_size`` is not an integer >= 0.
+        ConfigError: the topology is invalid (names the stage and field), an environment
+            variable for the cache is (names it), ``model_factory`` is not callable, or
+            ``channel_size``/``mailbox_size`` is not an integer >= 0.
         ExceptionGroup: holding :class:`~stage_runtime.errors.StageFailedError` when a stage
             crashed.
     """
@@ -299,6 +301,10 @@ async def open_pipeline(
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             msg = f"{name} must be an integer >= 0, got {value!r}"
             raise ConfigError(msg)
+    for config in configs:
+        # Resolved now, not when each stage builds its cache: a bad STAGE_RUNTIME_KV_CACHE_*
+        # variable is then a ConfigError here, not a stage failure inside an exception group.
+        KvStageIntegration.from_config(config, environ=environ)
     channels = [trio.open_memory_channel[PrefillRequest](channel_size) for _ in configs]
     runners = tuple(
         Stage(

@@ -116,6 +116,33 @@ def test_stage_config_requires_identity_fields() -> None:
         StageConfig.from_mapping({"stage_id": "s", "layer_start": 0, "layer_end": 1})
 
 
+def test_a_json_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """JSON keeps the last of two equal keys silently (TOML refuses them): a second kv_cache
+    object would drop the first one's mode and leave the cache off. Refused, with the line."""
+    path = tmp_path / "dup.json"
+    path.write_text(
+        '{"stage_id": "a", "model_id": "m", "layer_start": 0, "layer_end": 4,\n'
+        '"kv_cache": {"mode": "record"},\n"kv_cache": {"max_entries": 3}}'
+    )
+    with pytest.raises(ConfigError, match=r"dup\.json: line 3: key 'kv_cache' appears twice"):
+        StageConfig.load(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.toml", 'stage_id = "a"\nmodel_id = ' + "[" * 600 + "]" * 600 + "\n"),
+        ("deep.json", '{"model_id": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    ],
+)
+def test_values_nested_too_deeply_are_config_errors(tmp_path: Path, name: str, text: str) -> None:
+    """The parsers recurse per level: a deep value is a ConfigError, not a RecursionError."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        StageConfig.load(path)
+
+
 def test_load_toml_and_json_agree(tmp_path: Path) -> None:
     """The same stage written as TOML and JSON loads to equal configs."""
     toml = tmp_path / "stage.toml"

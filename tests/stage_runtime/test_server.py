@@ -1265,6 +1265,28 @@ def test_serve_command_exits_2_on_a_bad_topology(
 
 
 @pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_2_on_a_bad_cache_environment_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage without a kv_cache block takes the environment's settings; a bad one is a
+    usage error in one line (it was a stage failure: a traceback and exit 1)."""
+    topology = tmp_path / "nokv.toml"
+    topology.write_text(
+        '[[stage]]\nstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+    )
+    monkeypatch.setenv("STAGE_RUNTIME_KV_CACHE", "on")
+    monkeypatch.setenv("STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES", "abc")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    status = run_serve(parser.parse_args(["--topology", str(topology), "--log-format", "json"]))
+    assert status == 2
+    assert capsys.readouterr().err == (
+        "stage-runtime serve: error: STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES must be an integer, "
+        "got 'abc'\n"
+    )
+
+
+@pytest.mark.usefixtures("restore_logging_config")
 def test_serve_command_exits_1_when_the_address_is_taken(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
