@@ -707,8 +707,12 @@ def _read_text(source: str) -> str:
     except OSError as exc:
         msg = f"{source}: cannot read config file: {exc.strerror}"
         raise ConfigError(msg) from exc
+    except ValueError as exc:  # a NUL byte in the path
+        msg = f"{source!r}: cannot read config file: {exc}"
+        raise ConfigError(msg) from exc
     try:
-        return data.decode("utf-8")
+        # utf-8-sig: a byte-order mark some editors write is not part of the document.
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         msg = f"{source}: line {line}: config file must be UTF-8, got byte {data[exc.start]:#04x}"

@@ -383,6 +383,26 @@ def _validate_topology(
                 f"layer_start must equal the previous stage's layer_end "
                 f"{stages[position - 1].layer_end}, got {config.layer_start}",
             )
+    # Frames go from each stage to the next in list order; peers naming other stages would
+    # describe a pipeline this one is not (the first stage's upstream and the last one's
+    # downstream are outside the pipeline: free).
+    for position, config in enumerate(stages):
+        if position and config.upstream is not None:
+            previous = stages[position - 1].stage_id
+            if config.upstream != previous:
+                fail(
+                    position,
+                    "upstream",
+                    f"upstream must be the previous stage {previous!r}, got {config.upstream!r}",
+                )
+        if position + 1 < len(stages) and config.downstream is not None:
+            following = stages[position + 1].stage_id
+            if config.downstream != following:
+                fail(
+                    position,
+                    "downstream",
+                    f"downstream must be the next stage {following!r}, got {config.downstream!r}",
+                )
 
 
 def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
@@ -422,8 +442,11 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     except OSError as exc:
         msg = f"{source}: cannot read topology file: {exc.strerror or exc}"
         raise ConfigError(msg) from exc
+    except ValueError as exc:  # a NUL byte in the path
+        msg = f"{source!r}: cannot read topology file: {exc}"
+        raise ConfigError(msg) from exc
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the file
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         msg = f"{source}: line {line}: topology file must be UTF-8, got byte {data[exc.start]:#04x}"

@@ -857,6 +857,17 @@ max_entries = 1
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = ' + "9" * 4400 + "\n",
             r"topology.toml: line 6: integer of 4400 digits is out of range",
         ),
+        (  # peers must be the neighbours: frames go from each stage to the next
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\nupstream = "x"\n',
+            r"topology.toml: line 11: stage 'b': upstream must be the previous stage 'a', "
+            r"got 'x'",
+        ),
+        (
+            '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\ndownstream = "c"\n'
+            '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
+            r"topology.toml: line 7: stage 'a': downstream must be the next stage 'b', got 'c'",
+        ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
         ("[stages]\n", r"topology.toml: top-level keys must be"),
     ],
@@ -867,6 +878,28 @@ def test_invalid_topology_names_file_stage_and_field(tmp_path: Path, body: str, 
     path.write_text('[defaults]\nmodel_id = "m"\n' + body if "defaults" not in body else body)
     with pytest.raises(ConfigError, match=match):
         load_topology(path)
+
+
+def test_topology_and_config_files_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """Some editors write a UTF-8 BOM: it is not part of the document."""
+    path = tmp_path / "topology.toml"
+    path.write_bytes(
+        b'\xef\xbb\xbf[[stage]]\nstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 3\n'
+    )
+    assert [stage.stage_id for stage in load_topology(path)] == ["a"]
+    single = tmp_path / "stage.toml"
+    single.write_bytes(
+        b'\xef\xbb\xbfstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 3\n'
+    )
+    assert StageConfig.load(single).stage_id == "a"
+
+
+def test_a_path_with_a_nul_byte_is_a_config_error() -> None:
+    """Not a ValueError from open(): the path is named."""
+    with pytest.raises(ConfigError, match="cannot read topology file: embedded null byte"):
+        load_topology("topo\x00.toml")
+    with pytest.raises(ConfigError, match="cannot read config file: embedded null byte"):
+        StageConfig.load("stage\x00.toml")
 
 
 def test_topology_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
