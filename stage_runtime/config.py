@@ -18,7 +18,7 @@ from typing import Any, Final, NoReturn, TypeVar
 
 import attrs
 
-from stage_runtime.errors import ConfigError
+from stage_runtime.errors import ConfigError, shown
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -113,13 +113,13 @@ def _int_in(low: int, high: int) -> Any:
 
     def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not isinstance(value, int) or isinstance(value, bool):
-            msg = f"{attribute.name} must be an integer, got {value!r}"
+            msg = f"{attribute.name} must be an integer, got {shown(value)}"
             raise ConfigError(msg)
         if value < low:
-            msg = f"{attribute.name} must be >= {low}, got {value}"
+            msg = f"{attribute.name} must be >= {low}, got {shown(value)}"
             raise ConfigError(msg)
         if value > high:
-            msg = f"{attribute.name} must be <= {high}, got {value}"
+            msg = f"{attribute.name} must be <= {high}, got {shown(value)}"
             raise ConfigError(msg)
 
     return check
@@ -127,7 +127,7 @@ def _int_in(low: int, high: int) -> Any:
 
 def _str(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, str):
-        msg = f"{attribute.name} must be a string, got {value!r}"
+        msg = f"{attribute.name} must be a string, got {shown(value)}"
         raise ConfigError(msg)
     check_text(attribute.name, value)
 
@@ -148,7 +148,7 @@ def check_text(name: str, value: str) -> None:
 def _nonempty_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     _str(instance, attribute, value)
     if not value:
-        msg = f"{attribute.name} must be a non-empty string, got {value!r}"
+        msg = f"{attribute.name} must be a non-empty string, got {shown(value)}"
         raise ConfigError(msg)
 
 
@@ -159,7 +159,7 @@ def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 def _optional_bool(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, bool):
-        msg = f"{attribute.name} must be true, false or absent, got {value!r}"
+        msg = f"{attribute.name} must be true, false or absent, got {shown(value)}"
         raise ConfigError(msg)
 
 
@@ -182,7 +182,7 @@ def _enum(kind: type[_E], name: str, value: object) -> _E:
         except ValueError:
             pass
     choices = ", ".join(repr(str(member)) for member in kind)
-    msg = f"{name} must be one of {choices}, got {value!r}"
+    msg = f"{name} must be one of {choices}, got {shown(value)}"
     raise ConfigError(msg)
 
 
@@ -215,7 +215,7 @@ def _to_kv_cache(value: object) -> KvCacheConfig | None:
         return value
     if isinstance(value, Mapping):
         return KvCacheConfig.from_mapping(value)
-    msg = f"kv_cache must be a table of cache settings or absent, got {value!r}"
+    msg = f"kv_cache must be a table of cache settings or absent, got {shown(value)}"
     raise ConfigError(msg)
 
 
@@ -249,7 +249,7 @@ def _env_get(environ: Mapping[str, str], name: str) -> str | None:
     """The variable's value; a ConfigError naming it when it is not a string."""
     raw = environ.get(name)
     if raw is not None and not isinstance(raw, str):
-        msg = f"{name} must be a string, got {raw!r}"
+        msg = f"{name} must be a string, got {shown(raw)}"
         raise ConfigError(msg)
     return raw
 
@@ -398,7 +398,7 @@ class KvCacheConfig:
             variables[field] = name
             # ASCII decimal digits only: int() would also take "1_000" and non-ASCII digits.
             if _DECIMAL.fullmatch(digits) is None:
-                msg = f"{name} must be an integer, got {raw!r}"
+                msg = f"{name} must be an integer, got {shown(raw)}"
                 raise ConfigError(msg)
             if len(digits) > _MAX_DIGITS:
                 msg = f"{name} is out of range: an integer of {len(digits)} digits"
@@ -409,7 +409,7 @@ class KvCacheConfig:
             payload = _ENV_PAYLOAD_VALUES.get(_trim(raw_payload).lower().replace("_", "-"))
             if payload is None:
                 choices = ", ".join(repr(k) for k in _ENV_PAYLOAD_VALUES if k)
-                msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {raw_payload!r}"
+                msg = f"{_ENV_PREFIX}PAYLOAD must be one of {choices}, got {shown(raw_payload)}"
                 raise ConfigError(msg)
             values["payload"] = payload
         raw_index = _env_get(env, _ENV_PREFIX + "INDEX")
@@ -749,7 +749,7 @@ def _build(
 
     if not isinstance(mapping, Mapping):
         name = prefix.rstrip(".")
-        fail(f"{name or 'config'} must be a table, got {mapping!r}", name)
+        fail(f"{name or 'config'} must be a table, got {shown(mapping)}", name)
     fields = attrs.fields_dict(cls)  # type: ignore[arg-type]
     for key in mapping:
         if key not in fields:

@@ -58,3 +58,19 @@ def sole_exception(exc: Exception) -> Exception:
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+SHOWN_CHARS = 80
+"""Longest quoted value in an error message (a bad value can be megabytes long)."""
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past int-to-str's 4,300-digit limit
+        digits = int(value.bit_length() * 0.30103) + 1 if isinstance(value, int) else 0
+        return f"an integer of about {digits:,} digits"
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 3]}... ({len(text):,} characters)"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from stage_runtime.errors import TraceFormatError
+from stage_runtime.errors import TraceFormatError, shown
 
 __all__ = [
     "SimRequest",
@@ -94,25 +94,13 @@ def _fail(path: str, line: int, field: str, rule: str) -> TraceFormatError:
     return TraceFormatError(msg, path=path, line=line, field=field)
 
 
-_SHOWN_CHARS = 80
-"""Longest quoted value in an error message (a bad line can hold megabytes)."""
-
-
-def _show(value: object) -> str:
-    """``repr(value)``, cut to a readable length."""
-    text = repr(value)
-    if len(text) <= _SHOWN_CHARS:
-        return text
-    return f"{text[: _SHOWN_CHARS - 3]}... ({len(text):,} characters)"
-
-
 def _int_at_least(record: dict[str, object], field: str, minimum: int, path: str, line: int) -> int:
     if field not in record:
         raise _fail(path, line, field, "is missing")
     value = record[field]
     # bool is an int subclass in Python, but `true` is not a length.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(path, line, field, f"must be an integer, got {_show(value)}")
+        raise _fail(path, line, field, f"must be an integer, got {shown(value)}")
     if value < minimum:
         raise _fail(path, line, field, f"must be >= {minimum}, got {value}")
     return value
@@ -175,16 +163,16 @@ def parse_trace_line(
         raise _fail(path, line, "timestamp", "is missing")
     timestamp = record["timestamp"]
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
-        raise _fail(path, line, "timestamp", f"must be a number of ms, got {_show(timestamp)}")
+        raise _fail(path, line, "timestamp", f"must be a number of ms, got {shown(timestamp)}")
     if not timestamp >= 0:  # also refuses NaN
-        raise _fail(path, line, "timestamp", f"must be >= 0, got {_show(timestamp)}")
+        raise _fail(path, line, "timestamp", f"must be >= 0, got {shown(timestamp)}")
     try:
         arrival_s = float(timestamp) / 1000.0
     except OverflowError:
         arrival_s = math.inf
     if not math.isfinite(arrival_s):
         raise _fail(
-            path, line, "timestamp", f"must be a finite number of ms, got {_show(timestamp)}"
+            path, line, "timestamp", f"must be a finite number of ms, got {shown(timestamp)}"
         )
 
     input_length = _int_at_least(record, "input_length", 1, path, line)
@@ -197,13 +185,13 @@ def parse_trace_line(
         raise _fail(path, line, "hash_ids", "is missing")
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
-        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {_show(hash_ids)}")
+        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {shown(hash_ids)}")
     for position, block_id in enumerate(hash_ids):
         if isinstance(block_id, bool) or not isinstance(block_id, int):
-            rule = f"must hold integers, got {_show(block_id)} at position {position}"
+            rule = f"must hold integers, got {shown(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
         if not _ID_MIN <= block_id <= _ID_MAX:
-            rule = f"must hold 64-bit integers, got {_show(block_id)} at position {position}"
+            rule = f"must hold 64-bit integers, got {shown(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
     if input_length > block_size * len(hash_ids):
         rule = (

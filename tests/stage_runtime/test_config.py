@@ -529,3 +529,23 @@ def test_an_environment_that_is_not_a_mapping_is_a_config_error(environ: Any) ->
         kill_switch_engaged(environ)
     with pytest.raises(ConfigError, match=pattern):
         KvStageIntegration.from_config(config, environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("x" * 300_000, "layer_end must be an integer, got 'xxxxx"),
+        ([1] * 100_000, "layer_end must be an integer, got [1, 1,"),
+        (10**5000, "layer_end must be <= 4294967295, got an integer of about 5,001 digits"),
+    ],
+    ids=["string", "list", "integer"],  # (pytest would print the values in test ids)
+)
+def test_a_huge_bad_value_is_quoted_cut_short(value: object, message: str) -> None:
+    """Errors quote at most 80 characters of a bad value (a 300 KB string made a 300 KB
+    one-line error), and an integer too long to print is described, not a ValueError."""
+    with pytest.raises(ConfigError) as caught:
+        StageConfig.from_mapping(
+            {"stage_id": "a", "model_id": "m", "layer_start": 0, "layer_end": value}
+        )
+    assert str(caught.value).startswith(message)
+    assert len(str(caught.value)) < 200
