@@ -762,7 +762,17 @@ def _build(
         if field.default is attrs.NOTHING and name not in mapping
     ]
     if missing:
-        fail(f"missing required field {prefix}{missing[0]}", "")
+        field = missing[0]
+        for key, value in mapping.items():
+            if isinstance(value, Mapping) and field in value:
+                # In TOML every key after a [table] header belongs to that table.
+                fail(
+                    f"missing required field {prefix}{field}: it is under {prefix}{key} (in "
+                    f"TOML, the keys after a table's header belong to that table: move "
+                    f"{field} above the [{key}] header)",
+                    f"{prefix}{key}.{field}",
+                )
+        fail(f"missing required field {prefix}{field}", "")
     values = dict(mapping)
     if "kv_cache" in values and isinstance(values["kv_cache"], Mapping):
         values["kv_cache"] = _build(

@@ -549,3 +549,20 @@ def test_a_huge_bad_value_is_quoted_cut_short(value: object, message: str) -> No
         )
     assert str(caught.value).startswith(message)
     assert len(str(caught.value)) < 200
+
+
+def test_a_required_field_written_under_a_table_header_is_pointed_at(tmp_path: Path) -> None:
+    """A key after [kv_cache] belongs to kv_cache: the missing field is found there and the
+    error says so, with that line (it said only 'missing required field layer_end')."""
+    path = tmp_path / "stage.toml"
+    path.write_text(
+        'stage_id = "a"\nmodel_id = "m"\nlayer_start = 0\n[kv_cache]\nmode = "record"\n'
+        "layer_end = 4\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        StageConfig.load(path)
+    assert str(caught.value) == (
+        f"{path}: line 6: missing required field layer_end: it is under kv_cache (in TOML, "
+        "the keys after a table's header belong to that table: move layer_end above the "
+        "[kv_cache] header)"
+    )
