@@ -803,7 +803,8 @@ def _toml_key(key: str) -> list[str]:
 
 
 def _toml_key_lines(text: str) -> list[tuple[int, _KeyPath, str]]:
-    """``(line number, full key path, line)`` of each ``key = value`` line of TOML ``text``.
+    """``(line number, full key path, line)`` of each ``key = value`` line and each table
+    header of TOML ``text``.
 
     A path counts the elements of arrays of tables: the ``layer_end`` of the second
     ``[[stage]]`` is ``("stage", 1, "layer_end")``, and a ``[stage.kv_cache]`` table belongs to
@@ -825,6 +826,7 @@ def _toml_key_lines(text: str) -> list[tuple[int, _KeyPath, str]]:
                 if index is not None:
                     path.append(index)
             table = tuple(path)
+            out.append((number, table, line))  # the table itself (an unknown [table] is here)
             continue
         key = _TOML_KEY.match(line)
         if key is not None:

@@ -566,3 +566,20 @@ def test_a_required_field_written_under_a_table_header_is_pointed_at(tmp_path: P
         "the keys after a table's header belong to that table: move layer_end above the "
         "[kv_cache] header)"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[foo]\nx = 1\n", "line 5: unknown field foo "),
+        ('[kv_cache]\nmode = "record"\n[kv_cache.extra]\nx = 1\n', "line 7: unknown field "),
+    ],
+)
+def test_an_unknown_table_is_named_with_its_header_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """An unknown table header is located like an unknown key (it had no line)."""
+    path = tmp_path / "stage.toml"
+    path.write_text('stage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n' + text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}: {message}')}"):
+        StageConfig.load(path)
