@@ -20,7 +20,12 @@ import structlog
 import trio
 
 from actors._reply import Reply
-from actors.errors import ActorStoppedError, RestartLimitError
+from actors.errors import (
+    ActorStoppedError,
+    RestartLimitError,
+    being_cancelled,
+    stray_cancelled_error,
+)
 from actors.supervision import RestartPolicy, _CrashWindow
 
 __all__ = [
@@ -312,9 +317,9 @@ class _Cell:
                     if is_async or inspect.isawaitable(result):
                         result = await result
                 except trio.Cancelled as cancelled:
-                    if trio.current_effective_deadline() == -math.inf:
+                    if being_cancelled():
                         raise  # a real cancellation of the actor
-                    error = _stray_cancelled("the handler")
+                    error = stray_cancelled_error("the handler")
                     raise error from cancelled
             except Exception as exc:
                 self.processed += 1
@@ -366,16 +371,6 @@ class _Cell:
         self.receive.close()
         self.stopped.set()
         log.info("actor_stopped", processed=self.processed, drained=self.drained, dropped=dropped)
-
-
-def _stray_cancelled(who: str) -> RuntimeError:
-    """The error for a ``trio.Cancelled`` that no cancelled scope delivered (one kept from an
-    earlier cancellation and raised again): a bug, handled like any other exception, where
-    letting it through would end the task silently."""
-    return RuntimeError(
-        f"{who} raised trio.Cancelled while nothing around it was cancelled (a Cancelled kept "
-        "from an earlier cancellation and raised again?)"
-    )
 
 
 def _log_hook_failure(hook: str, exc: Exception) -> None:

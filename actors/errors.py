@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import math
+
+import trio
+
 __all__ = ["ActorError", "ActorStoppedError", "RestartLimitError"]
 
 
@@ -27,3 +31,19 @@ class RestartLimitError(ActorError):
 
     The last crash is the ``__cause__``.
     """
+
+
+def being_cancelled() -> bool:
+    """Whether a cancel scope around the running trio task is cancelled (and not shielded):
+    a ``trio.Cancelled`` raised now is a real cancellation."""
+    return trio.current_effective_deadline() == -math.inf
+
+
+def stray_cancelled_error(who: str) -> RuntimeError:
+    """The error for a ``trio.Cancelled`` that ``who`` raised while nothing was cancelled (one
+    kept from an earlier cancellation and raised again): a bug, to be handled like any other
+    exception, where letting it through would end the task without a word."""
+    return RuntimeError(
+        f"{who} raised trio.Cancelled while nothing around it was cancelled (a Cancelled kept "
+        "from an earlier cancellation and raised again?)"
+    )

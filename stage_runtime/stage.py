@@ -28,7 +28,6 @@ Failure and cancellation, per request:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVarTuple
 
@@ -39,6 +38,7 @@ import structlog
 import trio
 
 from actors import ActorRef, ActorStatistics, spawn
+from actors.errors import being_cancelled, stray_cancelled_error
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.cache_actor import (
@@ -343,14 +343,9 @@ class Stage:
             except Exception as exc:
                 failed = self._model_failed(request, scope, exc)
             except trio.Cancelled as stray:
-                if trio.current_effective_deadline() == -math.inf:
+                if being_cancelled():
                     raise  # a real cancellation: of this request, or of the stage
-                # Nothing was cancelled: the model raised a Cancelled it kept from an earlier
-                # cancellation. Let through, it would end the stage task without a word.
-                error = RuntimeError(
-                    "the model raised trio.Cancelled while nothing around it was cancelled "
-                    "(a Cancelled kept from an earlier cancellation and raised again?)"
-                )
+                error = stray_cancelled_error("the model")
                 error.__cause__ = stray
                 failed = self._model_failed(request, scope, error)
             except BaseExceptionGroup as group:
@@ -401,7 +396,7 @@ class Stage:
         the stage itself is being cancelled (the pipeline stopping: it fails the request with
         ``PipelineStoppedError``). Either way the error is logged at info level only."""
         event = dict(request_id=request.request_id, error_type=type(exc).__name__, error=str(exc))
-        if scope.cancel_called or trio.current_effective_deadline() == -math.inf:
+        if scope.cancel_called or being_cancelled():
             log.info("prefill_interrupted", **event)
             return False
         request.fail(exc)

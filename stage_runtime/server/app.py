@@ -280,7 +280,7 @@ class PipelineApp:
         method: str = scope["method"]
         path: str = scope["path"]
         try:
-            await self._serve_http(scope, receive, send, started)
+            await self._serve_http(scope, receive, send, started, method, path)
         except (trio.Cancelled, BaseExceptionGroup) as exc:
             # A Cancelled, or (out of the prefill's nursery) a group of nothing else.
             if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is not None:
@@ -294,9 +294,9 @@ class PipelineApp:
             )
             raise
 
-    async def _serve_http(self, scope: Scope, receive: Receive, send: Send, started: float) -> None:
-        method: str = scope["method"]
-        path: str = scope["path"]
+    async def _serve_http(
+        self, scope: Scope, receive: Receive, send: Send, started: float, method: str, path: str
+    ) -> None:
         response: _Response | None
         try:
             response = await self._route(method, path, scope, receive)

@@ -682,6 +682,8 @@ class Selfish(Actor[str, object]):
             await self.ref.tell("overflow")
         if message == "tell-self":
             await self.ref.tell("inner")
+        if message == "wait-self":
+            await wait_idle(self.ref)
         return message
 
 
@@ -788,23 +790,13 @@ async def test_a_ref_used_from_another_thread_is_refused_and_the_actor_unharmed(
         assert ref.statistics().asks_waiting == 0
 
 
-@attrs.define(eq=False)
-class WaitsForItself(Actor[object, object]):
-    ref: ActorRef[object, object] | None = None
-
-    async def handle(self, message: object) -> object:
-        assert self.ref is not None
-        await wait_idle(self.ref)
-        return message
-
-
 async def test_wait_idle_from_the_actors_own_handler_is_an_error_not_a_deadlock() -> None:
     """Like ask and tell, waiting for itself to be idle would wait forever."""
-    actor = WaitsForItself()
+    actor = Selfish()
     async with open_actor(actor, name="self-waiter") as ref:
         actor.ref = ref
         with pytest.raises(RuntimeError, match="cannot wait for itself to be idle"):
-            await ref.ask("x")
+            await ref.ask("wait-self")
         assert ref.statistics().failed == 1
 
 
