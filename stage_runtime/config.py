@@ -157,6 +157,13 @@ def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: obje
         _str(instance, attribute, value)
 
 
+def _optional_nonempty_str(
+    instance: object, attribute: attrs.Attribute[Any], value: object
+) -> None:
+    if value is not None:
+        _nonempty_str(instance, attribute, value)
+
+
 def _optional_bool(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, bool):
         msg = f"{attribute.name} must be true, false or absent, got {shown(value)}"
@@ -638,9 +645,11 @@ class MessageBase:
     seq: int | None = attrs.field(default=None, validator=_optional_int(0, _U64_MAX))
     """Sequence number of the message within its request."""
 
-    cache_salt: str | None = attrs.field(default=None, validator=_optional_str)
+    cache_salt: str | None = attrs.field(default=None, validator=_optional_nonempty_str)
     """Tenant salt mixed into every cache key: requests with different salts never share or
-    probe each other's entries. None (the default) shares across sessions, as upstream."""
+    probe each other's entries. None (the default) shares across sessions, as upstream. An
+    empty salt is refused: it would be a tenant of its own, which an empty default almost
+    never means."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -154,8 +154,8 @@ class Pipeline:
         elif not isinstance(request_id, str):
             msg = f"request_id must be a string or None, got {request_id!r}"
             raise ConfigError(msg)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            msg = f"cache_salt must be a string or None, got {cache_salt!r}"
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            msg = f"cache_salt must be a non-empty string or None, got {cache_salt!r}"
             raise ConfigError(msg)
         # Checked here, not where a stage hashes the salt or logs the ids: there a bad string
         # would crash the stage instead of failing this call.

@@ -74,6 +74,8 @@ def test_cache_salt_is_optional_and_must_be_a_string() -> None:
     assert MessageBase(cache_salt="tenant-a").cache_salt == "tenant-a"
     with pytest.raises(ConfigError, match="cache_salt must be a string"):
         MessageBase(cache_salt=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cache_salt must be a non-empty string, got ''"):
+        MessageBase(cache_salt="")
 
 
 def test_page_eviction_reaches_the_paged_index() -> None:

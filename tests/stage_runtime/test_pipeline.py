@@ -266,6 +266,8 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill([1, 2], session_id=7)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="request_id must be a string or None, got 5"):
             await pipeline.prefill([1, 2], session_id="s", request_id=5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="cache_salt must be a non-empty string or None"):
+            await pipeline.prefill([1, 2], session_id="s", cache_salt="")  # the server's rule
         result = await pipeline.prefill([1, 2, 3], session_id="s")
         stats = await pipeline.stats()
     assert result.tokens == 3
