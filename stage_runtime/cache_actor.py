@@ -28,8 +28,8 @@ unchanged; the actor keeps running.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -69,6 +69,24 @@ DECISION_MISS = "activation_resident_miss"
 DECISION_RECORD = "activation_record"
 
 
+def _snapshot(
+    tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | Iterable[int],
+) -> npt.NDArray[np.int32]:
+    """A message's tokens as they are when it is made: a message can wait in a mailbox (a
+    ``tell``, or an ``ask`` whose caller was cancelled), and a caller reusing its buffer for
+    the next prompt meanwhile would change the prompt the actor sees. A read-only array that
+    owns its data (what :meth:`Pipeline.prefill` makes) and immutable sequences are kept as
+    they are; a writable or borrowed array and a list are copied. Validation is the actor's,
+    when it handles the message (bad values are passed on as they are)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.flags.writeable or tokens.base is not None:
+            return cast("npt.NDArray[np.int32]", tokens.copy())
+        return cast("npt.NDArray[np.int32]", tokens)
+    if isinstance(tokens, list):
+        tokens = list(tokens)
+    return cast("npt.NDArray[np.int32]", tokens)  # converted and checked by the actor
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class RestoreActivation:
     """Restore the longest cached prefix of ``tokens`` (longest lookup candidate first)."""
@@ -76,8 +94,9 @@ class RestoreActivation:
     base: MessageBase
     """Request metadata; its ``chat_template_id`` is the cache namespace."""
 
-    tokens: npt.NDArray[np.int32]
-    """The prompt's token ids (1-D int32; other integer sequences are converted)."""
+    tokens: npt.NDArray[np.int32] = attrs.field(converter=_snapshot)
+    """The prompt's token ids (1-D int32; other integer sequences are converted). Taken as
+    they are when the message is made: a writable array or a list is copied."""
 
     activation_width: int
     """Width in the cache key; a different width never hits."""
@@ -99,8 +118,9 @@ class RecordActivation:
     base: MessageBase
     """Request metadata; its ``chat_template_id`` is the cache namespace."""
 
-    tokens: npt.NDArray[np.int32]
-    """The prompt's token ids (1-D int32; other integer sequences are converted)."""
+    tokens: npt.NDArray[np.int32] = attrs.field(converter=_snapshot)
+    """The prompt's token ids (1-D int32; other integer sequences are converted). Taken as
+    they are when the message is made: a writable array or a list is copied."""
 
     activation_width: int
     """Width in the cache key."""
@@ -250,6 +270,16 @@ class CacheActor(Actor[CacheMessage, Any]):
             # The core would store nothing (all or nothing, spec §5.2); a message that pairs a
             # frame with other tokens is a caller's bug, so the caller hears about it.
             msg = f"frame must cover the {tokens.size} tokens, got {frame.token_count} tokens"
+            raise FrameError(msg)
+        rows = frame.row_width()
+        if rows is not None and rows != width:
+            # The width is part of every key: such rows would be restored into prompts that
+            # expect activation_width values per token. (The core, like the upstream's, does
+            # not look; the seed's own tests record 1-wide rows under width 4,096.)
+            msg = (
+                f"frame rows must be activation_width {width} {frame.desc.dtype.name} values "
+                f"wide, got {rows:g}"
+            )
             raise FrameError(msg)
         integration = self._integration
         if integration is None or not integration.should_record():

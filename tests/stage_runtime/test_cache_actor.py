@@ -426,6 +426,29 @@ async def test_disabled_cache_restores_nothing_and_has_no_stats() -> None:
             "frame must cover the 300 tokens, got 299 tokens",
         ),
         (
+            RecordActivation(
+                base=BASE,
+                tokens=tokens(300),
+                activation_width=4,
+                frame=ActivationFrame.from_array(np.zeros((300, 8), dtype=np.float32)),
+            ),
+            FrameError,
+            "frame rows must be activation_width 4 F32 values wide, got 8",
+        ),
+        (
+            RecordActivation(
+                base=BASE,
+                tokens=tokens(300),
+                activation_width=4,
+                frame=ActivationFrame(  # 3 bytes per token: not whole F32 values
+                    desc=attrs.evolve(seed_frame(300, 900).desc),
+                    payload=np.zeros(900, dtype=np.uint8),
+                ),
+            ),
+            FrameError,
+            "frame rows must be activation_width 4 F32 values wide, got 0.75",
+        ),
+        (
             RestoreActivation(
                 base=BASE, tokens=tokens(300), activation_width=WIDTH, token_start=-1
             ),
@@ -554,3 +577,30 @@ async def test_a_paged_restore_can_be_asked_for_page_by_page() -> None:
     assert isinstance(pages, PagedActivationRestore)
     assert len(pages.pages()) == 4
     assert whole.frame.same_content(pages.frame())
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+@pytest.mark.parametrize("kind", ["array", "list"])
+async def test_a_message_keeps_the_tokens_it_was_made_with(index: str, kind: str) -> None:
+    """A told record waits in the mailbox; a caller that reuses its token buffer for the next
+    prompt meanwhile must not change what gets recorded (it recorded prompt B's tokens under A's
+    rows: B restored A's activations and A missed)."""
+    buffer: Any = tokens(300) if kind == "array" else list(range(300))
+    first = tokens(300)
+    async with cache_actor(seed_config(index=index)) as ref:
+        ref.tell_nowait(record(buffer, seed_frame(300, 1200)))
+        buffer[:] = range(1000, 1300)  # the caller's next prompt, before the actor ran
+        assert await ref.ask(restore(tokens(300, start=1000))) is None
+        hit = await ref.ask(restore(first))
+    assert hit is not None
+    assert hit.token_count == 300
+
+
+async def test_a_read_only_array_that_owns_its_data_is_not_copied() -> None:
+    """What the pipeline passes (a private read-only array) travels as is: no copy per message."""
+    owned = tokens(300)
+    owned.flags.writeable = False
+    assert restore(owned).tokens is owned
+    assert restore(tokens(300)).tokens is not owned
+    view = owned[:200]
+    assert restore(view).tokens is not view  # read-only, but its base may be written
