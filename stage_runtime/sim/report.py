@@ -143,6 +143,11 @@ def _table(
     if one_line + 2 * (len(headers) - 1) > console.width:
         for column, width in zip(table.columns, needed, strict=True):
             column.width = width
+        narrowest = sum(needed) + 2 * (len(headers) - 1)
+        if narrowest > console.width:
+            # Too narrow even so: lay the table out wider than the console (print it with
+            # crop=False) and let the terminal wrap its lines, rather than cut figures.
+            table.width = narrowest
     return table
 
 
@@ -260,7 +265,7 @@ def render_report(
     ]
     stage_headers = ["stage", "restored", "computed", "hit ratio", "records", "evictions"]
     stage_headers += ["peak resident"]
-    console.print(_table(console, "per stage", stage_headers, stage_rows))
+    console.print(_table(console, "per stage", stage_headers, stage_rows), crop=False)
     console.print()
     if any(stage.accounting is not None for stage in result.stages):
         cache_headers = ["stage", "hits", "misses: never seen", "evicted", "rejected"]
@@ -278,7 +283,8 @@ def render_report(
                 caption="hits: requests that restored tokens; rejected: validation refused a "
                 "cached entry; resident vs unique: bytes held vs bytes the distinct prefixes "
                 "need",
-            )
+            ),
+            crop=False,
         )
 
     console.print()
@@ -299,7 +305,8 @@ def render_report(
             ["", "with cache", "without cache", "saved"],
             ttft_rows,
             left=0,
-        )
+        ),
+        crop=False,
     )
     gap = result.theoretical.ratio - result.token_hit_ratio
     if gap < 0.0005:  # less than what the percentages show (0.1%)
@@ -374,7 +381,8 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
             caption=f"evictions: one figure if every stage evicted as many, else {stage_ids}. "
             "held / unique: resident bytes over the bytes the distinct prefixes need. An entry "
             "larger than max bytes is kept alone, so peak resident can exceed max bytes.",
-        )
+        ),
+        crop=False,
     )
     console.print(
         f"TTFT without cache: p50 {_seconds(first.ttft_uncached.p50)}, p99 "

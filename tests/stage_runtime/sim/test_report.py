@@ -283,3 +283,23 @@ def test_a_gap_too_small_to_show_is_no_gap() -> None:
         console = Console(record=True, width=200)
         render_report(console, shown, title="gap")
         assert hint in console.export_text()
+
+
+@pytest.mark.parametrize("width", [40, 60])
+def test_tables_wider_than_the_console_are_not_cropped(result: ReplayResult, width: int) -> None:
+    """Below the tables' narrowest layout they are laid out wider than the console and left for
+    the terminal to wrap: every figure whole (it showed "2,07…" and "st…" at 40 columns)."""
+    big = _big(result)
+    console = Console(record=True, width=width)
+    render_report(console, big, title="full trace")
+    text = console.export_text()
+    assert "\u2026" not in text
+    for figure in ("5,663,580", "55,531,048", "5,772", "5,438", "stage-0", "2,537", "1,188"):
+        assert figure in text
+    sweep = [attrs.evolve(big, capacity_tokens=1_048_576), attrs.evolve(big, capacity_tokens=0)]
+    console = Console(record=True, width=width)
+    render_sweep(console, sweep, title="sweep")
+    text = console.export_text()
+    assert "\u2026" not in text
+    for figure in ("1,048,576", "5,438", "unbounded"):
+        assert figure in text
