@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
 import sys
@@ -431,12 +432,24 @@ def _check_files(args: argparse.Namespace) -> None:
         if not os.access(trace, os.R_OK):
             msg = f"cannot read trace {trace}: permission denied"
             raise _FileError(msg)
+        for flag, output in (("--json", args.json), ("--plot", args.plot)):
+            if output not in (None, "-") and _same_file(trace, output):
+                msg = f"{flag} names the trace being replayed ({output}): it would replace it"
+                raise _UsageError(msg)
     _check_output(args.json, "JSON")
     _check_output(args.plot, "plot")
     if args.plot is not None:
         from stage_runtime.sim.report import plot_format
 
         plot_format(args.plot)  # a suffix matplotlib would refuse only after the replay
+
+
+def _same_file(first: str, second: str) -> bool:
+    """Whether two paths name one file (through links too, where the second exists)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # the output does not exist yet (or cannot be looked at)
+        return os.path.realpath(first) == os.path.realpath(second)
 
 
 def _check_usage(args: argparse.Namespace) -> None:
@@ -554,8 +567,15 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
 def _run_simulation(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     from stage_runtime import sim
+
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # An ASCII-only stdout (PYTHONIOENCODING=ascii, a C locale without UTF-8 coercion)
+        # would raise on a path or a quoted line with other characters after the whole replay;
+        # escape them as stderr does.
+        sys.stdout.reconfigure(errors="backslashreplace")
 
     config = _sim_config(args)
     source: dict[str, object]
@@ -584,6 +604,9 @@ def _run_simulation(args: argparse.Namespace) -> int:
         else:
             try:
                 if args.trace == "-":
+                    if sys.stdin is None:  # started with stdin closed (<&-)
+                        msg = "cannot read trace -: standard input is closed"
+                        raise _FileError(msg)
                     trace = sim.read_trace_lines(
                         sys.stdin.buffer,
                         path="<stdin>",
@@ -672,7 +695,7 @@ def _run_simulation(args: argparse.Namespace) -> int:
         else:
             sim.render_report(console, results[0], title=title, skipped_lines=skipped)
         if skipped:
-            console.print(f"skipped {skipped:,} bad line(s); the first: {first_error}")
+            console.print(Text(f"skipped {skipped:,} bad line(s); the first: {first_error}"))
     if args.json is not None:
         try:
             _write_json(payload, args.json, sys.stdout)
@@ -686,7 +709,7 @@ def _run_simulation(args: argparse.Namespace) -> int:
             msg = f"cannot write plot to {args.plot}: {exc.strerror or exc}"
             raise _FileError(msg) from exc
         if not json_to_stdout:
-            console.print(f"plot written to {args.plot}")
+            console.print(Text(f"plot written to {args.plot}"))
     return 0
 
 

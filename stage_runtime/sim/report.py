@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from rich import box
 from rich.console import Console, JustifyMethod
 from rich.table import Table
+from rich.text import Text
 
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex
@@ -231,7 +232,7 @@ def render_report(
         title: What was replayed (shown on the first line).
         skipped_lines: Malformed trace lines skipped (shown when not 0).
     """
-    console.print(f"[bold]{title}[/bold]")
+    console.print(Text(title, style="bold"))  # a path: no markup
     _print_settings(console, result.config, _capacity(result.capacity_tokens))
 
     totals = Table(box=box.SIMPLE, show_header=False)
@@ -336,7 +337,7 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     0's, evictions are listed stage by stage, and peak resident is the largest stage's. TTFT
     without the cache and the total wall time, the same for every row, follow the table.
     """
-    console.print(f"[bold]{title}[/bold]")
+    console.print(Text(title, style="bold"))  # a path: no markup
     if not results:
         return
     first = results[0]

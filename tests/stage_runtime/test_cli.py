@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -333,6 +334,65 @@ def test_json_and_plot_to_the_same_file_is_refused(
     assert main(["demo", "--json", str(target), "--plot", str(target)]) == 2
     assert "--json and --plot name the same file" in capsys.readouterr().err
     assert not target.exists()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_naming_the_trace_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """`replay t.jsonl --json t.jsonl` replaced the user's trace with the results (exit 0); a
+    link to it too. Refused before replaying, and the trace is untouched."""
+    trace = _trace(tmp_path, [json.dumps(line) for line in TINY])
+    before = trace.read_bytes()
+    link = tmp_path / "results"
+    link.symlink_to(trace)
+    for target in (trace, link):
+        assert main(["replay", str(trace), *SMALL, flag, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} names the trace being replayed ({target}): it would replace it" in err
+        assert err.count("\n") == 1
+    assert trace.read_bytes() == before
+
+
+def test_paths_and_bad_lines_are_printed_as_they_are(tmp_path: Path) -> None:
+    """Brackets in a path or a quoted value were read as rich markup (a MarkupError traceback
+    after the whole replay, or silently changed text), and ':warning:' became an emoji; non-ASCII
+    text crashed an ASCII-only stdout."""
+    folder = tmp_path / "d[" / "b]"  # the path reads "d[/b]": a closing tag
+    folder.mkdir(parents=True)
+    trace = folder / ":warning: tracé.jsonl"
+    bad = {"timestamp": "[/x] [bold]oops", "input_length": 4, "output_length": 1, "hash_ids": [1]}
+    trace.write_text("".join(json.dumps(line) + "\n" for line in [*TINY, bad]), encoding="utf-8")
+    done = _run("replay", str(trace), *SMALL, "--skip-bad-lines", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"stage-runtime replay: {trace}\n" in done.stdout
+    assert "'[/x] [bold]oops'" in done.stdout
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    ascii_run = subprocess.run(
+        [sys.executable, "-m", "stage_runtime", "replay", str(trace), *SMALL, "--skip-bad-lines"],
+        capture_output=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert ascii_run.returncode == 0, ascii_run.stderr
+    assert b"trac\\xe9.jsonl" in ascii_run.stdout
+
+
+def test_a_closed_standard_input_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["/bin/sh", "-c", 'exec "$0" -m stage_runtime replay - <&-', sys.executable],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (
+        1,
+        "stage-runtime replay: error: cannot read trace -: standard input is closed\n",
+    )
 
 
 def test_unknown_and_abbreviated_flags_name_the_command(
