@@ -142,6 +142,8 @@ def parse_trace_line(
             rule = f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
             if line == 1 and raw.startswith(b"\x1f\x8b"):
                 rule += "; it is gzip-compressed: zcat it into 'replay -'"
+            elif line == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+                rule += "; it is UTF-16: convert it with iconv -f UTF-16 -t UTF-8"
             raise _fail(path, line, "", rule) from exc
     if line == 1 and text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark some editors write at the start of a file
@@ -149,8 +151,9 @@ def parse_trace_line(
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _fail(path, line, "", f"is not valid JSON ({exc.msg})") from exc
-    except ValueError as exc:  # an integer over int()'s 4,300 digits
-        raise _fail(path, line, "", f"is not valid JSON ({exc})") from None
+    except ValueError:  # an integer over int()'s 4,300 digits
+        rule = "is not valid JSON (an integer of more than 4,300 digits)"
+        raise _fail(path, line, "", rule) from None
     except RecursionError:
         raise _fail(path, line, "", "is not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
@@ -241,8 +244,8 @@ def read_trace_lines(
     for line_number, text in enumerate(lines, start=1):
         if limit is not None and len(requests) >= limit:
             break
-        if not text.strip():
-            continue
+        if not text.strip() or (line_number == 1 and text.strip() in ("\ufeff", b"\xef\xbb\xbf")):
+            continue  # blank (a first line may hold just a byte-order mark)
         try:
             request = parse_trace_line(
                 text,

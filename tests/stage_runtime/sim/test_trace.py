@@ -46,7 +46,11 @@ def test_block_layout_cuts_the_last_block() -> None:
         ("{not json", "", "is not valid JSON"),
         ("[1, 2]", "", "must be a JSON object, got list (a trace is JSON lines: one request"),
         # what json.loads raises besides JSONDecodeError
-        ('{"timestamp": ' + "9" * 5000 + "}", "", "is not valid JSON (Exceeds the limit (4300"),
+        (
+            '{"timestamp": ' + "9" * 5000 + "}",
+            "",
+            "is not valid JSON (an integer of more than 4,300 digits)",
+        ),
         ("[" * 100_000 + "]" * 100_000, "", "is not valid JSON (nested too deeply)"),
         (_line(timestamp=float("inf")), "timestamp", "must be a finite number of ms, got inf"),
         (_line(timestamp=10**400), "timestamp", "must be a finite number of ms, got 1000"),
@@ -96,6 +100,21 @@ def test_a_byte_order_mark_before_the_first_line_is_ignored(tmp_path: Path) -> N
     assert len(read_trace(path).requests) == 2
     with pytest.raises(TraceFormatError, match=r"trace\.jsonl:2: is not valid JSON"):
         parse_trace_line("\ufeff" + _line(), path="trace.jsonl", line=2)
+
+
+def test_a_first_line_holding_only_a_byte_order_mark_is_blank(tmp_path: Path) -> None:
+    """It was reported (and counted as skipped) as a line that is not valid JSON."""
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf\r\n" + (_line() + "\n").encode())
+    result = read_trace(path, skip_bad_lines=True)
+    assert (len(result.requests), result.skipped_lines) == (1, 0)
+
+
+def test_a_utf16_trace_is_named_as_such(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes((_line() + "\n").encode("utf-16"))
+    with pytest.raises(TraceFormatError, match="it is UTF-16: convert it with iconv"):
+        read_trace(path)
 
 
 def test_block_size_sets_the_length_bound() -> None:
