@@ -16,6 +16,7 @@ virtual, so a 61-million-token trace replays in seconds and fits in memory.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -485,7 +486,8 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
 
     Raises:
         ConfigError: naming the request: an empty prompt, more tokens than its blocks hold,
-            block lengths that do not add up, or two requests with the same index.
+            block lengths that do not add up, an arrival time that is negative or not finite,
+            or two requests with the same index.
     """
     seen: set[int] = set()
     for request in requests:
@@ -496,6 +498,11 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
         seen.add(request.index)
         if request.input_length < 1:
             msg = f"{where}: input_length must be >= 1, got {request.input_length}"
+            raise ConfigError(msg)
+        arrival = request.arrival_s
+        if not isinstance(arrival, int | float) or not math.isfinite(arrival) or arrival < 0:
+            # an infinite arrival would never come: a replay at concurrency > 1 waited forever
+            msg = f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}"
             raise ConfigError(msg)
         lengths = request.block_lengths
         if lengths is None:
@@ -606,21 +613,26 @@ async def _replay_concurrently(
     collector: _Collector,
 ) -> None:
     limiter = trio.CapacityLimiter(config.concurrency)
-    start = trio.current_time()
     ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    # Virtual time counts from the first arrival: timestamps far from 0 (epoch microseconds,
+    # say) would otherwise leave the clock too coarse for the stage costs, which rounding then
+    # shortens or drops (TTFTs of 0).
+    origin = ordered[0].arrival_s if ordered else 0.0
+    start = trio.current_time()
 
-    async def one(request: SimRequest) -> None:
+    async def one(request: SimRequest, arrived: float) -> None:
         try:
             result = await _prefill(pipeline, tokenizer, request)
-            collector.finish(request, result, request.arrival_s, trio.current_time() - start)
+            collector.finish(request, result, arrived, trio.current_time() - start)
         finally:
             limiter.release_on_behalf_of(request)
 
     async with trio.open_nursery() as nursery:
         for request in ordered:
-            await trio.sleep_until(start + request.arrival_s)
+            arrived = request.arrival_s - origin
+            await trio.sleep_until(start + arrived)
             await limiter.acquire_on_behalf_of(request)
-            nursery.start_soon(one, request)
+            nursery.start_soon(one, request, arrived)
 
 
 def _summarise(
@@ -665,7 +677,7 @@ def _summarise(
                     stage_index=position,
                 )
         cached[request.index] = finished.finished_s - finished.started_s + unslept_s
-        arrivals.append(finished.started_s if config.concurrency == 1 else request.arrival_s)
+        arrivals.append(finished.started_s)  # from the first arrival, as the replay's clock
         uncached_costs.append(
             [cost.uncached_stage_cost(request.input_length, s) for s in range(stage_count)]
         )

@@ -9,6 +9,7 @@ segments are equal tokens to the last one.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 import attrs
@@ -137,6 +138,12 @@ def synthetic_workload(spec: WorkloadSpec, *, block_size: int = 512) -> list[Sim
         cursor[label] += 1
         if index:
             arrival += float(gaps[index])
+            if not math.isfinite(arrival):
+                msg = (
+                    f"an arrival rate of {spec.requests_per_s!r} requests per second is too "
+                    "small: the workload's arrival times overflow"
+                )
+                raise ConfigError(msg)
         requests.append(
             SimRequest(
                 index=index,

@@ -226,6 +226,11 @@ async def test_example_program_restores_shared_prompts(
             [SimRequest(index=4, input_length=9, block_ids=(1, 2), block_lengths=(4, 4))],
             "request 4: block_lengths must give one length",
         ),
+        (  # a replay at concurrency > 1 waited for it forever
+            [_request(0, [1], 8), _request(1, [2], 8, arrival_s=float("inf"))],
+            "request 1: arrival_s must be a finite number >= 0, got inf",
+        ),
+        ([_request(0, [1], 8, arrival_s=-1.0)], "request 0: arrival_s must be a finite number"),
     ],
 )
 def test_unusable_requests_are_refused_before_the_replay(
@@ -288,6 +293,27 @@ def test_a_whole_prompt_restore_occupies_its_stage_in_a_concurrent_replay(index:
     finishes = pipeline_finish_times([0.0] * 3, costs, concurrency=3)
     assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx(finishes)  # 2.0/4.2/5.8 ms
     assert result.virtual_s == pytest.approx(finishes[-1])
+
+
+@pytest.mark.parametrize("shift_s", [2.0**40, 2.0**44])  # epoch seconds in ms and in us
+def test_a_concurrent_replay_measures_time_from_the_first_arrival(shift_s: float) -> None:
+    """Shifting every timestamp by the same amount changes nothing. Measured from 0, arrivals
+    at epoch-microsecond scale left the clock too coarse for the costs (TTFTs rounded, or 0).
+    The offsets are exact at both shifts, so the shifted trace is the same trace."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.0),
+        _request(1, [1, 2, 4], 40, arrival_s=2.0**-8),
+        _request(2, [9], 16, arrival_s=0.25),
+    ]
+    shifted = [attrs.evolve(r, arrival_s=shift_s + r.arrival_s) for r in trace]
+    config = _config(stages=3, concurrency=2)
+    expected = run_replay(trace, config)
+    got = run_replay(shifted, config)
+    for field in ("ttft_cached_s", "ttft_uncached_s"):
+        want = [getattr(o, field) for o in expected.outcomes]
+        assert min(want) > 0.01
+        assert [getattr(o, field) for o in got.outcomes] == pytest.approx(want, rel=1e-12)
+    assert got.virtual_s == pytest.approx(expected.virtual_s, rel=1e-12)
 
 
 def test_slowest_stage_sets_the_pace_of_a_concurrent_replay() -> None:

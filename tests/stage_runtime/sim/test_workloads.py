@@ -63,3 +63,10 @@ def test_impossible_workloads_are_refused(kwargs: dict[str, object], message: st
     """Bad shapes raise ConfigError naming the field."""
     with pytest.raises(ConfigError, match=message):
         WorkloadSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_rate_so_small_that_arrivals_overflow_is_refused() -> None:
+    """At 1e-307 requests per second the summed gaps overflowed to inf, and a replay at
+    concurrency > 1 waited for those arrivals forever."""
+    with pytest.raises(ConfigError, match="arrival rate of 1e-307 requests per second is too"):
+        synthetic_workload(WorkloadSpec(requests_per_s=1e-307))
