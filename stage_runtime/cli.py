@@ -16,6 +16,7 @@ import io
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
@@ -242,7 +243,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         metavar="PATH",
         default=None,
-        help="write a PNG plot, or SVG/PDF by the suffix (needs '.[plot]')",
+        help="write a PNG plot, or SVG/PDF by the suffix (needs stage-runtime[plot])",
     )
     output.add_argument(
         "-v",
@@ -255,7 +256,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(subcommands: argparse._SubParsersAction[_Parser]) -> None:
-    help_text = "run the HTTP server (needs '.[server]')"
+    help_text = "run the HTTP server (needs stage-runtime[server])"
     try:
         from stage_runtime.server import command  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
@@ -491,7 +492,9 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise _UsageError(msg)
     if args.plot is not None:
         try:  # now, not after a replay that may take minutes
-            import matplotlib  # noqa: F401
+            with warnings.catch_warnings():  # a warning on import (under -W error) is not
+                warnings.simplefilter("ignore")  # "cannot be imported"
+                import matplotlib  # noqa: F401
         except Exception as exc:  # missing, or broken (any import error)
             msg = (
                 f"--plot needs matplotlib ({type(exc).__name__}: {exc}); install it with: "

@@ -364,7 +364,7 @@ def test_as_token_array_returns_int32_without_copying_int32_input() -> None:
         ([1, 2.5], "tokens must be integers, got 2.5 at index 1"),
         ([True, False], "tokens must be integers, got True at index 0"),
         ([7, True], "tokens must be integers, got True at index 1"),  # numpy would read 1
-        ((7, 8, np.False_), "tokens must be integers, got np.False_ at index 2"),
+        ((7, 8, np.False_), f"tokens must be integers, got {np.False_!r} at index 2"),
         (np.zeros((2, 2), dtype=np.int32), r"tokens must be 1-D, got shape \(2, 2\)"),
         ([1, 2**70], "got 1180591620717411303424 at index 1"),
         (["a"], "tokens must be integers, got 'a' at index 0"),
