@@ -60,7 +60,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         required=True,
         metavar="FILE",
-        help="pipeline topology (TOML, one [[stage]] table per stage; see examples/topology.toml)",
+        help="pipeline topology (TOML: one [[stage]] table per stage; the README shows one)",
     )
     parser.add_argument(
         "--bind",
