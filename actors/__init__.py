@@ -9,7 +9,7 @@ One task owns an actor's state and handles one message at a time, so the state n
 
 from __future__ import annotations
 
-from actors.actor import Actor, ActorRef, ActorStatistics, open_actor, spawn
+from actors.actor import Actor, ActorRef, ActorStatistics, Asks, open_actor, spawn
 from actors.errors import ActorError, ActorStoppedError, RestartLimitError
 from actors.supervision import RestartPolicy
 
@@ -19,6 +19,7 @@ __all__ = [
     "ActorRef",
     "ActorStatistics",
     "ActorStoppedError",
+    "Asks",
     "RestartLimitError",
     "RestartPolicy",
     "open_actor",

@@ -13,7 +13,7 @@ import inspect
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 import attrs
 import structlog
@@ -31,6 +31,7 @@ from actors.supervision import RestartPolicy, _CrashWindow
 __all__ = [
     "Actor",
     "ActorRef",
+    "Asks",
     "ActorStatistics",
     "open_actor",
     "spawn",
@@ -42,6 +43,28 @@ MessageT = TypeVar("MessageT")
 ReplyT = TypeVar("ReplyT")
 MessageT_contra = TypeVar("MessageT_contra", contravariant=True)
 ReplyT_co = TypeVar("ReplyT_co", covariant=True)
+
+AnswerT = TypeVar("AnswerT")
+
+
+class Asks(Generic[ReplyT_co]):
+    """Base class for a message that declares the type of its reply.
+
+    ``ref.ask(message)`` is then typed as returning ``ReplyT_co`` rather than the actor's
+    general reply type, so an actor that answers each kind of message with its own type needs
+    no casts at the call sites::
+
+        @attrs.frozen
+        class GetCount(Asks[int]): ...
+
+        count = await ref.ask(GetCount())  # int, to a type checker
+
+    Only a declaration: the actor's ``handle`` must return that type (nothing checks it at run
+    time).
+    """
+
+    __slots__ = ()
+
 
 MAILBOX_FULL_LOG_INTERVAL_S = 1.0
 """At most one ``actor_mailbox_full`` warning per actor in this many seconds."""
@@ -451,13 +474,32 @@ class ActorRef(Generic[MessageT, ReplyT]):
             raise cell.stopped_error() from None
         cell.note_sent()
 
+    @overload
+    async def ask(
+        self,
+        message: Asks[AnswerT],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> AnswerT: ...
+
+    @overload
     async def ask(
         self,
         message: MessageT,
         *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> ReplyT: ...
+
+    async def ask(
+        self,
+        message: Any,
+        *,
         timeout: float | None = None,  # noqa: ASYNC109 - the API issue 3 fixes
-    ) -> ReplyT:
+    ) -> Any:
         """Send ``message`` and wait for the actor's reply.
+
+        A message whose class derives from :class:`Asks` declares its reply's type; to a type
+        checker the call returns that type instead of the actor's general reply type.
 
         Cancelling the caller at any point is safe: before the message is queued nothing is sent;
         after, the actor still handles it (the message was delivered) and the late reply is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any
+from typing import Any, assert_type
 
 import attrs
 import pytest
@@ -17,6 +17,7 @@ from actors import (
     ActorRef,
     ActorStatistics,
     ActorStoppedError,
+    Asks,
     RestartLimitError,
     open_actor,
     spawn,
@@ -827,3 +828,40 @@ async def test_a_stray_cancelled_from_a_handler_is_an_error_not_a_silent_stop() 
         with pytest.raises(RuntimeError, match=r"raised trio\.Cancelled while nothing around it"):
             await ref.ask("raise it")
         assert await ref.ask("still here") == "still here"
+
+
+@attrs.frozen
+class Total(Asks[int]):
+    """Asks for the sum so far; declares an int reply."""
+
+
+@attrs.frozen
+class Describe(Asks[str]):
+    """Asks for a description; declares a str reply."""
+
+
+class Typed(Actor[Total | Describe | int, object]):
+    """Answers each kind of message with its own type; the general reply type says little."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def handle(self, message: Total | Describe | int) -> object:
+        if isinstance(message, Total):
+            return self.total
+        if isinstance(message, Describe):
+            return f"total {self.total}"
+        self.total += message
+        return None
+
+
+async def test_a_message_deriving_from_asks_types_its_reply() -> None:
+    """ask() of an Asks[T] message is typed T (mypy checks the assert_type lines; at run time
+    they are no-ops), and any other message gets the actor's reply type."""
+    async with open_actor(Typed(), name="typed") as ref:
+        assert_type(await ref.ask(5), object)
+        total = await ref.ask(Total())
+        assert_type(total, int)
+        description = await ref.ask(Describe(), timeout=1)
+        assert_type(description, str)
+    assert (total, description) == (5, "total 5")
