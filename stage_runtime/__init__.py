@@ -20,6 +20,7 @@ from stage_runtime.cache_actor import (
     ClearCache,
     RecordActivation,
     RestoreActivation,
+    RestoreActivationPages,
 )
 from stage_runtime.config import (
     SCHEMA_VERSION,
@@ -125,6 +126,7 @@ __all__ = [
     "PrefillResult",
     "RecordActivation",
     "RestoreActivation",
+    "RestoreActivationPages",
     "StageModel",
     "StagePrefillReport",
     "StageStats",

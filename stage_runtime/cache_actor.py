@@ -4,14 +4,15 @@ A :class:`CacheActor` holds one :class:`~stage_runtime.integration.KvStageIntegr
 :class:`~stage_runtime.config.StageConfig` it was built from); nothing else references them.
 Every access is a message handled one at a time, so no lock is needed:
 
-=========================  ====================================================================
-message                    reply
-=========================  ====================================================================
-:class:`RestoreActivation`  ``ResidentActivationRestore | None`` (longest validated prefix)
-:class:`RecordActivation`   ``list[ResidentActivationRecord]`` (one per ladder rung recorded)
-:class:`CacheStatsRequest`  :class:`CacheStats` ``| None`` (None when caching is disabled)
-:class:`ClearCache`         ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``)
-=========================  ====================================================================
+- :class:`RestoreActivation`: ``ResidentActivationRestore | None`` (longest validated prefix);
+- :class:`RestoreActivationPages`: the same, but page by page with a paged index
+  (``PagedActivationRestore``);
+- :class:`RecordActivation`: ``list[ResidentActivationRecord]`` (one per ladder rung recorded);
+- :class:`CacheStatsRequest`: :class:`CacheStats` ``| None`` (None when caching is disabled);
+- :class:`ClearCache`: ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``).
+
+Each message class declares its reply type (:class:`actors.Asks`), so ``await ref.ask(...)`` is
+typed per message.
 
 Each record, restore, miss and eviction is a structlog event; run the actor inside a task that
 bound ``stage=`` with :func:`structlog.contextvars.bound_contextvars` (a stage does) and every
@@ -36,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from actors import Actor
+from actors import Actor, Asks
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.config import MessageBase, StageConfig
@@ -58,6 +59,7 @@ __all__ = [
     "ClearCache",
     "RecordActivation",
     "RestoreActivation",
+    "RestoreActivationPages",
 ]
 
 log = structlog.get_logger(__name__)
@@ -88,9 +90,7 @@ def _snapshot(
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RestoreActivation:
-    """Restore the longest cached prefix of ``tokens`` (longest lookup candidate first)."""
-
+class _RestoreFields:
     base: MessageBase
     """Request metadata; its ``chat_template_id`` is the cache namespace."""
 
@@ -104,15 +104,25 @@ class RestoreActivation:
     token_start: int = 0
     """Position of ``tokens[0]`` in the sequence (0 for a prefill)."""
 
-    pages: bool = False
-    """With a paged index, reply with the hit page by page (a
-    :class:`~stage_runtime.index_modes.PagedActivationRestore`: views, nothing joined) instead
-    of one assembled frame, so the caller can join them off the event loop. No effect with the
-    ladder."""
+
+@attrs.frozen(kw_only=True, eq=False)
+class RestoreActivation(_RestoreFields, Asks[ResidentActivationRestore | None]):
+    """Restore the longest cached prefix of ``tokens`` (longest lookup candidate first), as
+    one frame."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RecordActivation:
+class RestoreActivationPages(
+    _RestoreFields, Asks[PagedActivationRestore | ResidentActivationRestore | None]
+):
+    """:class:`RestoreActivation`, but a paged index replies with the hit page by page (a
+    :class:`~stage_runtime.index_modes.PagedActivationRestore`: views of the cached rows,
+    nothing joined), so the caller can join them off the event loop. The ladder replies as to
+    :class:`RestoreActivation`."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RecordActivation(Asks[list[ResidentActivationRecord]]):
     """Record ``frame`` (the stage's full output for ``tokens``) at every ladder rung."""
 
     base: MessageBase
@@ -133,7 +143,7 @@ class RecordActivation:
 
 
 @attrs.frozen(kw_only=True)
-class CacheStatsRequest:
+class CacheStatsRequest(Asks["CacheStats | None"]):
     """Ask for the cache's counters; replies :class:`CacheStats` or None when disabled."""
 
 
@@ -151,12 +161,12 @@ class CacheStats(ResidentCacheStats):
 
 
 @attrs.frozen(kw_only=True)
-class ClearCache:
+class ClearCache(Asks[tuple[EvictedEntry, ...]]):
     """Evict every entry (each logged with reason ``"cleared"``); replies the evicted entries."""
 
 
 def _check_common(
-    message: RestoreActivation | RecordActivation,
+    message: _RestoreFields | RecordActivation,
 ) -> tuple[npt.NDArray[np.int32], int, int]:
     """Validate the fields both messages share; return the tokens as an int32 array, the
     token start and the activation width (numpy integers as ints)."""
@@ -177,7 +187,9 @@ def _check_common(
     return tokens, int(start), int(width)
 
 
-CacheMessage = RestoreActivation | RecordActivation | CacheStatsRequest | ClearCache
+CacheMessage = (
+    RestoreActivation | RestoreActivationPages | RecordActivation | CacheStatsRequest | ClearCache
+)
 """Every message a :class:`CacheActor` understands."""
 
 
@@ -207,7 +219,7 @@ class CacheActor(Actor[CacheMessage, Any]):
 
     def handle(self, message: CacheMessage) -> Any:
         """Apply one message to the cache and return its reply."""
-        if isinstance(message, RestoreActivation):
+        if isinstance(message, _RestoreFields):
             return self._restore(message)
         if isinstance(message, RecordActivation):
             return self._record(message)
@@ -216,23 +228,22 @@ class CacheActor(Actor[CacheMessage, Any]):
         if isinstance(message, ClearCache):
             return self._clear()
         msg = (
-            "message must be RestoreActivation, RecordActivation, CacheStatsRequest or "
-            f"ClearCache, got {type(message).__name__}"
+            "message must be RestoreActivation, RestoreActivationPages, RecordActivation, "
+            f"CacheStatsRequest or ClearCache, got {type(message).__name__}"
         )
         raise ConfigError(msg)
 
     def _restore(
-        self, message: RestoreActivation
+        self, message: _RestoreFields
     ) -> ResidentActivationRestore | PagedActivationRestore | None:
         tokens, start, width = _check_common(message)
-        if not isinstance(message.pages, bool):
-            msg = f"pages must be a bool, got {message.pages!r}"
-            raise ConfigError(msg)
         integration = self._integration
         if integration is None or not integration.should_lookup() or tokens.size == 0:
             return None
         restore: ResidentActivationRestore | PagedActivationRestore | None
-        if message.pages and isinstance(integration, PagedStageIntegration):
+        if isinstance(message, RestoreActivationPages) and isinstance(
+            integration, PagedStageIntegration
+        ):
             restore = integration.restore_resident_pages(
                 self._config, message.base, start, tokens, width
             )

@@ -48,7 +48,7 @@ from stage_runtime.cache_actor import (
     CacheStatsRequest,
     ClearCache,
     RecordActivation,
-    RestoreActivation,
+    RestoreActivationPages,
 )
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError, StageFailedError, sole_exception
@@ -324,7 +324,7 @@ class Stage:
             request._scope = scope
             if base is not None and self._lookup:
                 hit = await cache.ask(
-                    RestoreActivation(base=base, tokens=tokens, activation_width=width, pages=True)
+                    RestoreActivationPages(base=base, tokens=tokens, activation_width=width)
                 )
                 if isinstance(hit, PagedActivationRestore):  # pages: join them (maybe a copy)
                     restored = await _copying(hit.frame, nbytes=hit.source.copy_bytes())

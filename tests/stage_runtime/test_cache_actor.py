@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, assert_type
 
 import attrs
 import numpy as np
@@ -15,7 +15,7 @@ import trio
 
 from actors import ActorRef, open_actor
 from actors.testing import LogEvent, capture_actor_logs, events_named
-from stage_runtime.cache import ResidentCacheStats
+from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
@@ -24,6 +24,7 @@ from stage_runtime.cache_actor import (
     ClearCache,
     RecordActivation,
     RestoreActivation,
+    RestoreActivationPages,
 )
 from stage_runtime.config import (
     CacheMode,
@@ -35,6 +36,8 @@ from stage_runtime.config import (
 )
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame, ActivationLayout
+from stage_runtime.index_modes import PagedActivationRestore
+from stage_runtime.integration import ResidentActivationRecord, ResidentActivationRestore
 
 BASE = MessageBase(session_id="session", chat_template_id="template")
 WIDTH = 4096
@@ -106,6 +109,12 @@ def record(
 
 def restore(toks: np.ndarray[Any, Any], width: int = WIDTH) -> RestoreActivation:
     return RestoreActivation(base=BASE, tokens=toks, activation_width=width)
+
+
+async def stats_of(ref: ActorRef[CacheMessage, Any]) -> CacheStats:
+    stats = await ref.ask(CacheStatsRequest())  # typed CacheStats | None: the message says so
+    assert stats is not None
+    return stats
 
 
 def fields(event: LogEvent, *names: str) -> tuple[Any, ...]:
@@ -264,7 +273,7 @@ async def test_eviction_events_carry_the_cache_size_after_each_eviction(
         replies = [
             await ref.ask(record(tokens(10, start=1000 * i), seed_frame(10, 40))) for i in range(3)
         ]
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     evicted = events_named(logs, "activation_evicted")
     names = ("token_count", "payload_bytes", "reason", "entries", "resident_bytes")
     assert [fields(e, *names) for e in evicted] == expected
@@ -278,7 +287,7 @@ async def test_clear_logs_every_entry_as_cleared(logs: list[LogEvent]) -> None:
     async with cache_actor(seed_config()) as ref:
         await ref.ask(record(tokens(2214), seed_frame(2214, 8856)))
         cleared = await ref.ask(ClearCache())
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     assert sorted(e.token_count for e in cleared) == [2176, 2214]
     evicted = events_named(logs, "activation_evicted")
     assert [e["reason"] for e in evicted] == ["cleared", "cleared"]
@@ -293,7 +302,7 @@ async def test_stats_count_records_lookups_hits_and_misses() -> None:
         await ref.ask(record(tokens(300), seed_frame(300, 1200)))
         await ref.ask(restore(tokens(300)))
         await ref.ask(restore(tokens(300, start=9)))
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     assert (stats.entries, stats.records) == (2, 2)
     assert stats.hits == 1
     assert stats.misses >= 1
@@ -313,7 +322,7 @@ async def test_misses_name_their_reason_never_seen_then_evicted(
         hit = await ref.ask(restore(tokens(300)))
         await ref.ask(record(other, seed_frame(300, 1200)))  # evicts every entry of the first
         assert await ref.ask(restore(tokens(300))) is None
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     assert hit is not None
     assert hit.token_count == 300
     missed = events_named(logs, "activation_missed")
@@ -332,7 +341,7 @@ async def test_stats_reply_keeps_the_counters_and_adds_the_accounting(index: str
     """CacheStatsRequest replies CacheStats: the old counters plus resident vs unique bytes."""
     async with cache_actor(seed_config(index=index)) as ref:
         await ref.ask(record(tokens(300), seed_frame(300, 1200)))
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     assert isinstance(stats, CacheStats)
     assert isinstance(stats, ResidentCacheStats)  # code written for the old reply still works
     assert stats.resident_bytes == stats.accounting.resident_bytes
@@ -357,7 +366,7 @@ async def test_ladder_miss_on_a_refused_entry_is_rejected(logs: list[LogEvent]) 
             for key in list(cache.keys()):
                 cache.record(key, 299, bad.payload.size, bad)
             assert await ref.ask(restore(tokens(300))) is None
-            stats = await ref.ask(CacheStatsRequest())
+            stats = await stats_of(ref)
     (event,) = events_named(logs, "activation_missed")
     assert event["reason"] == "rejected"
     assert stats.accounting.misses_rejected == 1
@@ -371,7 +380,7 @@ async def test_paged_miss_on_a_refused_tail_is_rejected(logs: list[LogEvent]) ->
         await ref.ask(record(tokens(300), seed_frame(300, 1200)))  # 4 bytes per token
         await ref.ask(record(sibling, seed_frame(300, 2400)))  # same pages, 8 bytes per token
         assert await ref.ask(restore(tokens(300))) is None
-        stats = await ref.ask(CacheStatsRequest())
+        stats = await stats_of(ref)
     (event,) = events_named(logs, "activation_missed")
     assert event["reason"] == "rejected"
     assert stats.accounting.misses_rejected == 1
@@ -476,10 +485,10 @@ async def test_malformed_message_fails_the_ask_and_leaves_the_cache_unchanged(
     """A bad message raises a typed error in the caller; the actor and the cache carry on."""
     async with cache_actor(seed_config()) as ref:
         await ref.ask(record(tokens(300), seed_frame(300, 1200)))
-        before = await ref.ask(CacheStatsRequest())
+        before = await stats_of(ref)
         with pytest.raises(error, match=re.escape(match)):
             await ref.ask(message)
-        after = await ref.ask(CacheStatsRequest())
+        after = await stats_of(ref)
         assert await ref.ask(restore(tokens(300))) is not None
     assert (after.entries, after.resident_bytes, after.records) == (
         before.entries,
@@ -556,27 +565,53 @@ def test_messages_are_frozen() -> None:
 
 
 async def test_a_paged_restore_can_be_asked_for_page_by_page() -> None:
-    """RestoreActivation(pages=True) replies with the pages (views, nothing joined) where the
-    index is paged, and the assembled frame otherwise; a non-bool is refused by name."""
-    from stage_runtime.index_modes import PagedActivationRestore
-
+    """RestoreActivationPages replies with the pages (views, nothing joined) where the index is
+    paged; RestoreActivation with the assembled frame."""
     config = seed_config(index="paged", min_tokens=8, stride=8)  # pages of 8 tokens
     tokens = np.arange(32, dtype=np.int32)
     frame = ActivationFrame.from_array(np.ones((32, 4), np.float32))
     base = MessageBase()
     async with open_actor(CacheActor(config, environ={}), name="cache") as ref:
         await ref.ask(RecordActivation(base=base, tokens=tokens, activation_width=4, frame=frame))
-        pages = await ref.ask(
-            RestoreActivation(base=base, tokens=tokens, activation_width=4, pages=True)
-        )
+        pages = await ref.ask(RestoreActivationPages(base=base, tokens=tokens, activation_width=4))
         whole = await ref.ask(RestoreActivation(base=base, tokens=tokens, activation_width=4))
-        with pytest.raises(ConfigError, match="pages must be a bool, got 'yes'"):
-            await ref.ask(
-                RestoreActivation(base=base, tokens=tokens, activation_width=4, pages="yes")  # type: ignore[arg-type]
-            )
     assert isinstance(pages, PagedActivationRestore)
     assert len(pages.pages()) == 4
+    assert whole is not None
     assert whole.frame.same_content(pages.frame())
+
+
+async def test_the_ladder_answers_a_page_by_page_restore_with_one_frame() -> None:
+    config = seed_config()
+    async with cache_actor(config) as ref:
+        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        hit = await ref.ask(
+            RestoreActivationPages(base=BASE, tokens=tokens(300), activation_width=WIDTH)
+        )
+    assert isinstance(hit, ResidentActivationRestore)
+    assert hit.token_count == 300
+
+
+async def test_each_message_declares_its_reply_type() -> None:
+    """To a type checker (mypy runs over the tests), ask() returns each message's own reply
+    type: no casts, no Any (the actor's general reply type is Any)."""
+    async with cache_actor(seed_config()) as ref:
+        records = await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        assert_type(records, list[ResidentActivationRecord])
+        hit = await ref.ask(restore(tokens(300)))
+        assert_type(hit, ResidentActivationRestore | None)
+        paged = await ref.ask(
+            RestoreActivationPages(base=BASE, tokens=tokens(300), activation_width=WIDTH)
+        )
+        assert_type(paged, PagedActivationRestore | ResidentActivationRestore | None)
+        stats = await ref.ask(CacheStatsRequest())
+        assert_type(stats, CacheStats | None)
+        cleared = await ref.ask(ClearCache())
+        assert_type(cleared, tuple[EvictedEntry, ...])
+    assert [r.token_count for r in records] == [300, 256]
+    assert hit is not None
+    assert stats is not None
+    assert len(cleared) == stats.entries
 
 
 @pytest.mark.parametrize("index", ["ladder", "paged"])
