@@ -209,26 +209,33 @@ def _big(result: ReplayResult) -> ReplayResult:
     )
 
 
-@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
 def test_report_tables_keep_every_figure_whole_on_narrow_consoles(
     result: ReplayResult, width: int
 ) -> None:
-    """On an 80-column terminal no figure is cut short ("5,663,..."); headers wrap instead."""
+    """On an 80-column terminal no figure is cut short ("5,663,..."); headers wrap instead.
+    Narrower, the tables are laid out wider than the console and left for the terminal to wrap
+    (at 40 columns rich showed "2,07…" and "st…")."""
     big = _big(result)
     console = Console(record=True, width=width)
     render_report(console, big, title="full trace")
     text = console.export_text()
     assert "\u2026" not in text  # rich's ellipsis: something was cropped
-    assert max(len(line) for line in text.splitlines()) <= width
-    for figure in ("5,663,580", "55,531,048", "5,772", "5,438", "15.2 GiB", "2,537", "1,188"):
+    if width >= 80:
+        assert max(len(line) for line in text.splitlines()) <= width
+    for figure in ("5,663,580", "55,531,048", "5,772", "5,438", "stage-0", "2,537", "1,188"):
         assert figure in text
+    if width >= 80:
+        assert "15.2 GiB" in text
     sweep = [attrs.evolve(big, capacity_tokens=1_048_576), attrs.evolve(big, capacity_tokens=0)]
     console = Console(record=True, width=width)
     render_sweep(console, sweep, title="sweep")
     text = console.export_text()
     assert "\u2026" not in text
-    assert max(len(line) for line in text.splitlines()) <= width
-    for figure in ("1,048,576", "2.0 MiB", "5,438", "15.2 GiB", "unbounded"):
+    if width >= 80:
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "2.0 MiB" in text
+    for figure in ("1,048,576", "5,438", "unbounded"):
         assert figure in text
 
 
@@ -283,23 +290,3 @@ def test_a_gap_too_small_to_show_is_no_gap() -> None:
         console = Console(record=True, width=200)
         render_report(console, shown, title="gap")
         assert hint in console.export_text()
-
-
-@pytest.mark.parametrize("width", [40, 60])
-def test_tables_wider_than_the_console_are_not_cropped(result: ReplayResult, width: int) -> None:
-    """Below the tables' narrowest layout they are laid out wider than the console and left for
-    the terminal to wrap: every figure whole (it showed "2,07…" and "st…" at 40 columns)."""
-    big = _big(result)
-    console = Console(record=True, width=width)
-    render_report(console, big, title="full trace")
-    text = console.export_text()
-    assert "\u2026" not in text
-    for figure in ("5,663,580", "55,531,048", "5,772", "5,438", "stage-0", "2,537", "1,188"):
-        assert figure in text
-    sweep = [attrs.evolve(big, capacity_tokens=1_048_576), attrs.evolve(big, capacity_tokens=0)]
-    console = Console(record=True, width=width)
-    render_sweep(console, sweep, title="sweep")
-    text = console.export_text()
-    assert "\u2026" not in text
-    for figure in ("1,048,576", "5,438", "unbounded"):
-        assert figure in text
