@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Literal, Protocol
 
 import attrs
@@ -75,29 +75,57 @@ class CacheAccounting:
 
 @attrs.define(eq=False)
 class MissTracker:
-    """Bounded memory of evicted keys, to classify misses (oldest tombstones dropped first)."""
+    """Bounded memory of evicted keys, to classify misses (oldest tombstones dropped first).
+
+    A tombstone may carry notes (any hashable values, such as the slot and a fingerprint of
+    the evicted key), counted while their tombstone is kept, so that a caller can ask cheaply
+    whether any kept tombstone has a note before it computes the keys to look up. The notes
+    are forgotten with their tombstone: they take no more room than the tombstones.
+    """
 
     capacity: int = 65536
     """Tombstones kept; older ones are forgotten, so their misses count as ``never_seen``."""
-    _tombstones: OrderedDict[Hashable, None] = attrs.field(factory=OrderedDict, init=False)
+    _tombstones: OrderedDict[Hashable, tuple[Hashable, ...]] = attrs.field(
+        factory=OrderedDict, init=False
+    )
+    _notes: dict[Hashable, int] = attrs.field(factory=dict, init=False)
+    """How many kept tombstones carry each note."""
 
-    def evicted(self, key: Hashable) -> None:
-        """Remember that ``key`` was evicted."""
+    def evicted(self, key: Hashable, notes: tuple[Hashable, ...] = ()) -> None:
+        """Remember that ``key`` was evicted, with ``notes`` (replacing an earlier tombstone's)."""
         tombstones = self._tombstones
         if key in tombstones:
-            tombstones.move_to_end(key)
-        else:
-            tombstones[key] = None
+            self._forget_notes(tombstones.pop(key))
+        tombstones[key] = notes
+        if notes:
+            counts = self._notes
+            for note in notes:
+                counts[note] = counts.get(note, 0) + 1
         while len(tombstones) > self.capacity:
-            tombstones.popitem(last=False)
+            self._forget_notes(tombstones.popitem(last=False)[1])
+
+    def _forget_notes(self, notes: tuple[Hashable, ...]) -> None:
+        counts = self._notes
+        for note in notes:
+            left = counts[note] - 1
+            if left:
+                counts[note] = left
+            else:
+                del counts[note]
 
     def cached(self, key: Hashable) -> None:
         """Forget ``key``'s tombstone: it is resident again."""
-        self._tombstones.pop(key, None)
+        notes = self._tombstones.pop(key, None)
+        if notes:
+            self._forget_notes(notes)
 
     def was_evicted(self, key: Hashable) -> bool:
         """Whether ``key`` has a tombstone."""
         return key in self._tombstones
+
+    def noted(self, note: Hashable) -> bool:
+        """Whether a kept tombstone carries ``note``."""
+        return note in self._notes
 
     def __len__(self) -> int:
         return len(self._tombstones)
@@ -304,9 +332,18 @@ class LadderAccounting:
         self._misses.cached(key)
         self.footprint.add(key, segments, bytes_per_token)
 
-    def evicted(self, entries: Iterable[_Evicted]) -> None:
-        """Entries left the cache (``cleared`` ones leave no tombstone)."""
+    def evicted(
+        self,
+        entries: Iterable[_Evicted],
+        notes: Mapping[str, tuple[Hashable, ...]] | None = None,
+    ) -> None:
+        """Entries left the cache (``cleared`` ones leave no tombstone); ``notes`` by key go on
+        their tombstones (see :class:`MissTracker`)."""
         for entry in entries:
             self.footprint.remove(entry.key)
             if entry.reason != "cleared":
-                self._misses.evicted(entry.key)
+                self._misses.evicted(entry.key, notes.get(entry.key, ()) if notes else ())
+
+    def noted(self, note: Hashable) -> bool:
+        """Whether a kept tombstone carries ``note``."""
+        return self._misses.noted(note)

@@ -24,7 +24,7 @@ Differences a caller of the paged mode can see:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import attrs
 import numpy as np
@@ -83,13 +83,6 @@ class LadderStageIntegration(KvStageIntegration):
 
     _accounting: LadderAccounting = attrs.field(factory=LadderAccounting, init=False, repr=False)
     _footprint_chain: PageChain | None = attrs.field(default=None, init=False, repr=False)
-    _tombstones: dict[tuple[str, str], dict[int, set[_Fingerprint | None]]] = attrs.field(
-        factory=dict, init=False, repr=False
-    )
-    """``(start, width)`` -> length -> token fingerprints of the keys ever evicted there (None:
-    unknown, always check). A miss hashes and checks only the candidates whose fingerprint is
-    listed: a candidate key with a tombstone has the tokens, hence the fingerprint, of the
-    evicted key."""
     _extra_counts: list[int] | None = attrs.field(default=None, init=False, repr=False)
     """The candidates the base restore's pass found worth a tombstone check, for its miss path."""
     _slot_keys: dict[tuple[tuple[str, str], int], dict[str, _Fingerprint]] = attrs.field(
@@ -262,8 +255,13 @@ class LadderStageIntegration(KvStageIntegration):
 
     def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
         self._forget_pending(entries)
-        self._accounting.evicted(entries)
         fingerprints = self._resident_fingerprints
+        # Each tombstone notes its slot and the evicted key's token fingerprint (None: unknown,
+        # always check), so that a miss hashes and checks only the candidates whose slot and
+        # fingerprint a kept tombstone has: a candidate key with a tombstone has the tokens,
+        # hence the fingerprint, of the evicted key. The notes go with their tombstones, so
+        # they are bounded as the tombstones are.
+        notes: dict[str, tuple[Hashable, ...]] = {}
         for entry in entries:
             fingerprint = fingerprints.pop(entry.key, None)
             slot = activation_key_slot(entry.key)
@@ -273,9 +271,9 @@ class LadderStageIntegration(KvStageIntegration):
                     keys.pop(entry.key, None)
                     if not keys:
                         del self._slot_keys[slot]
-            if slot is not None and entry.reason != "cleared":
-                group, count = slot
-                self._tombstones.setdefault(group, {}).setdefault(count, set()).add(fingerprint)
+            if slot is not None:
+                notes[entry.key] = (slot, (slot, fingerprint))
+        self._accounting.evicted(entries, notes)
         if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
             for key in [key for key in fingerprints if key not in self.cache]:
                 del fingerprints[key]
@@ -354,17 +352,16 @@ class LadderStageIntegration(KvStageIntegration):
         Those whose (start, width, length) lost an entry with the same token fingerprint (or an
         unknown one); any other candidate key was never evicted.
         """
-        by_count = self._tombstones.get((str(token_start), f"w{max(width, 0)}"))
-        if not by_count:
-            return []
-        slotted = [count for count in counts if count in by_count]
+        group = (str(token_start), f"w{max(width, 0)}")
+        noted = self._accounting.noted
+        slotted = [count for count in counts if noted((group, count))]
         if not slotted:
             return []
         out = []
         prints = _fingerprints(array, slotted, _tenant(base))
         for count, fingerprint in zip(slotted, prints, strict=True):
-            seen = by_count[count]
-            if fingerprint in seen or None in seen:
+            slot = (group, count)
+            if noted((slot, fingerprint)) or noted((slot, None)):
                 out.append(count)
         self._extra_counts = out
         return out
