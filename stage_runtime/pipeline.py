@@ -39,7 +39,7 @@ import trio
 from actors import ActorStoppedError
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator, check_text
-from stage_runtime.errors import ConfigError, PipelineStoppedError
+from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.integration import KvStageIntegration
@@ -94,11 +94,39 @@ class Pipeline:
     _draining: bool = attrs.field(default=False, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
     _ids: Iterator[int] = attrs.field(factory=itertools.count, init=False)
+    _trio_token: trio.lowlevel.TrioToken = attrs.field(
+        factory=trio.lowlevel.current_trio_token, init=False
+    )
+    _failure: str | None = attrs.field(default=None, init=False)
+    """Why the pipeline stopped, when it stopped abnormally (a stage crashed, or the block
+    that opened it raised or was cancelled)."""
 
     @property
     def draining(self) -> bool:
         """Whether the pipeline is shutting down (or has stopped): new prefills are refused."""
         return self._draining
+
+    @property
+    def failure(self) -> str | None:
+        """Why the pipeline stopped abnormally (``"stage 's1' failed: ..."``, say), or None
+        while it runs or after a normal close. New prefills then raise
+        :class:`~stage_runtime.errors.PipelineStoppedError` saying so, not the draining
+        ``trio.ClosedResourceError``."""
+        return self._failure
+
+    def _check_run(self) -> None:
+        """Refuse use from another thread or trio run (trio's channels and events are not
+        thread-safe: a send from there wedged or crashed the stages); nothing is sent."""
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            token = None
+        if token is not self._trio_token:
+            msg = (
+                "a pipeline can only be used from the trio run that opened it; from another "
+                "thread, go through trio.from_thread.run"
+            )
+            raise RuntimeError(msg)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -131,11 +159,17 @@ class Pipeline:
             ConfigError: ``tokens`` is not a sequence, empty, longer than the stages' context,
                 not integers, or outside int32; or ``session_id`` or ``request_id`` is not a
                 string.
-            trio.ClosedResourceError: the pipeline is draining or stopped.
+            trio.ClosedResourceError: the pipeline is draining, or closed normally.
             PipelineStoppedError: the pipeline stopped (a stage crashed) before the request
-                finished.
+                finished, or had stopped abnormally already (:attr:`failure` says why).
+            RuntimeError: called from another thread or trio run than the one that opened
+                the pipeline (nothing is sent).
             Exception: whatever the model raised for this input (only this caller sees it).
         """
+        self._check_run()
+        if self._failure is not None:
+            msg = f"pipeline stopped ({self._failure}); prefill refused"
+            raise PipelineStoppedError(msg)
         if self._draining:
             msg = "pipeline is draining; prefill refused"
             raise trio.ClosedResourceError(msg)
@@ -205,6 +239,7 @@ class Pipeline:
             PipelineStoppedError: the pipeline stopped abnormally (a crash or a cancellation), so
                 a stage's actor is gone without final statistics.
         """
+        self._check_run()
         try:
             return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
         except ActorStoppedError as exc:
@@ -220,6 +255,7 @@ class Pipeline:
         Raises:
             PipelineStoppedError: the pipeline has stopped (its caches are gone).
         """
+        self._check_run()
         try:
             return tuple([await stage.clear_cache() for stage in self._stages])
         except ActorStoppedError as exc:
@@ -325,8 +361,27 @@ async def open_pipeline(
                 await nursery.start(runner.run)
             yield pipeline
             await pipeline._drain()
+    except BaseException as exc:
+        pipeline._failure = _failure(exc)
+        raise
     finally:
         pipeline._fail_pending()
+
+
+def _failure(exc: BaseException) -> str:
+    """What stopped a pipeline, in a few words: the first stage failure, else the exception."""
+    if isinstance(exc, BaseExceptionGroup):
+        failed, _ = exc.split(StageFailedError)
+        if failed is not None:
+            first: BaseException = failed
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            return str(first)
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+    if isinstance(exc, trio.Cancelled):
+        return "cancelled"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def validate_topology(stages: Sequence[StageConfig], *, source: str | None = None) -> None:

@@ -709,6 +709,42 @@ async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
                     await trio.sleep_forever()
     assert len(outcome) == 1
     assert "pipeline stopped before request" in str(outcome[0])
+    # A caller arriving afterwards hears that the pipeline failed, and why; not "draining".
+    assert pipe.failure is not None
+    assert pipe.failure.startswith("stage 'stage-0' failed")
+    with pytest.raises(PipelineStoppedError, match=r"^pipeline stopped \(stage 'stage-0' failed"):
+        await pipe.prefill(prompt(10), session_id="s")
+
+
+async def test_a_normal_close_has_no_failure() -> None:
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(10), session_id="s")
+        assert pipeline.failure is None
+    assert pipeline.failure is None
+    with pytest.raises(trio.ClosedResourceError, match="draining"):
+        await pipeline.prefill(prompt(10), session_id="s")
+
+
+async def test_a_prefill_from_another_trio_run_is_refused_and_harms_nothing() -> None:
+    """A worker thread calling trio.run(pipeline.prefill...) instead of trio.from_thread.run
+    used to wedge stage 0 for good, or crash the last stage with a bare AssertionError. It is a
+    RuntimeError in that caller, nothing is sent, and the pipeline keeps serving."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        for call in (
+            lambda: pipeline.prefill(prompt(10), session_id="t"),
+            pipeline.stats,
+            pipeline.clear_caches,
+        ):
+
+            def in_another_run(call: Any = call) -> None:
+                with pytest.raises(RuntimeError, match="trio run that opened it"):
+                    trio.run(call)
+
+            await trio.to_thread.run_sync(in_another_run)
+        result = await pipeline.prefill(prompt(10), session_id="s")
+        stats = await pipeline.stats()
+    assert result.tokens == 10
+    assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
 
 async def test_model_factory_failure_is_a_stage_failure() -> None:
