@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, cast
 
 import attrs
@@ -77,16 +78,20 @@ def _snapshot(
     """A message's tokens as they are when it is made: a message can wait in a mailbox (a
     ``tell``, or an ``ask`` whose caller was cancelled), and a caller reusing its buffer for
     the next prompt meanwhile would change the prompt the actor sees. A read-only array that
-    owns its data (what :meth:`Pipeline.prefill` makes) and immutable sequences are kept as
-    they are; a writable or borrowed array and a list are copied. Validation is the actor's,
-    when it handles the message (bad values are passed on as they are)."""
+    owns its data (what :meth:`Pipeline.prefill` makes) and immutable sequences (tuple, range)
+    are kept as they are; any other array or iterable (list, ``array.array``, memoryview,
+    deque, ...) is copied. Validation is the actor's, when it handles the message: what is not
+    an iterable of tokens at all (None, a string, a set, a mapping) is passed on as it is, for
+    the actor to name."""
     if isinstance(tokens, np.ndarray):
         if tokens.flags.writeable or tokens.base is not None:
             return cast("npt.NDArray[np.int32]", tokens.copy())
         return cast("npt.NDArray[np.int32]", tokens)
-    if isinstance(tokens, list):
-        tokens = list(tokens)
-    return cast("npt.NDArray[np.int32]", tokens)  # converted and checked by the actor
+    if isinstance(tokens, tuple | range | str | bytes | AbstractSet | Mapping) or not isinstance(
+        tokens, Iterable
+    ):
+        return cast("npt.NDArray[np.int32]", tokens)
+    return cast("npt.NDArray[np.int32]", list(tokens))  # checked by the actor
 
 
 @attrs.frozen(kw_only=True, eq=False)

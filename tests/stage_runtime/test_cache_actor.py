@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import array
+import collections
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, assert_type
 
@@ -615,16 +617,24 @@ async def test_each_message_declares_its_reply_type() -> None:
 
 
 @pytest.mark.parametrize("index", ["ladder", "paged"])
-@pytest.mark.parametrize("kind", ["array", "list"])
+@pytest.mark.parametrize("kind", ["array", "list", "array.array", "memoryview", "deque"])
 async def test_a_message_keeps_the_tokens_it_was_made_with(index: str, kind: str) -> None:
     """A told record waits in the mailbox; a caller that reuses its token buffer for the next
     prompt meanwhile must not change what gets recorded (it recorded prompt B's tokens under A's
     rows: B restored A's activations and A missed)."""
-    buffer: Any = tokens(300) if kind == "array" else list(range(300))
+    makers: dict[str, Callable[[], Any]] = {
+        "array": lambda: tokens(300),
+        "list": lambda: list(range(300)),
+        "array.array": lambda: array.array("i", range(300)),
+        "memoryview": lambda: memoryview(array.array("i", range(300))),
+        "deque": lambda: collections.deque(range(300)),
+    }
+    buffer = makers[kind]()
     first = tokens(300)
     async with cache_actor(seed_config(index=index)) as ref:
         ref.tell_nowait(record(buffer, seed_frame(300, 1200)))
-        buffer[:] = range(1000, 1300)  # the caller's next prompt, before the actor ran
+        for i in range(300):  # the caller's next prompt, before the actor ran
+            buffer[i] = 1000 + i
         assert await ref.ask(restore(tokens(300, start=1000))) is None
         hit = await ref.ask(restore(first))
     assert hit is not None
