@@ -2,7 +2,8 @@
 
 ``stage-runtime demo`` replays the bundled trace excerpt through a 4-stage pipeline and prints
 what the activation cache bought; ``replay TRACE.jsonl`` does the same for any Mooncake-format
-trace; ``simulate`` builds a synthetic workload; ``serve`` runs the HTTP server (``.[server]``).
+trace; ``simulate`` builds a synthetic workload; ``serve`` runs the HTTP server (it needs
+``stage-runtime[server]``).
 
 Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file); 2 bad usage
 (unknown flag, impossible setting), always with a one-line message on stderr.
@@ -501,9 +502,7 @@ def _check_usage(args: argparse.Namespace) -> None:
                 "pip install 'stage-runtime[plot]'"
             )
             raise _UsageError(msg) from exc
-        if args.json not in (None, "-") and os.path.abspath(args.json) == os.path.abspath(
-            args.plot
-        ):
+        if args.json not in (None, "-") and _same_file(args.json, args.plot):
             msg = f"--json and --plot name the same file ({args.plot}): the plot would replace it"
             raise _UsageError(msg)
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:

@@ -334,6 +334,12 @@ def test_json_and_plot_to_the_same_file_is_refused(
     assert main(["demo", "--json", str(target), "--plot", str(target)]) == 2
     assert "--json and --plot name the same file" in capsys.readouterr().err
     assert not target.exists()
+    target.write_text("{}")  # through a link too
+    link = tmp_path / "link.png"
+    link.symlink_to(target)
+    assert main(["demo", "--json", str(target), "--plot", str(link)]) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err
+    assert target.read_text() == "{}"
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
