@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import blake3
 
 from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.errors import ConfigError
 from stage_runtime.identity import prefix_namespace_hash
 
 __all__ = ["paged_namespace", "salted_prefix_hash", "salted_prefix_hashes"]
@@ -27,6 +28,10 @@ _NAMESPACE_DOMAIN = b"stage-runtime/paged-namespace-v1"
 
 
 def _salt_bytes(salt: str) -> bytes:
+    if not isinstance(salt, str) or not salt:
+        # "" would be a tenant of its own, isolated from unsalted traffic (MessageBase refuses it)
+        msg = f"cache_salt must be a non-empty string or None, got {salt!r}"
+        raise ConfigError(msg)
     raw = salt.encode()
     return _SALT_DOMAIN + len(raw).to_bytes(8, "little") + raw
 

@@ -15,6 +15,7 @@ from stage_runtime import (
     ActivationLayout,
     CacheIndex,
     CacheMode,
+    ConfigError,
     KvCacheConfig,
     KvStageIntegration,
     LadderStageIntegration,
@@ -259,7 +260,8 @@ def test_salted_hash_is_domain_separated_and_stable() -> None:
     assert salted_prefix_hash(h, None) == h
     assert salted_prefix_hash(h, "a") == salted_prefix_hash(h, "a")
     assert salted_prefix_hash(h, "a") != salted_prefix_hash(h, "b")
-    assert salted_prefix_hash(h, "") != h
+    with pytest.raises(ConfigError, match="cache_salt must be a non-empty string or None"):
+        salted_prefix_hash(h, "")  # "" would be a tenant of its own, as MessageBase refuses
 
 
 def test_streaming_restore_hands_out_page_views() -> None:
