@@ -23,6 +23,7 @@ from stage_runtime.sim.cost import (
     pipeline_finish_times,
 )
 from stage_runtime.sim.driver import (
+    MAX_ARRIVAL_SPAN_S,
     MAX_BLOCK_SIZE,
     MAX_BYTES_PER_TOKEN,
     MAX_CACHE_BYTES,
@@ -65,6 +66,7 @@ __all__ = [
     "MAX_BYTES_PER_TOKEN",
     "MAX_CACHE_BYTES",
     "MAX_COST_S",
+    "MAX_ARRIVAL_SPAN_S",
     "MAX_STAGES",
     "MIN_BLOCK_SIZE",
     "PAGED_MAX_ENTRIES",

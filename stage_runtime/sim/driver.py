@@ -17,6 +17,7 @@ virtual, so a 61-million-token trace replays in seconds and fits in memory.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_BYTES_PER_TOKEN",
     "MAX_CACHE_BYTES",
+    "MAX_ARRIVAL_SPAN_S",
     "MAX_STAGES",
     "MIN_BLOCK_SIZE",
     "PAGED_MAX_ENTRIES",
@@ -75,6 +77,10 @@ needs 8,192). Frames must keep their width within int32."""
 
 MAX_CACHE_BYTES = 2**64 - 1
 """Largest per-stage byte bound (``capacity_tokens * bytes_per_token``) a cache accepts."""
+
+MAX_ARRIVAL_SPAN_S = 1e9
+"""Longest span of arrival times a replay accepts (seconds, about 31 years): the virtual clock
+counts from the first arrival in floating point, which still resolves microseconds there."""
 
 ProgressCallback = Callable[[int], None]
 """Called with the number of finished requests after each one finishes."""
@@ -486,8 +492,9 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
 
     Raises:
         ConfigError: naming the request: an empty prompt, more tokens than its blocks hold,
-            block lengths that do not add up, an arrival time that is negative or not finite,
-            or two requests with the same index.
+            block lengths that do not add up, an arrival time that is not a finite number,
+            arrivals spanning more than :data:`MAX_ARRIVAL_SPAN_S`, or two requests with the
+            same index.
     """
     seen: set[int] = set()
     for request in requests:
@@ -500,9 +507,24 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
             msg = f"{where}: input_length must be >= 1, got {request.input_length}"
             raise ConfigError(msg)
         arrival = request.arrival_s
-        if not isinstance(arrival, int | float) or not math.isfinite(arrival) or arrival < 0:
+        if (
+            isinstance(arrival, bool)
+            or not isinstance(arrival, numbers.Real)
+            or not math.isfinite(arrival)
+        ):
             # an infinite arrival would never come: a replay at concurrency > 1 waited forever
-            msg = f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}"
+            msg = f"{where}: arrival_s must be a finite number, got {arrival!r}"
+            raise ConfigError(msg)
+    if requests:
+        arrivals = [float(request.arrival_s) for request in requests]
+        span = max(arrivals) - min(arrivals)
+        if span > MAX_ARRIVAL_SPAN_S:
+            # Virtual time counts from the first arrival; this far from it a float clock
+            # cannot tell microseconds apart, and stage costs would round away.
+            msg = (
+                f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
+                f"got {span:.3g} s"
+            )
             raise ConfigError(msg)
         lengths = request.block_lengths
         if lengths is None:
