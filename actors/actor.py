@@ -60,7 +60,9 @@ class Asks(Generic[ReplyT_co]):
         count = await ref.ask(GetCount())  # int, to a type checker
 
     Only a declaration: the actor's ``handle`` must return that type (nothing checks it at run
-    time).
+    time). And a type checker accepts any ``Asks`` message for any actor's ``ask``: there is no
+    intersection type to require the actor's message type too, so a message the actor does not
+    handle is caught at run time, by ``handle``.
     """
 
     __slots__ = ()
