@@ -62,6 +62,11 @@ __all__ = ["PipelineApp", "ServedPipeline", "ServerSettings", "create_app"]
 
 log = structlog.get_logger(__name__)
 
+ANSWER_MARGIN_S: Final = 2.0
+"""Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers
+of prefills cut off at ``shutdown_timeout_s`` are written before hypercorn drops connections
+(and an answer being written at the shutdown deadline gets this long to leave)."""
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -204,6 +209,12 @@ class PipelineApp:
     _dropped: int = attrs.field(default=0, init=False)
     _body_reads: set[trio.CancelScope] = attrs.field(factory=set, init=False)
     """Scopes of the bodies being read: a shutdown cuts them short (not admitted yet)."""
+    _sends: set[trio.CancelScope] = attrs.field(factory=set, init=False)
+    """Scopes of the answers being written: a client that does not take one within
+    ``body_timeout_s`` (or by the shutdown deadline) loses it."""
+    _active: int = attrs.field(default=0, init=False)
+    """HTTP requests being handled (any route)."""
+    _quiet: trio.Event | None = attrs.field(default=None, init=False)
 
     @property
     def draining(self) -> bool:
@@ -224,6 +235,13 @@ class PipelineApp:
     def max_tokens(self) -> int:
         """Longest accepted prompt: the smallest context size among the stages."""
         return context_tokens(self.pipeline.stage_configs)
+
+    async def wait_quiet(self) -> None:
+        """Return once no HTTP request is being handled (at once if none is)."""
+        while self._active:
+            if self._quiet is None:
+                self._quiet = trio.Event()
+            await self._quiet.wait()
 
     def drain(self) -> None:
         """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""
@@ -250,13 +268,22 @@ class PipelineApp:
                 scope.deadline = self._shutdown_deadline
             for scope in self._body_reads:
                 scope.cancel()
+            for scope in self._sends:
+                scope.deadline = min(scope.deadline, self._shutdown_deadline + ANSWER_MARGIN_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
-            await self._http(scope, receive, send)
+            self._active += 1
+            try:
+                await self._http(scope, receive, send)
+            finally:
+                self._active -= 1
+                if not self._active and self._quiet is not None:
+                    self._quiet.set()
+                    self._quiet = None
         # Other scope types (websocket) are not served; returning closes them.
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -311,11 +338,25 @@ class PipelineApp:
         if response is not None:
             fields = dict(response.log_fields)
         if response is not None:
-            try:
-                await self._send(send, response, head=method == "HEAD")
-            except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
-                # The client hung up while the answer was being written (hypercorn can then
-                # race its own close against our write); nobody is left to read it.
+            # A client that does not take its answer (or a connection hypercorn closed under
+            # it, over HTTP/2) would hold this task forever: bounded like a body's arrival.
+            with trio.CancelScope(
+                deadline=min(
+                    trio.current_time() + self.settings.body_timeout_s,
+                    self._shutdown_deadline + ANSWER_MARGIN_S,
+                )
+            ) as sending:
+                self._sends.add(sending)
+                try:
+                    await self._send(send, response, head=method == "HEAD")
+                except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
+                    # The client hung up while the answer was being written (hypercorn can then
+                    # race its own close against our write); nobody is left to read it.
+                    response = None
+                finally:
+                    self._sends.discard(sending)
+            if sending.cancelled_caught:
+                fields["send_timed_out"] = True
                 response = None
         status = CLIENT_CLOSED_REQUEST if response is None else response.status
         route = path if path in _ROUTES else "other"

@@ -19,7 +19,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -27,7 +27,7 @@ import structlog
 import trio
 
 from stage_runtime.errors import ConfigError, sole_exception
-from stage_runtime.server.app import PipelineApp
+from stage_runtime.server.app import ANSWER_MARGIN_S, PipelineApp
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["RunningServer", "open_server", "serve"]
 
 log = structlog.get_logger(__name__)
-
-ANSWER_MARGIN_S: Final = 2.0
-"""Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers
-of prefills cut off at ``shutdown_timeout_s`` are written before hypercorn drops connections."""
 
 
 @attrs.define(eq=False)
@@ -130,6 +126,11 @@ def _hypercorn_config(*, shutdown_timeout_s: float) -> Config:
     # Hypercorn's own messages go to a stdlib logger; the application decides where they end up.
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = None  # `request_served` is the access log
+    # Hypercorn recycles a connection after 1,000 requests. Over HTTP/2 it closes the connection
+    # as it admits the 1,001st stream, whose answer then never leaves (the client sees the
+    # connection terminated, the app waits on a send that cannot complete). Nothing here needs
+    # recycling, so it is off in practice.
+    config.keep_alive_max_requests = 2**62
     return config
 
 
@@ -148,7 +149,8 @@ async def _serve_connections(
     the server, and its HTTP/2 code raises on body data for a stream already answered (hypercorn
     issue #329), so one HTTP/2 client could stop every other request. The app needs no lifespan
     events. Once triggered: the listener closes, idle connections close, and connections still
-    answering get ``config.graceful_timeout`` before they are cancelled.
+    answering get ``config.graceful_timeout`` before they are cancelled; once no request is being
+    answered, the remaining (idle) connections are closed at once.
     """
     from hypercorn.app_wrappers import ASGIWrapper
     from hypercorn.trio.tcp_server import TCPServer
@@ -188,6 +190,11 @@ async def _serve_connections(
         finally:
             await context.terminated.set()  # idle keep-alive connections close now
             connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+            # Once no request is being answered, only idle connections are left: close them now.
+            # (Hypercorn can leave a closing keep-alive connection waiting, which held the exit
+            # up to the graceful timeout, past a 30 s container grace period.)
+            await app.wait_quiet()
+            connections.cancel_scope.cancel()
 
 
 async def serve(

@@ -624,6 +624,44 @@ async def test_a_shutdown_answers_bodies_still_arriving_503_at_once(
     assert stats["server"]["rejected"]["draining"] == 1
 
 
+async def test_an_answer_the_client_does_not_take_is_dropped_at_the_body_timeout(
+    autojump_clock: trio.testing.MockClock, capture_stage_logs: LogEvents
+) -> None:
+    """A send that never completes (over HTTP/2, hypercorn could leave one waiting on a closed
+    connection) held its task forever, and with it the shutdown. It is bounded like a body."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+        app = create_app(p, settings=ServerSettings(body_timeout_s=7))
+
+        async def receive() -> MutableMapping[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await trio.sleep_forever()
+
+        scope = {"type": "http", "method": "GET", "path": "/healthz", "headers": []}
+        started = trio.current_time()
+        await app(scope, receive, send)
+        assert trio.current_time() - started == pytest.approx(7)
+        await app.wait_quiet()  # nothing is being handled any more
+    [served] = served_events(capture_stage_logs)
+    assert (served["status"], served["send_timed_out"]) == (499, True)
+
+
+async def test_the_shutdown_does_not_wait_for_idle_connections() -> None:
+    """A connection holding half a request (a keep-alive client that started its next one) kept
+    hypercorn's connection waiting until the graceful timeout (shutdown_timeout_s + 2 s: 32 s by
+    default, past a container's grace period). Once nothing is being answered, the rest close."""
+    settings = ServerSettings(shutdown_timeout_s=600)  # the old wait: 602 s, past TIMEOUT_S
+    with trio.fail_after(TIMEOUT_S):
+        async with serving(settings=settings) as h:
+            assert (await h.client.get("/healthz")).status_code == 200
+            stream = await trio.open_tcp_stream(h.server.host, h.server.port)
+            async with stream:
+                await stream.send_all(b"POST /v1/prefill HTTP/1.1\r\nhost: x\r\n")
+                h.server.shutdown()
+                await h.server.wait_stopped()
+
+
 # -- load and faults ------------------------------------------------------------------------------
 
 
