@@ -260,6 +260,7 @@ class CacheActor(Actor[CacheMessage, Any]):
         if restore is None:
             log.debug(
                 "activation_missed",
+                **_request_of(message.base),
                 requested_tokens=requested,
                 candidates_tried=integration.lookup_candidates(requested),
                 decision=DECISION_MISS,
@@ -268,6 +269,7 @@ class CacheActor(Actor[CacheMessage, Any]):
             return None
         log.debug(
             "activation_restored",
+            **_request_of(message.base),
             page_id=restore.page_id,
             token_count=restore.token_count,
             requested_tokens=requested,
@@ -308,10 +310,12 @@ class CacheActor(Actor[CacheMessage, Any]):
             width,
             frame,
         )
+        request = _request_of(message.base)
         for record in records:
-            _log_evictions(record.evicted)
+            _log_evictions(record.evicted, request)
             log.debug(
                 "activation_recorded",
+                **request,
                 page_id=record.page_id,
                 token_count=record.token_count,
                 payload_bytes=record.payload_bytes,
@@ -335,8 +339,17 @@ class CacheActor(Actor[CacheMessage, Any]):
         return evicted
 
 
-def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
-    """One ``activation_evicted`` event per entry, with the cache's size right after it left.
+def _request_of(base: MessageBase) -> dict[str, str]:
+    """``request_id=`` for a message's log events when it names its request (the stage's do),
+    so that its restores, records and the evictions it caused can be told apart under load."""
+    return {"request_id": base.request_id} if base.request_id else {}
+
+
+def _log_evictions(
+    evicted: Sequence[EvictedEntry], request: Mapping[str, str] | None = None
+) -> None:
+    """One ``activation_evicted`` event per entry, with the cache's size right after it left
+    (and the ``request_id`` of the record that caused it, when there is one).
 
     The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
     record stores several pages and (under ``reuse`` eviction) may evict between them, so it
@@ -354,6 +367,7 @@ def _log_evictions(evicted: Sequence[EvictedEntry]) -> None:
     for entry in evicted:
         info(
             "activation_evicted",
+            **(request or {}),
             page_id=entry.key,
             token_count=entry.token_count,
             payload_bytes=entry.payload_bytes,

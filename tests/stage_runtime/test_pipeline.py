@@ -117,6 +117,24 @@ async def test_full_hit_skips_the_model(logs: list[LogEvent]) -> None:
     ]
 
 
+async def test_cache_events_name_the_request_that_caused_them(logs: list[LogEvent]) -> None:
+    """Restores, misses, records and the evictions a record caused carry the request's id, so
+    that under concurrent traffic a tenant's miss can be matched to its request."""
+    configs = stage_configs(1, min_tokens=8, max_entries=2)
+    async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipeline:
+        await pipeline.prefill(prompt(50), session_id="s", request_id="first")
+        await pipeline.prefill(prompt(50, start=500), session_id="s", request_id="second")
+        await pipeline.prefill(prompt(50), session_id="s", request_id="third")
+    by_event = {
+        name: [e.get("request_id") for e in events_named(logs, name)]
+        for name in ("activation_missed", "activation_recorded", "activation_evicted")
+    }
+    assert by_event["activation_missed"] == ["first", "second", "third"]
+    assert set(by_event["activation_recorded"]) == {"first", "second", "third"}
+    assert by_event["activation_evicted"]  # the second prompt's records evicted the first's
+    assert set(by_event["activation_evicted"]) <= {"second", "third"}
+
+
 async def test_events_carry_the_stage_that_emitted_them(logs: list[LogEvent]) -> None:
     """Every cache event is tagged with its stage through contextvars."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
