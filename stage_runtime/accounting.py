@@ -127,6 +127,12 @@ class MissTracker:
         """Whether a kept tombstone carries ``note``."""
         return note in self._notes
 
+    @property
+    def notes(self) -> Mapping[Hashable, int]:
+        """How many kept tombstones carry each note (a live view: test ``note in notes`` in a
+        loop without a call per test)."""
+        return self._notes
+
     def __len__(self) -> int:
         return len(self._tombstones)
 
@@ -344,6 +350,7 @@ class LadderAccounting:
             if entry.reason != "cleared":
                 self._misses.evicted(entry.key, notes.get(entry.key, ()) if notes else ())
 
-    def noted(self, note: Hashable) -> bool:
-        """Whether a kept tombstone carries ``note``."""
-        return self._misses.noted(note)
+    @property
+    def tombstone_notes(self) -> Mapping[Hashable, int]:
+        """The notes of the kept tombstones (:attr:`MissTracker.notes`)."""
+        return self._misses.notes

@@ -272,7 +272,9 @@ class LadderStageIntegration(KvStageIntegration):
                     if not keys:
                         del self._slot_keys[slot]
             if slot is not None:
-                notes[entry.key] = (slot, (slot, fingerprint))
+                group, count = slot
+                note = _slot_top(group) | count
+                notes[entry.key] = (note, (note, fingerprint))
         self._accounting.evicted(entries, notes)
         if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
             for key in [key for key in fingerprints if key not in self.cache]:
@@ -352,16 +354,18 @@ class LadderStageIntegration(KvStageIntegration):
         Those whose (start, width, length) lost an entry with the same token fingerprint (or an
         unknown one); any other candidate key was never evicted.
         """
-        group = (str(token_start), f"w{max(width, 0)}")
-        noted = self._accounting.noted
-        slotted = [count for count in counts if noted((group, count))]
+        notes = self._accounting.tombstone_notes
+        if not notes:
+            return []
+        top = _slot_top((str(token_start), f"w{max(width, 0)}"))
+        slotted = [count for count in counts if top | count in notes]
         if not slotted:
             return []
         out = []
         prints = _fingerprints(array, slotted, _tenant(base))
         for count, fingerprint in zip(slotted, prints, strict=True):
-            slot = (group, count)
-            if noted((slot, fingerprint)) or noted((slot, None)):
+            slot = top | count
+            if (slot, fingerprint) in notes or (slot, None) in notes:
                 out.append(count)
         self._extra_counts = out
         return out
@@ -386,6 +390,13 @@ class LadderStageIntegration(KvStageIntegration):
         chain = page_chain(namespace, array, page_tokens=self.cache_config.effective_page_tokens)
         self._footprint_chain = chain
         return chain
+
+
+def _slot_top(group: tuple[str, str]) -> int:
+    """The high half of a slot's tombstone note, ``_slot_top(group) | count`` (counts are u32):
+    a miss tests every candidate's slot, and an int is cheaper to build and hash there than a
+    tuple. Two groups may share a top: the notes are a filter, so that only costs a check."""
+    return (hash(group) & 0xFFFF_FFFF) << 32
 
 
 _Tenant = tuple[str | None, str | None]
