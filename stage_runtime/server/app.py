@@ -237,11 +237,19 @@ class PipelineApp:
         return context_tokens(self.pipeline.stage_configs)
 
     async def wait_quiet(self) -> None:
-        """Return once no HTTP request is being handled (at once if none is)."""
-        while self._active:
-            if self._quiet is None:
-                self._quiet = trio.Event()
-            await self._quiet.wait()
+        """Return once no HTTP request is being handled (at once if none is).
+
+        Quiet must last a few scheduler turns: hypercorn starts a parsed request's task with
+        ``start_soon``, so a request can be on its way without being counted yet."""
+        while True:
+            while self._active:
+                if self._quiet is None:
+                    self._quiet = trio.Event()
+                await self._quiet.wait()
+            for _ in range(3):
+                await trio.lowlevel.checkpoint()
+            if not self._active:
+                return
 
     def drain(self) -> None:
         """Start draining: readiness reports it, new prefills get ``503``, in-flight ones finish."""
@@ -268,8 +276,9 @@ class PipelineApp:
                 scope.deadline = self._shutdown_deadline
             for scope in self._body_reads:
                 scope.cancel()
-            for scope in self._sends:
-                scope.deadline = min(scope.deadline, self._shutdown_deadline + ANSWER_MARGIN_S)
+            margin = trio.current_time() + ANSWER_MARGIN_S
+            for scope in self._sends:  # a small JSON answer leaves in well under that
+                scope.deadline = min(scope.deadline, margin)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
@@ -340,11 +349,10 @@ class PipelineApp:
         if response is not None:
             # A client that does not take its answer (or a connection hypercorn closed under
             # it, over HTTP/2) would hold this task forever: bounded like a body's arrival.
+            now = trio.current_time()
             with trio.CancelScope(
-                deadline=min(
-                    trio.current_time() + self.settings.body_timeout_s,
-                    self._shutdown_deadline + ANSWER_MARGIN_S,
-                )
+                deadline=now
+                + (self.settings.body_timeout_s if not self._draining else ANSWER_MARGIN_S)
             ) as sending:
                 self._sends.add(sending)
                 try:
@@ -460,8 +468,24 @@ class PipelineApp:
         msg = f"body must arrive within body_timeout_s ({timeout:g} s), got {size} bytes by then"
         raise InvalidRequestError(msg, field="body", error="body_timeout", status=408)
 
+    async def _discard_body(self, receive: Receive) -> None:
+        """Read what the client sends of its body (up to ``max_body_bytes``, for at most
+        :data:`ANSWER_MARGIN_S`) before an early answer: answered over an unread body, HTTP/2
+        data for the finished stream broke hypercorn's connection (issue #329) and HTTP/1.1 reset
+        it, losing the answer."""
+        size = 0
+        with trio.move_on_after(ANSWER_MARGIN_S):
+            while size <= self.settings.max_body_bytes:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+
     async def _prefill(self, scope: Scope, receive: Receive) -> _Response:
         if not self.ready:
+            await self._discard_body(receive)
             return self._draining_response()
         try:
             body = await self._read_body(scope, receive)

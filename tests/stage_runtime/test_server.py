@@ -38,6 +38,7 @@ from stage_runtime.models import ModelFactory, StageModel, reference_model_facto
 from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
 from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
 from stage_runtime.server import serve as real_serve
+from stage_runtime.server.app import ANSWER_MARGIN_S
 from stage_runtime.server.command import add_serve_arguments, run_serve
 from tests.benchmark_scripts import load_example
 from tests.stage_runtime.pipeline_helpers import WrappedModel
@@ -645,6 +646,60 @@ async def test_an_answer_the_client_does_not_take_is_dropped_at_the_body_timeout
         await app.wait_quiet()  # nothing is being handled any more
     [served] = served_events(capture_stage_logs)
     assert (served["status"], served["send_timed_out"]) == (499, True)
+
+
+async def test_a_stuck_answer_is_given_up_soon_after_the_shutdown_starts(
+    autojump_clock: trio.testing.MockClock, capture_stage_logs: LogEvents
+) -> None:
+    """Over HTTP/2 hypercorn can close a stream under an answer being written; at shutdown
+    that send held the exit for the whole body_timeout_s (30 s). It gets the answer margin."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+        app = create_app(p, settings=ServerSettings(body_timeout_s=600))
+        sending = trio.Event()
+
+        async def receive() -> MutableMapping[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sending.set()
+            await trio.sleep_forever()
+
+        scope = {"type": "http", "method": "GET", "path": "/healthz", "headers": []}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app, scope, receive, send)
+            await sending.wait()
+            started = trio.current_time()
+            app.start_shutdown()
+            await app.wait_quiet()
+            assert trio.current_time() - started == pytest.approx(ANSWER_MARGIN_S)
+    [served] = served_events(capture_stage_logs)
+    assert (served["status"], served["send_timed_out"]) == (499, True)
+
+
+async def test_a_draining_prefill_reads_the_body_before_its_503(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Answered over an unread body, the 503 was lost: HTTP/2 data for the finished stream broke
+    hypercorn's connection (#329), and over HTTP/1.1 the close reset it."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as p:
+        app = create_app(p)
+        app.drain()
+        chunks = [b'{"tokens": [1, 2', b', 3], "session_id": "s"}']
+        read: list[bytes] = []
+        answered: list[MutableMapping[str, Any]] = []
+
+        async def receive() -> MutableMapping[str, Any]:
+            read.append(chunks[len(read)])
+            return {"type": "http.request", "body": read[-1], "more_body": len(read) < 2}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            assert len(read) == 2, "answered before the body was read"
+            answered.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/prefill", "headers": []}
+        await app(scope, receive, send)
+    assert answered[0]["status"] == 503
+    assert json.loads(answered[1]["body"])["error"] == "draining"
 
 
 async def test_the_shutdown_does_not_wait_for_idle_connections() -> None:
