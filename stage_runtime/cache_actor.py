@@ -289,16 +289,9 @@ class CacheActor(Actor[CacheMessage, Any]):
             # frame with other tokens is a caller's bug, so the caller hears about it.
             msg = f"frame must cover the {tokens.size} tokens, got {frame.token_count} tokens"
             raise FrameError(msg)
-        rows = frame.row_width()
-        if rows is not None and rows != width:
-            # The width is part of every key: such rows would be restored into prompts that
-            # expect activation_width values per token. (The core, like the upstream's, does
-            # not look; the seed's own tests record 1-wide rows under width 4,096.)
-            msg = (
-                f"frame rows must be activation_width {width} {frame.desc.dtype.name} values "
-                f"wide, got {rows:g}"
-            )
-            raise FrameError(msg)
+        # (The core, like the upstream's, does not look: the seed's own tests record 1-wide
+        # rows under width 4,096.)
+        frame.check_row_width(width, what="frame")
         integration = self._integration
         if integration is None or not integration.should_record():
             return []

@@ -6,6 +6,8 @@ bad input are also :class:`ValueError` so that callers catching the standard typ
 
 from __future__ import annotations
 
+from typing import overload
+
 __all__ = [
     "ConfigError",
     "FrameError",
@@ -53,9 +55,18 @@ class PipelineStoppedError(StageRuntimeError):
     """
 
 
-def sole_exception(exc: Exception) -> Exception:
-    """The single exception inside (nested) one-member groups, else ``exc`` itself."""
-    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+@overload
+def sole_exception(exc: Exception) -> Exception: ...
+
+
+@overload
+def sole_exception(exc: BaseException) -> BaseException: ...
+
+
+def sole_exception(exc: BaseException) -> BaseException:
+    """The single exception inside (nested) one-member groups, else ``exc`` itself (an
+    ``Exception`` stays one: an ``ExceptionGroup`` holds only those)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
 

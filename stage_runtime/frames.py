@@ -381,6 +381,23 @@ class ActivationFrame:
             return None
         return self.bytes_per_token / element.itemsize
 
+    def check_row_width(self, width: int, *, what: str) -> None:
+        """Raise :class:`FrameError` when the frame says its rows' width
+        (:meth:`row_width`) and it is not ``width``: the width is part of every cache key, so
+        such rows would be recorded under it and restored into prompts that expect another.
+
+        Args:
+            width: The expected values per row (an ``activation_width``).
+            what: What the frame is, to begin the message (``"model output"``, ``"frame"``).
+        """
+        rows = self.row_width()
+        if rows is not None and rows != width:
+            msg = (
+                f"{what} rows must be activation_width {width} {self.desc.dtype.name} values "
+                f"wide, got {rows:g}"
+            )
+            raise FrameError(msg)
+
     def rows(self) -> npt.NDArray[Any]:
         """The payload as a read-only ``(tokens, width)`` array in the frame's element type.
 

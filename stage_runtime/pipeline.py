@@ -39,7 +39,12 @@ import trio
 from actors import ActorStoppedError
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator, check_text
-from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
+from stage_runtime.errors import (
+    ConfigError,
+    PipelineStoppedError,
+    StageFailedError,
+    sole_exception,
+)
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.integration import KvStageIntegration
@@ -377,8 +382,7 @@ def _failure(exc: BaseException) -> str:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             return str(first)
-        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
+    exc = sole_exception(exc)
     if isinstance(exc, trio.Cancelled):
         return "cancelled"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

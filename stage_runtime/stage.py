@@ -425,15 +425,7 @@ class Stage:
             got = suffix.token_count if isinstance(suffix, ActivationFrame) else suffix
             msg = f"model output must be a frame of {n - k} tokens, got {got!r}"
             raise FrameError(msg)
-        width = suffix.row_width()
-        if width is not None and width != model.activation_width:
-            # The width is part of every cache key: rows of another width would be recorded
-            # under it and restored into later prompts.
-            msg = (
-                f"model output rows must be activation_width {model.activation_width} "
-                f"{suffix.desc.dtype.name} values wide, got {width:g}"
-            )
-            raise FrameError(msg)
+        suffix.check_row_width(model.activation_width, what="model output")
         if restored is None:
             return suffix
         both = restored.payload_bytes + suffix.payload_bytes
