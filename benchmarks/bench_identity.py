@@ -160,11 +160,8 @@ def snapshot_bound(counts: list[int]) -> float:
     """The least (one-shot + extra) / one-shot over every header length below 1 KiB: what the
     all-candidates / hash-once ratio cannot go under, even with the snapshot work at the
     one-shot's SIMD speed and nothing else counted."""
-    best = float("inf")
-    for header in range(_CHUNK):
-        once, extra = snapshot_compressions(header, counts)
-        best = min(best, (once + extra) / once)
-    return best
+    totals = (snapshot_compressions(header, counts) for header in range(_CHUNK))
+    return min((once + extra) / once for once, extra in totals)
 
 
 def _identity_row(
