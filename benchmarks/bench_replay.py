@@ -5,6 +5,11 @@ The floor is the least work any replay must do: BLAKE3-hash every prompt token o
 everything else (token blocks, cache lookups and records, the trio pipeline and actors, virtual
 time). Goal: the replay's wall time within 3x of the floor, and peak RSS under 2 GB.
 
+Next to it, what the design itself costs: the replay's own message pattern with no cache work
+(two actor asks and a channel hop per stage and request), and the least messaging the design
+needs in bare trio (one round trip, one one-way message, one hop). The latter plus the hashing
+floor is the *design floor*: no replay built this way can be faster, whatever its cache does.
+
 Usage::
 
     python benchmarks/bench_replay.py ../shared/traces/synthetic_trace.jsonl
@@ -20,6 +25,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -83,30 +89,19 @@ class _Nothing(Actor[object, None]):
         return None
 
 
-async def _message_pattern(requests: int, stages: int, channel_size: int) -> float:
-    """Seconds for ``requests`` requests, one at a time, through ``stages`` trio tasks that each
-    own an actor and, per request, ask it twice (restore, record) and forward over a channel."""
+_Inbox = trio.MemoryReceiveChannel[trio.Event]
+_Outbox = trio.MemorySendChannel[trio.Event] | None
+_StageTask = Callable[[_Inbox, _Outbox, trio.Nursery], Awaitable[None]]
 
-    async def stage(
-        inbox: trio.MemoryReceiveChannel[trio.Event],
-        outbox: trio.MemorySendChannel[trio.Event] | None,
-    ) -> None:
-        async with open_actor(_Nothing, name="nothing") as actor, inbox:
-            async for done in inbox:
-                await actor.ask(done)
-                await actor.ask(done)
-                if outbox is None:
-                    done.set()
-                else:
-                    await outbox.send(done)
-        if outbox is not None:
-            await outbox.aclose()
 
+async def _drive(stage: _StageTask, requests: int, stages: int, channel_size: int) -> float:
+    """Seconds for ``requests`` requests, one at a time, through ``stages`` tasks running
+    ``stage`` and chained by channels (the last one sets the request's event)."""
     channels = [trio.open_memory_channel[trio.Event](channel_size) for _ in range(stages)]
     async with trio.open_nursery() as nursery:
         for i in range(stages):
             following = channels[i + 1][0] if i + 1 < stages else None
-            nursery.start_soon(stage, channels[i][1], following)
+            nursery.start_soon(stage, channels[i][1], following, nursery)
         entry = channels[0][0]
         started = time.perf_counter()
         for _ in range(requests):
@@ -118,9 +113,62 @@ async def _message_pattern(requests: int, stages: int, channel_size: int) -> flo
     return elapsed
 
 
+async def _forward(done: trio.Event, outbox: _Outbox) -> None:
+    if outbox is None:
+        done.set()
+    else:
+        await outbox.send(done)
+
+
+async def _actor_stage(inbox: _Inbox, outbox: _Outbox, nursery: trio.Nursery) -> None:
+    """The replay's message pattern: a stage that owns an actor and, per request, asks it twice
+    (restore, record) and forwards over a channel."""
+    async with open_actor(_Nothing, name="nothing") as actor, inbox:
+        async for done in inbox:
+            await actor.ask(done)
+            await actor.ask(done)
+            await _forward(done, outbox)
+    if outbox is not None:
+        await outbox.aclose()
+
+
 def message_floor_seconds(requests: int, *, stages: int, channel_size: int = 4) -> float:
     """The architecture's own floor: the replay's trio messages with no cache or model work."""
-    return trio.run(_message_pattern, requests, stages, channel_size)
+    return trio.run(_drive, _actor_stage, requests, stages, channel_size)
+
+
+def _answered(_: object) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED
+
+
+async def _owner(mail: trio.MemoryReceiveChannel[trio.lowlevel.Task | None]) -> None:
+    async for asker in mail:
+        if asker is not None:
+            trio.lowlevel.reschedule(asker)
+
+
+async def _bare_stage(inbox: _Inbox, outbox: _Outbox, nursery: trio.Nursery) -> None:
+    """The least messaging the design allows, in trio's cheapest terms.
+
+    Per request: one round trip to the task that owns the cache (a restore needs its answer
+    before the stage can compute), one one-way message to it (a record) and one channel hop
+    downstream. No actor toolkit, no reply objects: the owner wakes the parked stage task
+    directly, which is what any reply on trio costs at the least."""
+    send_mail, mail = trio.open_memory_channel[trio.lowlevel.Task | None](4)
+    nursery.start_soon(_owner, mail)
+    async with inbox, send_mail:
+        async for done in inbox:
+            send_mail.send_nowait(trio.lowlevel.current_task())  # restore: a round trip
+            await trio.lowlevel.wait_task_rescheduled(_answered)
+            send_mail.send_nowait(None)  # record: one way
+            await _forward(done, outbox)
+    if outbox is not None:
+        await outbox.aclose()
+
+
+def bare_message_floor_seconds(requests: int, *, stages: int, channel_size: int = 4) -> float:
+    """The design's own floor: the least messaging it needs, in bare trio (see _bare_stage)."""
+    return trio.run(_drive, _bare_stage, requests, stages, channel_size)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -153,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     floors: list[float] = []
     floor_cpus: list[float] = []
     message_floors: list[float] = []
+    bare_floors: list[float] = []
     generation: list[float] = []
     walls: list[float] = []
     cpus: list[float] = []
@@ -165,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         floor_cpus.append(hash_cpu_s)
         generation.append(gen_s)
         message_floors.append(message_floor_seconds(len(requests), stages=config.stages))
+        bare_floors.append(bare_message_floor_seconds(len(requests), stages=config.stages))
         cpu_start = time.process_time()
         result = run_replay(requests, config)
         # CPU time too: on a shared machine wall time also counts other processes' turns.
@@ -174,6 +224,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     wall = statistics.median(walls)
     floor = statistics.median(floors)
     message_floor = statistics.median(message_floors)
+    bare_floor = statistics.median(bare_floors)
+    # What any replay of this design takes at the least: the hashing floor plus the least
+    # messaging the design needs, with no cache work at all. Above 3, the goal is out of reach.
+    design_floor_ratio = (floor + bare_floor) / floor if floor > 0 else None
     peak = _peak_rss_bytes()
     out: dict[str, object] = {
         "benchmark": NAME,
@@ -195,6 +249,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "message_floor_s": message_floor,
         "message_floor_s_all": message_floors,
         "ratio_to_message_floor": wall / message_floor if message_floor > 0 else None,
+        # The least messaging the design needs (one round trip, one one-way message and one
+        # hop per stage and request) in bare trio, without the actor toolkit.
+        "bare_message_floor_s": bare_floor,
+        "bare_message_floor_s_all": bare_floors,
+        "design_floor_ratio": design_floor_ratio,
         "ratio_to_messages_plus_floor": (
             wall / (message_floor + floor) if message_floor + floor > 0 else None
         ),
@@ -244,6 +303,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ("token generation (not in floor)", f"{statistics.median(generation):.2f} s"),
         ("messages alone (2 asks + 1 hop)", f"{message_floor:.2f} s"),
         ("ratio to messages + floor", f"{wall / (message_floor + floor):.1f}x"),
+        ("least messaging, bare trio", f"{bare_floor:.2f} s"),
+        (
+            "design floor / floor (no cache work)",
+            f"{design_floor_ratio:.2f}x" if design_floor_ratio is not None else "n/a",
+        ),
         ("replay speed", f"{tokens / wall:,.0f} tokens/s"),
         ("peak RSS", f"{peak / 2**20:,.0f} MiB (goal < 2048 MiB)"),
         (

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from tests.benchmark_scripts import load_script
 
 RUN = Path(__file__).parents[3] / "benchmarks" / "run.py"
@@ -56,6 +58,13 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     # The architecture's own floor: the same trio messages without cache work.
     assert result["message_floor_s"] > 0
     assert result["ratio_to_message_floor"] == result["wall_s"] / result["message_floor_s"]
+    # The design's floor: the least messaging it needs (bare trio) plus the hashing floor.
+    assert len(result["bare_message_floor_s_all"]) == 1
+    assert result["bare_message_floor_s"] > 0
+    assert result["design_floor_ratio"] == pytest.approx(
+        (result["floor_s"] + result["bare_message_floor_s"]) / result["floor_s"]
+    )
+    assert "design floor / floor" in done.stdout
     assert result["machine"]["trio"]
     assert "replay" in done.stdout
     # Goals are reported with a verdict each, missed ones by name in the combined JSON.
