@@ -43,6 +43,7 @@ from stage_runtime.sim.driver import (
 )
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import (
+    plot_figure,
     render_report,
     render_sweep,
     result_to_json,
@@ -87,6 +88,7 @@ __all__ = [
     "parse_trace_line",
     "percentiles",
     "pipeline_finish_times",
+    "plot_figure",
     "read_demo_trace",
     "read_trace",
     "read_trace_lines",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console, JustifyMethod
@@ -15,8 +16,12 @@ from stage_runtime.config import CacheIndex
 from stage_runtime.errors import ConfigError
 from stage_runtime.sim.driver import ReplayResult, SimConfig, StageSummary
 
+if TYPE_CHECKING:  # matplotlib is an optional extra
+    from matplotlib.figure import Figure
+
 __all__ = [
     "PLOT_FORMATS",
+    "plot_figure",
     "plot_format",
     "render_report",
     "render_sweep",
@@ -427,8 +432,19 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
             suffix names a format other than PNG, SVG or PDF.
     """
     file_format = plot_format(path)
+    figure = plot_figure(results)
+    figure.savefig(os.fspath(path), dpi=120, format=file_format)
+
+
+def plot_figure(results: Sequence[ReplayResult]) -> Figure:
+    """The figure :func:`write_plot` writes, for a caller that wants to show or adjust it.
+
+    Raises:
+        ConfigError: matplotlib is not installed (``pip install 'stage-runtime[plot]'``).
+    """
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import PercentFormatter
     except ImportError as exc:
         msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
         raise ConfigError(msg) from exc
@@ -469,7 +485,11 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
         axes.set_xticks(positions, labels)
         axes.set_xlabel("cache capacity per stage (tokens)")
         axes.set_ylabel("token hit ratio (stage 0)")
-        axes.set_ylim(0, 1)
+        # Scaled to the figures, not to 100%: hit ratios of a few percent would otherwise lie
+        # flat along the axis. The headroom keeps the legend off the highest line.
+        top = max(results[0].theoretical.ratio, *(r.token_hit_ratio for r in ordered))
+        axes.set_ylim(0, min(1.0, max(top * _HEADROOM, _LOWEST_TOP)))
+        axes.yaxis.set_major_formatter(PercentFormatter(xmax=1))
         axes.set_title("Token hit ratio against cache capacity")
     else:
         result = results[0]
@@ -484,4 +504,10 @@ def write_plot(results: Sequence[ReplayResult], path: str | os.PathLike[str]) ->
             f"Restored vs computed tokens per request ({result.token_hit_ratio:.1%} restored)"
         )
     axes.legend()
-    figure.savefig(os.fspath(path), dpi=120, format=file_format)
+    return figure
+
+
+_HEADROOM = 1.4
+"""The sweep plot's y axis reaches this much above its highest ratio (at most to 100%)."""
+_LOWEST_TOP = 0.05
+"""...and at least to 5%, so a sweep that restored nothing still has a readable axis."""

@@ -17,6 +17,7 @@ from stage_runtime.sim import (
     SimConfig,
     SimRequest,
     TheoreticalMax,
+    plot_figure,
     render_report,
     render_sweep,
     result_to_json,
@@ -183,6 +184,22 @@ def test_plots_are_png_files(tmp_path: Path, result: ReplayResult) -> None:
     write_plot(run_sweep(TRACE, CONFIG, [8, 0]), sweep)
     for path in (single, sweep):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_plot_axis_fits_the_ratios_with_room_above() -> None:
+    """A sweep's y axis reaches a little above its highest ratio, in percent, not always to 100%."""
+    results = run_sweep(TRACE, CONFIG, [8, 0])
+    top = max(results[0].theoretical.ratio, *(r.token_hit_ratio for r in results))
+    assert 0 < top < 0.7  # the scale below is the data's, not the 0-1 default
+    axes = plot_figure(results).axes[0]
+    low, high = axes.get_ylim()
+    assert low == 0
+    assert high == pytest.approx(top * 1.4)
+    assert axes.yaxis.get_major_formatter()(0.25, 0) == "25%"
+    # Ratios that restored next to nothing still get a readable axis, up to 5%.
+    nothing = attrs.evolve(results[0].theoretical, hit_tokens=0)
+    flat = [attrs.evolve(r, restored_tokens=0, theoretical=nothing) for r in results]
+    assert plot_figure(flat).axes[0].get_ylim() == (0, 0.05)
 
 
 def _more_misses(accounting: CacheAccounting | None) -> CacheAccounting:
