@@ -444,7 +444,7 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
     """
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import PercentFormatter
+        from matplotlib.ticker import PercentFormatter, StrMethodFormatter
     except ImportError as exc:
         msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
         raise ConfigError(msg) from exc
@@ -500,6 +500,7 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
         axes.bar(indices, restored, width=1.0, bottom=computed, label="restored", color="tab:blue")
         axes.set_xlabel("request")
         axes.set_ylabel("prompt tokens (stage 0)")
+        axes.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))  # as the report writes
         axes.set_title(
             f"Restored vs computed tokens per request ({result.token_hit_ratio:.1%} restored)"
         )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from matplotlib.patches import Rectangle
 from rich.console import Console
 
 from stage_runtime.accounting import CacheAccounting
@@ -184,6 +185,16 @@ def test_plots_are_png_files(tmp_path: Path, result: ReplayResult) -> None:
     write_plot(run_sweep(TRACE, CONFIG, [8, 0]), sweep)
     for path in (single, sweep):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_single_run_plot_counts_tokens_with_thousands_separators(result: ReplayResult) -> None:
+    """The per-request plot's token axis reads as the report does (175,000, not 175000)."""
+    axes = plot_figure([result]).axes[0]
+    assert axes.yaxis.get_major_formatter()(175_000, 0) == "175,000"
+    bars = [patch.get_height() for patch in axes.patches if isinstance(patch, Rectangle)]
+    assert bars[: len(result.outcomes)] == [
+        o.input_length - o.restored_tokens[0] for o in result.outcomes
+    ]
 
 
 def test_sweep_plot_axis_fits_the_ratios_with_room_above() -> None:
