@@ -47,6 +47,7 @@ __all__ = [
     "MAX_STAGES",
     "MIN_BLOCK_SIZE",
     "PAGED_MAX_ENTRIES",
+    "OfferedLoad",
     "ReplayResult",
     "RequestOutcome",
     "SimConfig",
@@ -398,6 +399,20 @@ class RequestOutcome:
 
 
 @attrs.frozen(kw_only=True)
+class OfferedLoad:
+    """The busiest stage's work over the time the arrivals span, with and without the cache.
+
+    Above 1, that stage cannot keep up with the arrivals on average: requests queue, and the
+    longer the trace runs, the more of each time to first token is waiting.
+    """
+
+    cached: float
+    """With the cache: each stage's computed tokens and restored bytes at its costs."""
+    uncached: float
+    """Without it: every prompt token computed at every stage."""
+
+
+@attrs.frozen(kw_only=True)
 class ReplayResult:
     """Everything a report shows about one replay."""
 
@@ -417,6 +432,52 @@ class ReplayResult:
     virtual_s: float
     """Virtual seconds from the first arrival to the last finish."""
     outcomes: tuple[RequestOutcome, ...] = attrs.field(repr=False)
+    arrival_span_s: float = 0.0
+    """Seconds from the first arrival to the last (the trace's timestamps or the workload's
+    arrivals; they pace the replay only when ``config.concurrency > 1``)."""
+
+    @property
+    def offered_load(self) -> OfferedLoad | None:
+        """How loaded the busiest stage was by the arrivals, or None when arrivals did not pace
+        the replay (concurrency 1: one request after another) or all came at once."""
+        if self.config.concurrency == 1 or self.arrival_span_s <= 0:
+            return None
+        cost, bytes_per_token = self.config.cost, self.config.bytes_per_token
+        cached = max(
+            cost.stage_cost(
+                computed_tokens=stage.computed_tokens,
+                restored_bytes=stage.restored_tokens * bytes_per_token,
+                stage_index=index,
+            )
+            for index, stage in enumerate(self.stages)
+        )
+        uncached = max(
+            cost.uncached_stage_cost(self.prompt_tokens, index) for index in range(len(self.stages))
+        )
+        span = self.arrival_span_s
+        return OfferedLoad(cached=cached / span, uncached=uncached / span)
+
+    @property
+    def waiting_share(self) -> float | None:
+        """Share of the time to first token with the cache, over all requests, spent waiting
+        (for a busy stage or an admission slot) rather than computing and restoring; None when
+        arrivals did not pace the replay (concurrency 1: nothing waits)."""
+        if self.config.concurrency == 1:
+            return None
+        total = sum(outcome.ttft_cached_s for outcome in self.outcomes)
+        if total <= 0:
+            return None
+        cost, bytes_per_token = self.config.cost, self.config.bytes_per_token
+        working = sum(
+            cost.stage_cost(
+                computed_tokens=max(outcome.input_length - restored, 0),
+                restored_bytes=restored * bytes_per_token,
+                stage_index=index,
+            )
+            for outcome in self.outcomes
+            for index, restored in enumerate(outcome.restored_tokens)
+        )
+        return min(max(1 - working / total, 0.0), 1.0)
 
     @property
     def token_hit_ratio(self) -> float:
@@ -757,6 +818,11 @@ def _summarise(
             else max(finishes_s, default=0.0) - first_arrival
         ),
         outcomes=tuple(outcomes),
+        arrival_span_s=(
+            float(max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests))
+            if requests
+            else 0.0
+        ),
     )
 
 

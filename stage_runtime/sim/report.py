@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 from rich import box
 from rich.console import Console, JustifyMethod
 from rich.table import Table
@@ -49,8 +50,10 @@ def result_to_json(
         (``never_seen``/``evicted``/``rejected``), ``resident_bytes`` and
         ``unique_prefix_bytes`` at the end, and their ``residency_ratio``), ``ttft_s``
         (``p50``/``p90``/``p99``, each ``cached`` and ``uncached``), ``wall_s``,
-        ``tokens_per_s`` and ``config`` (every setting used), plus ``virtual_s`` and
-        ``theoretical_max_hit_tokens``.
+        ``tokens_per_s`` and ``config`` (every setting used), plus ``virtual_s``,
+        ``theoretical_max_hit_tokens``, ``arrival_span_s``, ``offered_load``
+        (``cached``/``uncached``) and ``ttft_waiting_share`` (both null when arrivals did not
+        pace the replay).
     """
     config = result.config.as_dict(result.capacity_tokens)
     if source is not None:
@@ -62,6 +65,7 @@ def result_to_json(
         }
         for name in ("p50", "p90", "p99")
     }
+    load = result.offered_load
     return {
         "requests": result.requests,
         "prompt_tokens": result.prompt_tokens,
@@ -88,6 +92,9 @@ def result_to_json(
         "wall_s": result.wall_s,
         "tokens_per_s": result.tokens_per_s,
         "virtual_s": result.virtual_s,
+        "arrival_span_s": result.arrival_span_s,
+        "offered_load": None if load is None else attrs.asdict(load),
+        "ttft_waiting_share": result.waiting_share,
         "config": config,
     }
 
@@ -253,6 +260,17 @@ def render_report(
     totals.add_row("wall time", _seconds(result.wall_s))
     totals.add_row("replay speed", f"{result.tokens_per_s:,.0f} tokens/s")
     totals.add_row("simulated time (virtual clock)", _seconds(result.virtual_s))
+    load = result.offered_load
+    if load is not None:
+        totals.add_row(
+            "load: busiest stage's work / arrival span",
+            f"{load.cached:,.2f} with cache, {load.uncached:,.2f} without",
+        )
+    waiting = result.waiting_share
+    if waiting is not None:
+        # Summed over requests: a few short prompts behind a long one can wait more than
+        # they work while the median request does not wait at all.
+        totals.add_row("share of all TTFT spent queueing", f"{waiting:.0%} (with cache)")
     console.print(totals)
 
     # Two narrow tables rather than one wide one: on an 80-column terminal a single table of
@@ -314,6 +332,15 @@ def render_report(
         ),
         crop=False,
     )
+    if load is not None and max(load.cached, load.uncached) > 1:
+        # Otherwise a reader takes minutes of queueing for the cost of a prefill.
+        console.print(
+            f"At this arrival rate the busiest stage has {load.cached:,.2f} times (with the "
+            f"cache; {load.uncached:,.2f} without) the work it can do in the "
+            f"{_seconds(result.arrival_span_s)} the arrivals span: requests queue, and "
+            f"{waiting or 0:.0%} of all time to first token (with the cache) is spent in queues. "
+            "A lower --prefill-us-per-token models faster stages."
+        )
     gap = result.theoretical.ratio - result.token_hit_ratio
     if gap < 0.0005:  # less than what the percentages show (0.1%)
         hint = "Nothing more was there to restore."

@@ -134,6 +134,32 @@ def test_concurrency_replays_arrivals_in_virtual_time() -> None:
     assert [o.ttft_cached_s for o in one_at_a_time.outcomes] == pytest.approx([0.08, 0.032])
 
 
+def test_concurrent_replay_reports_load_and_queueing_worked_by_hand() -> None:
+    """r0 (40 tokens) at 0 and r1 (16) at 10 ms: each stage has 56 ms of work for the 10 ms the
+    arrivals span (load 5.6), and r1 waits 30 ms at stage 0 and 24 ms at stage 1: 54 of the
+    166 ms of time to first token are queueing."""
+    trace = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [7], 16, arrival_s=0.01)]
+    result = run_replay(trace, _config(concurrency=2))
+    assert result.arrival_span_s == pytest.approx(0.01)
+    load = result.offered_load
+    assert load is not None
+    assert [load.cached, load.uncached] == pytest.approx([5.6, 5.6])
+    assert result.waiting_share == pytest.approx(0.054 / 0.166)
+    # The same prompt again at 10 ms restores all 40 tokens at every stage (for free here), so
+    # the cache halves the busiest stage's work: 40 ms, against 80 ms without it.
+    again = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [1, 2, 3], 40, arrival_s=0.01)]
+    cached = run_replay(again, _config(concurrency=2))
+    assert [o.restored_tokens for o in cached.outcomes] == [(0, 0), (40, 40)]
+    load = cached.offered_load
+    assert load is not None
+    assert [load.cached, load.uncached] == pytest.approx([4.0, 8.0])
+    # One request after another, arrivals do not pace the replay and nothing queues.
+    one_at_a_time = run_replay(trace, _config(concurrency=1))
+    assert one_at_a_time.arrival_span_s == pytest.approx(0.01)
+    assert one_at_a_time.offered_load is None
+    assert one_at_a_time.waiting_share is None
+
+
 async def test_replay_embeds_in_a_trio_program(autojump_clock: trio.testing.MockClock) -> None:
     """replay() runs inside the caller's trio run; with virtual_time its costs pass on the
     caller's clock, and they add up to the TTFTs the sleep-free default computes."""

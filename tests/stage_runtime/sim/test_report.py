@@ -110,6 +110,44 @@ def test_report_shows_ratios_stages_and_ttft(result: ReplayResult) -> None:
         assert fragment in text
 
 
+def test_concurrent_report_shows_the_load_and_says_when_requests_queue() -> None:
+    """At concurrency 2 the report gives the busiest stage's load and the queueing share, and
+    explains an overloaded pipeline; one request at a time it shows neither (JSON: null)."""
+    trace = [
+        SimRequest(index=0, input_length=40, block_ids=(1, 2, 3), arrival_s=0.0),
+        SimRequest(index=1, input_length=16, block_ids=(7,), arrival_s=0.01),
+    ]
+    loaded = run_replay(trace, attrs.evolve(CONFIG, concurrency=2))
+    console = Console(record=True, width=300)
+    render_report(console, loaded, title="loaded")
+    text = console.export_text()
+    assert "5.60 with cache, 5.60 without" in text
+    assert "33% (with cache)" in text  # 54 of 166 ms of TTFT: see test_replay
+    assert "requests queue, and 33% of all time to first token" in text
+    document = result_to_json(loaded)
+    assert document["offered_load"] == pytest.approx({"cached": 5.6, "uncached": 5.6})
+    assert document["ttft_waiting_share"] == pytest.approx(0.054 / 0.166)
+    assert document["arrival_span_s"] == pytest.approx(0.01)
+    # Arrivals 100 s apart: the stages idle most of the time, nothing is said about queues.
+    idle = [attrs.evolve(trace[1], arrival_s=100.0), trace[0]]
+    light = run_replay(idle, attrs.evolve(CONFIG, concurrency=2))
+    console = Console(record=True, width=300)
+    render_report(console, light, title="light")
+    text = console.export_text()
+    assert "0.00 with cache, 0.00 without" in text
+    assert "0% (with cache)" in text
+    assert "requests queue" not in text
+    one_at_a_time = run_replay(trace, CONFIG)
+    console = Console(record=True, width=300)
+    render_report(console, one_at_a_time, title="one at a time")
+    text = console.export_text()
+    assert "busiest stage" not in text
+    assert "queue" not in text
+    document = result_to_json(one_at_a_time)
+    assert document["offered_load"] is None
+    assert document["ttft_waiting_share"] is None
+
+
 @pytest.mark.parametrize("index", ["ladder", "paged"])
 def test_report_shows_misses_by_reason_and_resident_vs_unique_bytes(index: str) -> None:
     """A prompt pushed out by another misses as 'evicted'; JSON and table show the footprint."""
