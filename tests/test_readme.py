@@ -52,6 +52,22 @@ def _from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     structlog.configure(**saved)
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_contents_links_every_section_heading() -> None:
+    """The contents line links each top-level heading, in order, by an anchor that exists."""
+    headings = re.findall(r"^## (.+)$", README, flags=re.MULTILINE)
+    contents = README.split("Contents:", 1)[1].split("<!-- section:", 1)[0]
+    links = re.findall(r"\]\(#([^)]+)\)", contents)
+    assert _anchor("Embedding: HTTP server and test fixtures") == (
+        "embedding-http-server-and-test-fixtures"
+    )
+    assert links == [_anchor(heading) for heading in headings]
+
+
 def test_core_block_records_the_ladder_and_restores_the_grid_prefix() -> None:
     """The core block records [2214, 2176] and a 17-token extension restores 2176 tokens."""
     [code] = blocks("core", "python")
