@@ -61,9 +61,12 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     # The design's floor: the least messaging it needs (bare trio) plus the hashing floor.
     assert len(result["bare_message_floor_s_all"]) == 1
     assert result["bare_message_floor_s"] > 0
+    assert result["bare_message_floor_s"] == min(result["bare_message_floor_s_all"])
     assert result["design_floor_ratio"] == pytest.approx(
         (result["floor_s"] + result["bare_message_floor_s"]) / result["floor_s"]
     )
+    budget_s = max(2 * result["floor_s"] - result["bare_message_floor_s"], 0) / (2 * 4)
+    assert result["goal_budget_us_per_stage_request"] == pytest.approx(budget_s * 1e6)
     assert "design floor / floor" in done.stdout
     assert result["machine"]["trio"]
     assert "replay" in done.stdout
