@@ -439,8 +439,13 @@ class ReplayResult:
     @property
     def offered_load(self) -> OfferedLoad | None:
         """How loaded the busiest stage was by the arrivals, or None when arrivals did not pace
-        the replay (concurrency 1: one request after another) or all came at once."""
-        if self.config.concurrency == 1 or self.arrival_span_s <= 0:
+        the replay (concurrency 1: one request after another) or all came at once.
+
+        The arrival rate is estimated as ``(requests - 1) / arrival_span_s`` (the span holds one
+        gap fewer than requests), so the load is the busiest stage's work per request times
+        that rate.
+        """
+        if self.config.concurrency == 1 or self.arrival_span_s <= 0 or self.requests < 2:
             return None
         cost, bytes_per_token = self.config.cost, self.config.bytes_per_token
         cached = max(
@@ -454,8 +459,11 @@ class ReplayResult:
         uncached = max(
             cost.uncached_stage_cost(self.prompt_tokens, index) for index in range(len(self.stages))
         )
-        span = self.arrival_span_s
-        return OfferedLoad(cached=cached / span, uncached=uncached / span)
+        per_second = (self.requests - 1) / self.requests / self.arrival_span_s
+        load = OfferedLoad(cached=cached * per_second, uncached=uncached * per_second)
+        if not (math.isfinite(load.cached) and math.isfinite(load.uncached)):
+            return None  # arrivals too close together (1e-320 s apart) to say anything
+        return load
 
     @property
     def waiting_share(self) -> float | None:
@@ -642,13 +650,20 @@ async def replay(
         progress: Called with the count of finished requests after each one.
         virtual_time: Whether the stages sleep their cost. ``None`` (default): only when
             ``concurrency > 1``; one request at a time, TTFT is the sum of stage costs.
+            ``False`` needs ``concurrency == 1`` (queueing is made of the sleeps).
 
     Returns:
         Per-stage and per-request results, TTFT percentiles and the theoretical maximum.
 
     Raises:
-        ConfigError: the requests or the settings are invalid.
+        ConfigError: the requests or the settings are invalid, or ``virtual_time=False`` with
+            ``concurrency > 1``.
     """
+    if virtual_time is False and config.concurrency > 1:
+        # Requests queue only because the stages sleep their costs: without the sleeps every
+        # request would seem to run alone, and TTFTs with the cache would be wrong.
+        msg = f"virtual_time=False needs concurrency 1, got concurrency {config.concurrency}"
+        raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     validate_requests(requests, block_size=config.block_size)
     if theoretical is None:

@@ -332,15 +332,9 @@ def render_report(
         ),
         crop=False,
     )
-    if load is not None and max(load.cached, load.uncached) > 1:
-        # Otherwise a reader takes minutes of queueing for the cost of a prefill.
-        console.print(
-            f"At this arrival rate the busiest stage has {load.cached:,.2f} times (with the "
-            f"cache; {load.uncached:,.2f} without) the work it can do in the "
-            f"{_seconds(result.arrival_span_s)} the arrivals span: requests queue, and "
-            f"{waiting or 0:.0%} of all time to first token (with the cache) is spent in queues. "
-            "A lower --prefill-us-per-token models faster stages."
-        )
+    queueing = _queueing_sentence(result)
+    if queueing:
+        console.print(queueing)
     gap = result.theoretical.ratio - result.token_hit_ratio
     if gap < 0.0005:  # less than what the percentages show (0.1%)
         hint = "Nothing more was there to restore."
@@ -354,6 +348,43 @@ def render_report(
     console.print(
         f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
         f"infinite cache could restore {result.theoretical.ratio:.1%}. {hint}"
+    )
+
+
+_QUEUEING_WORTH_A_WORD = 0.5
+"""Share of all time to first token spent queueing from which the report explains it."""
+
+
+def _queueing_sentence(result: ReplayResult) -> str:
+    """What the load says about the time to first token, when there is something to say.
+
+    Otherwise a reader takes minutes of queueing for the cost of a prefill.
+    """
+    load, waiting = result.offered_load, result.waiting_share
+    if load is None or waiting is None:
+        return ""
+    span = _seconds(result.arrival_span_s)
+    if load.cached > 1:
+        said = (
+            f"With the cache the busiest stage has {load.cached:,.2f} times the work it can do "
+            f"in the {span} the arrivals span ({load.uncached:,.2f} without): it cannot keep "
+            "up, so requests queue"
+        )
+    elif load.uncached > 1:
+        said = (
+            f"Without the cache the busiest stage could not keep up with these arrivals (load "
+            f"{load.uncached:,.2f}); with it, its load is {load.cached:,.2f} on average"
+        )
+    elif waiting >= _QUEUEING_WORTH_A_WORD:
+        said = (
+            f"The busiest stage keeps up on average (load {load.cached:,.2f} with the cache), "
+            "but arrivals come in bursts and prompts differ in length"
+        )
+    else:
+        return ""
+    return (
+        f"{said}: {waiting:.0%} of all time to first token (with the cache) is spent in queues. "
+        "Lower --prefill-us-per-token or --restore-ns-per-byte model faster stages."
     )
 
 
@@ -467,11 +498,15 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
     """The figure :func:`write_plot` writes, for a caller that wants to show or adjust it.
 
     Raises:
-        ConfigError: matplotlib is not installed (``pip install 'stage-runtime[plot]'``).
+        ConfigError: no results, or matplotlib is not installed (``pip install
+            'stage-runtime[plot]'``).
     """
+    if not results:
+        msg = "results must hold at least one replay, got none"
+        raise ConfigError(msg)
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import PercentFormatter, StrMethodFormatter
+        from matplotlib.ticker import MaxNLocator, PercentFormatter, StrMethodFormatter
     except ImportError as exc:
         msg = "--plot needs matplotlib; install it with: pip install 'stage-runtime[plot]'"
         raise ConfigError(msg) from exc
@@ -513,7 +548,7 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
         axes.set_xlabel("cache capacity per stage (tokens)")
         axes.set_ylabel("token hit ratio (stage 0)")
         # Scaled to the figures, not to 100%: hit ratios of a few percent would otherwise lie
-        # flat along the axis. The headroom keeps the legend off the highest line.
+        # flat along the axis.
         top = max(results[0].theoretical.ratio, *(r.token_hit_ratio for r in ordered))
         axes.set_ylim(0, min(1.0, max(top * _HEADROOM, _LOWEST_TOP)))
         axes.yaxis.set_major_formatter(PercentFormatter(xmax=1))
@@ -527,15 +562,18 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
         axes.bar(indices, restored, width=1.0, bottom=computed, label="restored", color="tab:blue")
         axes.set_xlabel("request")
         axes.set_ylabel("prompt tokens (stage 0)")
-        axes.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))  # as the report writes
+        # Whole tokens, written as the report writes them (175,000).
+        axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
         axes.set_title(
             f"Restored vs computed tokens per request ({result.token_hit_ratio:.1%} restored)"
         )
-    axes.legend()
+    # Below the axes, so it never covers a point or a line (ratios near 100% included).
+    figure.legend(loc="outside lower center", ncols=3)
     return figure
 
 
-_HEADROOM = 1.4
+_HEADROOM = 1.25
 """The sweep plot's y axis reaches this much above its highest ratio (at most to 100%)."""
 _LOWEST_TOP = 0.05
 """...and at least to 5%, so a sweep that restored nothing still has a readable axis."""

@@ -135,29 +135,93 @@ def test_concurrency_replays_arrivals_in_virtual_time() -> None:
 
 
 def test_concurrent_replay_reports_load_and_queueing_worked_by_hand() -> None:
-    """r0 (40 tokens) at 0 and r1 (16) at 10 ms: each stage has 56 ms of work for the 10 ms the
-    arrivals span (load 5.6), and r1 waits 30 ms at stage 0 and 24 ms at stage 1: 54 of the
-    166 ms of time to first token are queueing."""
+    """r0 (40 tokens) at 0 and r1 (16) at 10 ms: each stage has 28 ms of work per request for
+    one arrival per 10 ms (load 2.8), and r1 waits 30 ms at stage 0 and 24 ms at stage 1: 54
+    of the 166 ms of time to first token are queueing."""
     trace = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [7], 16, arrival_s=0.01)]
     result = run_replay(trace, _config(concurrency=2))
     assert result.arrival_span_s == pytest.approx(0.01)
     load = result.offered_load
     assert load is not None
-    assert [load.cached, load.uncached] == pytest.approx([5.6, 5.6])
+    assert [load.cached, load.uncached] == pytest.approx([2.8, 2.8])
     assert result.waiting_share == pytest.approx(0.054 / 0.166)
-    # The same prompt again at 10 ms restores all 40 tokens at every stage (for free here), so
-    # the cache halves the busiest stage's work: 40 ms, against 80 ms without it.
-    again = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [1, 2, 3], 40, arrival_s=0.01)]
-    cached = run_replay(again, _config(concurrency=2))
-    assert [o.restored_tokens for o in cached.outcomes] == [(0, 0), (40, 40)]
-    load = cached.offered_load
-    assert load is not None
-    assert [load.cached, load.uncached] == pytest.approx([4.0, 8.0])
     # One request after another, arrivals do not pace the replay and nothing queues.
     one_at_a_time = run_replay(trace, _config(concurrency=1))
     assert one_at_a_time.arrival_span_s == pytest.approx(0.01)
     assert one_at_a_time.offered_load is None
     assert one_at_a_time.waiting_share is None
+
+
+def test_load_counts_each_stage_at_its_own_costs_restores_included() -> None:
+    """Stages at 1 and 3 ms per token, restores at 1 ms per byte (2 bytes per token); the same
+    40-token prompt at 0 and 10 ms. r0 computes: 40 + 120 ms. r1 restores all 40 tokens at both
+    stages: 80 ms each. Busiest stage, stage 1: 120 + 80 ms with the cache, 2 x 120 ms without,
+    per 2 requests, one per 10 ms: loads 10 and 12. r1 waits 30 ms for stage 0 (free at 40)
+    and 40 ms for stage 1 (free at 160): 70 of 160 + 230 ms."""
+    cost = CostModel(stage_prefill_s_per_token=(1e-3, 3e-3), restore_s_per_byte=1e-3)
+    again = [_request(0, [1, 2, 3], 40, arrival_s=0.0), _request(1, [1, 2, 3], 40, arrival_s=0.01)]
+    result = run_replay(again, _config(concurrency=2, cost=cost))
+    assert [o.restored_tokens for o in result.outcomes] == [(0, 0), (40, 40)]
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx([0.16, 0.23])
+    load = result.offered_load
+    assert load is not None
+    assert [load.cached, load.uncached] == pytest.approx([10.0, 12.0])
+    assert result.waiting_share == pytest.approx(0.07 / 0.39)
+
+
+def test_load_and_queueing_agree_with_the_fifo_pipeline_model() -> None:
+    """On a seeded random workload (uneven stages, costly restores, bursts), the load and the
+    queueing share equal those computed from the FIFO pipeline model of the same costs."""
+    rng = np.random.default_rng(7)
+    trace = []
+    for i in range(40):
+        ids = [int(x) for x in rng.integers(1, 4, size=int(rng.integers(1, 5)))]
+        length = int(rng.integers(1, 16 * len(ids) + 1))
+        burst = float(rng.choice([0.0, 0.05, 0.1]))
+        trace.append(_request(i, ids, length, arrival_s=burst + i * 0.02))
+    cost = CostModel(stage_prefill_s_per_token=(1e-3, 4e-3, 2e-3), restore_s_per_byte=2e-4)
+    config = _config(stages=3, concurrency=4, cost=cost)
+    result = run_replay(trace, config)
+    by_index = {r.index: r for r in trace}
+    outcomes = sorted(result.outcomes, key=lambda o: (by_index[o.index].arrival_s, o.index))
+    work = [
+        [
+            cost.stage_cost(
+                computed_tokens=o.input_length - k, restored_bytes=2 * k, stage_index=stage
+            )
+            for stage, k in enumerate(o.restored_tokens)
+        ]
+        for o in outcomes
+    ]
+    arrivals = [by_index[o.index].arrival_s for o in outcomes]
+    finishes = pipeline_finish_times(arrivals, work, concurrency=4)
+    ttfts = [finish - arrival for finish, arrival in zip(finishes, arrivals, strict=True)]
+    assert [o.ttft_cached_s for o in outcomes] == pytest.approx(ttfts)
+    assert 1 - sum(map(sum, work)) / sum(ttfts) > 0.1  # the workload does queue
+    assert result.waiting_share == pytest.approx(1 - sum(map(sum, work)) / sum(ttfts))
+    span = max(arrivals) - min(arrivals)
+    busiest = max(sum(row[stage] for row in work) for stage in range(3))
+    load = result.offered_load
+    assert load is not None
+    assert load.cached == pytest.approx(busiest * (len(trace) - 1) / len(trace) / span)
+    prompt = sum(r.input_length for r in trace)
+    assert load.uncached == pytest.approx(prompt * 4e-3 * (len(trace) - 1) / len(trace) / span)
+
+
+def test_concurrent_replay_refuses_to_skip_the_stage_sleeps() -> None:
+    """virtual_time=False would make each request seem to run alone: refused at concurrency 2."""
+    trace = [_request(0, [1], 16), _request(1, [2], 16, arrival_s=0.001)]
+    with pytest.raises(ConfigError, match="virtual_time=False needs concurrency 1, got "):
+        run_replay(trace, _config(concurrency=2), virtual_time=False)
+    assert run_replay(trace, _config(), virtual_time=False).requests == 2
+
+
+def test_arrivals_too_close_to_measure_give_no_load() -> None:
+    """Two arrivals 1e-320 s apart: the load would be infinite; it is None instead."""
+    trace = [_request(0, [1], 16), _request(1, [2], 16, arrival_s=1e-320)]
+    result = run_replay(trace, _config(concurrency=2))
+    assert result.arrival_span_s > 0
+    assert result.offered_load is None
 
 
 async def test_replay_embeds_in_a_trio_program(autojump_clock: trio.testing.MockClock) -> None:
