@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Hashable, Sequence
+from typing import Final
 
 import attrs
 import numpy as np
@@ -274,7 +275,10 @@ class LadderStageIntegration(KvStageIntegration):
             if slot is not None:
                 group, count = slot
                 note = _slot_top(group) | count
-                notes[entry.key] = (note, (note, fingerprint))
+                if fingerprint is None:
+                    notes[entry.key] = (note, (note, None), _UNKNOWN_FINGERPRINT)
+                else:
+                    notes[entry.key] = (note, (note, fingerprint))
         self._accounting.evicted(entries, notes)
         if len(fingerprints) > 2 * len(self.cache) + 1024:  # entries dropped behind our back
             for key in [key for key in fingerprints if key not in self.cache]:
@@ -327,13 +331,16 @@ class LadderStageIntegration(KvStageIntegration):
             return probes
         cache, slot_keys = self.cache, self._slot_keys
         group = (str(token_start), f"w{width}")
+        tenant = _tenant(base)
+        tokens = array.data  # indexing a memoryview gives Python ints (no numpy call per count)
         kept = []
-        prints = _fingerprints(array, probes, _tenant(base))
-        for count, fingerprint in zip(probes, prints, strict=True):
+        for count in probes:
             known = slot_keys.get((group, count))
             if known is None:
                 kept.append(count)
                 continue
+            last = count - 1  # _fingerprints(), inlined: only lengths with known keys need one
+            fingerprint = (tenant, count, tokens[last], tokens[last >> 1], tokens[last >> 2])
             live = 0
             for key, seen in known.items():
                 if key in cache:
@@ -358,14 +365,21 @@ class LadderStageIntegration(KvStageIntegration):
         if not notes:
             return []
         top = _slot_top((str(token_start), f"w{max(width, 0)}"))
-        slotted = [count for count in counts if top | count in notes]
-        if not slotted:
-            return []
+        tenant = _tenant(base)
+        # Only tombstones of keys recorded behind this integration's back have no fingerprint;
+        # without one, a (slot, None) note cannot be there and is not looked up.
+        unknown = _UNKNOWN_FINGERPRINT in notes
+        tokens = array.data  # indexing a memoryview gives Python ints (no numpy call per count)
         out = []
-        prints = _fingerprints(array, slotted, _tenant(base))
-        for count, fingerprint in zip(slotted, prints, strict=True):
+        # One pass: most candidates of a long-running cache have a tombstone in their slot, so
+        # the slot test rarely spares a fingerprint; this is _fingerprints() inlined per count.
+        for count in counts:
             slot = top | count
-            if (slot, fingerprint) in notes or (slot, None) in notes:
+            if slot not in notes:
+                continue
+            last = count - 1
+            fingerprint = (tenant, count, tokens[last], tokens[last >> 1], tokens[last >> 2])
+            if (slot, fingerprint) in notes or (unknown and (slot, None) in notes):
                 out.append(count)
         self._extra_counts = out
         return out
@@ -398,6 +412,10 @@ def _slot_top(group: tuple[str, str]) -> int:
     tuple. Two groups may share a top: the notes are a filter, so that only costs a check."""
     return (hash(group) & 0xFFFF_FFFF) << 32
 
+
+_UNKNOWN_FINGERPRINT: Final = object()
+"""The note of every tombstone whose key's fingerprint is unknown (recorded behind the
+integration's back): while none is kept, a miss need not look up ``(slot, None)`` notes."""
 
 _Tenant = tuple[str | None, str | None]
 _Fingerprint = tuple[_Tenant, int, int, int, int]
