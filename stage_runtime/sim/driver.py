@@ -400,7 +400,7 @@ class RequestOutcome:
 
 @attrs.frozen(kw_only=True)
 class OfferedLoad:
-    """The busiest stage's work over the time the arrivals span, with and without the cache.
+    """The busiest stage's work per request times the arrival rate, with and without the cache.
 
     Above 1, that stage cannot keep up with the arrivals on average: requests queue, and the
     longer the trace runs, the more of each time to first token is waiting.
@@ -447,15 +447,8 @@ class ReplayResult:
         """
         if self.config.concurrency == 1 or self.arrival_span_s <= 0 or self.requests < 2:
             return None
-        cost, bytes_per_token = self.config.cost, self.config.bytes_per_token
-        cached = max(
-            cost.stage_cost(
-                computed_tokens=stage.computed_tokens,
-                restored_bytes=stage.restored_tokens * bytes_per_token,
-                stage_index=index,
-            )
-            for index, stage in enumerate(self.stages)
-        )
+        cached = max(self._stage_work_s())
+        cost = self.config.cost
         uncached = max(
             cost.uncached_stage_cost(self.prompt_tokens, index) for index in range(len(self.stages))
         )
@@ -475,17 +468,21 @@ class ReplayResult:
         total = sum(outcome.ttft_cached_s for outcome in self.outcomes)
         if total <= 0:
             return None
+        # Costs are linear, so the stages' totals add up to every request's own work.
+        working = sum(self._stage_work_s())
+        return min(max(1 - working / total, 0.0), 1.0)
+
+    def _stage_work_s(self) -> list[float]:
+        """Seconds each stage spent computing and restoring over the replay (with the cache)."""
         cost, bytes_per_token = self.config.cost, self.config.bytes_per_token
-        working = sum(
+        return [
             cost.stage_cost(
-                computed_tokens=max(outcome.input_length - restored, 0),
-                restored_bytes=restored * bytes_per_token,
+                computed_tokens=stage.computed_tokens,
+                restored_bytes=stage.restored_tokens * bytes_per_token,
                 stage_index=index,
             )
-            for outcome in self.outcomes
-            for index, restored in enumerate(outcome.restored_tokens)
-        )
-        return min(max(1 - working / total, 0.0), 1.0)
+            for index, stage in enumerate(self.stages)
+        ]
 
     @property
     def token_hit_ratio(self) -> float:
