@@ -44,6 +44,9 @@ TAKES_TRACE = True
 
 NAME = "replay"
 
+GOAL_RATIO = 3.0
+"""The issue's goal: replay wall time at most this many times the hashing floor."""
+
 
 def _machine() -> dict[str, str]:
     versions = {name: version(name) for name in ("numpy", "trio", "blake3", "attrs", "structlog")}
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # What the 3x goal leaves for everything else a stage does per request (probing, hashing
     # beyond one pass, recording, accounting, building messages and frames).
     stage_requests = len(requests) * config.stages
-    budget_us = max(3 * floor - floor - bare_floor, 0.0) / stage_requests * 1e6
+    budget_us = max(GOAL_RATIO * floor - floor - bare_floor, 0.0) / stage_requests * 1e6
     peak = _peak_rss_bytes()
     out: dict[str, object] = {
         "benchmark": NAME,
@@ -280,13 +283,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "ratio_to_floor": wall / floor if floor > 0 else None,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_bytes": peak,
-        "goal": {"ratio_to_floor_max": 3.0, "peak_rss_bytes_max": 2 * 1024**3},
+        "goal": {"ratio_to_floor_max": GOAL_RATIO, "peak_rss_bytes_max": 2 * 1024**3},
         "goals": [
             {
                 "name": "replay wall time / hashing floor",
-                "target": "<= 3",
+                "target": f"<= {GOAL_RATIO:g}",
                 "measured": round(wall / floor, 2) if floor > 0 else None,
-                "met": floor > 0 and wall / floor <= 3.0,
+                "met": floor > 0 and wall / floor <= GOAL_RATIO,
             },
             {
                 "name": "peak RSS (MiB)",
@@ -308,7 +311,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ("replay wall time", f"{wall:.2f} s"),
         ("replay CPU time", f"{statistics.median(cpus):.2f} s"),
         ("floor (BLAKE3 once per stage)", f"{floor:.2f} s"),
-        ("ratio to floor", f"{wall / floor:.1f}x (goal <= 3x)" if floor > 0 else "n/a"),
+        (
+            "ratio to floor",
+            f"{wall / floor:.1f}x (goal <= {GOAL_RATIO:g}x)" if floor > 0 else "n/a",
+        ),
         (
             "ratio to floor in CPU time",
             f"{out['ratio_to_floor_cpu']:.1f}x" if out["ratio_to_floor_cpu"] else "n/a",
@@ -321,7 +327,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "design floor / floor (no cache work)",
             f"{design_floor_ratio:.2f}x" if design_floor_ratio is not None else "n/a",
         ),
-        ("3x goal leaves for cache work", f"{budget_us:.2f} us per stage and request"),
+        (
+            f"{GOAL_RATIO:g}x goal leaves for cache work",
+            f"{budget_us:.2f} us per stage and request",
+        ),
         ("replay speed", f"{tokens / wall:,.0f} tokens/s"),
         ("peak RSS", f"{peak / 2**20:,.0f} MiB (goal < 2048 MiB)"),
         (
