@@ -10,6 +10,7 @@ right size without holding any memory. Code in this module therefore only looks 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -220,6 +221,15 @@ class ActivationFrame:
         # Never print payload bytes: they can be gigabytes (and virtual).
         kind = "virtual" if self.is_virtual else "view"
         return f"ActivationFrame(desc={self.desc!r}, payload=<uint8[{self.payload.size}] {kind}>)"
+
+    def __reduce__(self) -> tuple[Callable[..., ActivationFrame], tuple[Any, ...]]:
+        # Compact pickling, for frames sent between processes (Ray placement): a virtual frame
+        # is its descriptor and fill byte, not its (possibly gigabytes of) virtual size; a real
+        # one is its descriptor and exactly its own bytes (a prefix view sends the prefix, not
+        # the frame it views), as a numpy array that pickle protocol 5 can pass out of band.
+        if self.is_virtual:
+            return _unpickle_virtual, (self.desc, int(self.payload[0]))
+        return _unpickle_frame, (self.desc, np.ascontiguousarray(self.payload))
 
     def __attrs_post_init__(self) -> None:
         if self.desc.payload_bytes != self.payload.size:
@@ -573,3 +583,14 @@ class ActivationFrame:
             virtual, real = (self, other) if self.is_virtual else (other, self)
             return bool(np.all(real.payload == virtual.payload[0]))
         return bool(np.array_equal(self.payload, other.payload))
+
+
+def _unpickle_frame(desc: ActivationDesc, payload: npt.NDArray[np.uint8]) -> ActivationFrame:
+    """Rebuild a pickled real frame; its payload stays read-only (zero-copy where the
+    unpickler gave a read-only buffer, as Ray's object store does)."""
+    return ActivationFrame(desc=desc, payload=payload)
+
+
+def _unpickle_virtual(desc: ActivationDesc, fill: int) -> ActivationFrame:
+    """Rebuild a pickled virtual frame from its descriptor and fill byte."""
+    return ActivationFrame(desc=desc, payload=_virtual_payload(desc.payload_bytes, fill))

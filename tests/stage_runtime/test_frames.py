@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import attrs
@@ -343,3 +344,41 @@ def test_repr_never_prints_the_payload() -> None:
     frame = ActivationFrame.virtual(token_count=4, bytes_per_token=2)
     assert repr(frame).endswith("payload=<uint8[8] virtual>)")
     assert "payload=<uint8[16] view>" in repr(byte_frame(4, 16))
+
+
+def test_virtual_frame_pickles_to_its_descriptor_and_fill() -> None:
+    """A 100K-token virtual frame pickles to a few hundred bytes and comes back virtual."""
+    frame = ActivationFrame.virtual(token_count=100_000, bytes_per_token=8192, fill=7)
+    data = pickle.dumps(frame, protocol=5)
+    assert len(data) < 1_000
+    back = pickle.loads(data)
+    assert back.is_virtual
+    assert back.desc == frame.desc
+    assert back.payload.size == frame.payload.size
+    assert back.same_content(frame)
+
+
+def test_prefix_view_pickles_only_its_own_bytes() -> None:
+    """A prefix view of a large frame sends the prefix, read-only on arrival."""
+    rows = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64)
+    prefix = ActivationFrame.from_array(rows).prefix(16)
+    data = pickle.dumps(prefix, protocol=5)
+    assert len(data) < 16 * 64 * 4 + 1_000
+    back = pickle.loads(data)
+    assert not back.payload.flags.writeable
+    assert back.desc == prefix.desc
+    np.testing.assert_array_equal(back.rows(), rows[:16])
+
+
+def test_real_frame_payload_goes_out_of_band_with_protocol_5() -> None:
+    """With a buffer callback (as Ray's serializer uses), the payload is not copied into the
+    pickle stream, and the rebuilt frame reads the buffer it was given."""
+    rows = np.ones((256, 32), dtype=np.float32)
+    frame = ActivationFrame.from_array(rows)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(frame, protocol=5, buffer_callback=buffers.append)
+    assert len(data) < 1_000
+    assert sum(memoryview(b).nbytes for b in buffers) == frame.payload_bytes
+    back = pickle.loads(data, buffers=buffers)
+    assert back.same_content(frame)
+    assert not back.payload.flags.writeable
