@@ -1,10 +1,11 @@
-"""Pipelines: stages wired by bounded trio memory channels.
+"""Pipelines: stages that a prompt passes in order, each owning its cache actor.
 
-:func:`open_pipeline` starts one task per stage (each owning its cache actor) and yields a
-:class:`Pipeline`. :meth:`Pipeline.prefill` validates the tokens once, sends the request into
-stage 0 and waits for its own one-shot reply; the request flows stage to stage through bounded
-channels, so concurrent prefills overlap across stages (stage 0 works on request ``i + 1`` while
-stage 1 works on request ``i``) and a slow stage pushes back on the callers.
+:func:`open_pipeline` starts the stages where its ``placement`` says (by default, one task per
+stage in the caller's trio run; with :class:`~stage_runtime.placement.RayPlacement`, one Ray
+actor process per stage) and yields a :class:`Pipeline`. :meth:`Pipeline.prefill` validates the
+tokens once, sends the request into stage 0 and waits for its own one-shot reply; the request
+flows stage to stage, so concurrent prefills overlap across stages (stage 0 works on request
+``i + 1`` while stage 1 works on request ``i``) and a slow stage pushes back on the callers.
 
 Lifecycle:
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,7 +50,9 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.integration import KvStageIntegration
 from stage_runtime.models import ModelFactory
-from stage_runtime.stage import PrefillRequest, Stage, StagePrefillReport, StageStats
+from stage_runtime.placement import LocalPlacement, Placement, RayPlacement, RunningStages
+from stage_runtime.placement.local import open_local_stages
+from stage_runtime.stage import PrefillRequest, StagePrefillReport, StageStats
 
 __all__ = [
     "Pipeline",
@@ -93,8 +96,9 @@ class Pipeline:
     stage_configs: tuple[StageConfig, ...]
     """The stages' configurations, in pipeline order."""
 
-    _stages: tuple[Stage, ...] = attrs.field(alias="stages")
-    _entry: trio.MemorySendChannel[PrefillRequest] = attrs.field(alias="entry")
+    _stages: RunningStages = attrs.field(alias="stages")
+    placement: Placement = attrs.field(factory=LocalPlacement)
+    """Where the stages run."""
     _pending: set[PrefillRequest] = attrs.field(factory=set, init=False)
     _draining: bool = attrs.field(default=False, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
@@ -213,12 +217,7 @@ class Pipeline:
         )
         self._pending.add(request)
         try:
-            try:
-                await self._entry.send(request)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                msg = f"pipeline stopped before request {request_id!r} finished"
-                raise PipelineStoppedError(msg) from None
-            await request.done.wait()
+            await self._stages.submit(request)
         finally:
             self._pending.discard(request)
             if not request.done.is_set():
@@ -246,7 +245,7 @@ class Pipeline:
         """
         self._check_run()
         try:
-            return PipelineStats(stages=tuple([await stage.stats() for stage in self._stages]))
+            return PipelineStats(stages=await self._stages.stage_stats())
         except ActorStoppedError as exc:
             msg = f"pipeline has stopped without final statistics ({exc})"
             raise PipelineStoppedError(msg) from None
@@ -262,17 +261,17 @@ class Pipeline:
         """
         self._check_run()
         try:
-            return tuple([await stage.clear_cache() for stage in self._stages])
+            return await self._stages.clear_caches()
         except ActorStoppedError as exc:
             msg = f"pipeline has stopped: no cache to clear ({exc})"
             raise PipelineStoppedError(msg) from None
 
     async def _drain(self) -> None:
-        """Refuse new prefills, wait for the pending ones, then close stage 0's inbox."""
+        """Refuse new prefills, wait for the pending ones, then drain and stop the stages."""
         self._draining = True
         if self._pending:
             await self._idle.wait()
-        await self._entry.aclose()
+        await self._stages.close()
 
     def _fail_pending(self) -> None:
         """Fail every caller still waiting (the stages are gone)."""
@@ -307,8 +306,9 @@ async def open_pipeline(
     channel_size: int = 4,
     mailbox_size: int = 64,
     environ: Mapping[str, str] | None = None,
+    placement: Placement | None = None,
 ) -> AsyncIterator[Pipeline]:
-    """Start a pipeline: one task per stage, each owning its cache actor.
+    """Start a pipeline: one stage per configuration, each owning its cache actor.
 
     Args:
         stages: The stages' configurations in pipeline order, or the path of a topology file
@@ -318,17 +318,21 @@ async def open_pipeline(
             every hand-off a rendezvous.
         mailbox_size: Mailbox size of each cache actor.
         environ: Environment for stages whose ``kv_cache`` is None (spec §6.1); the process
-            environment when None.
+            environment when None (resolved here, in this process, for every placement).
+        placement: Where the stages run: None or :class:`~stage_runtime.placement.LocalPlacement`
+            (tasks of this trio run), or :class:`~stage_runtime.placement.RayPlacement` (one
+            Ray actor process per stage; ``model_factory`` must then be picklable).
 
     Yields:
         The running :class:`Pipeline`. Leaving the block drains it (see the module docstring).
 
     Raises:
         ConfigError: the topology is invalid (names the stage and field), an environment
-            variable for the cache is (names it), ``model_factory`` is not callable, or
-            ``channel_size``/``mailbox_size`` is not an integer >= 0.
+            variable for the cache is (names it), ``model_factory`` is not callable,
+            ``channel_size``/``mailbox_size`` is not an integer >= 0, ``placement`` is not a
+            placement, or Ray could not start or join its cluster.
         ExceptionGroup: holding :class:`~stage_runtime.errors.StageFailedError` when a stage
-            crashed.
+            crashed (or, placed by Ray, its process died with no restart left).
     """
     if isinstance(stages, str | os.PathLike):
         configs = load_topology(stages)
@@ -342,35 +346,47 @@ async def open_pipeline(
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             msg = f"{name} must be an integer >= 0, got {value!r}"
             raise ConfigError(msg)
+    if placement is None:
+        placement = LocalPlacement()
+    if not isinstance(placement, LocalPlacement | RayPlacement):
+        msg = f"placement must be None, a LocalPlacement or a RayPlacement, got {placement!r}"
+        raise ConfigError(msg)
+    if environ is None:
+        # Resolved once, here: stage processes elsewhere must see the driver's environment,
+        # not their own.
+        environ = dict(os.environ)
     for config in configs:
         # Resolved now, not when each stage builds its cache: a bad STAGE_RUNTIME_KV_CACHE_*
         # variable is then a ConfigError here, not a stage failure inside an exception group.
         KvStageIntegration.from_config(config, environ=environ)
-    channels = [trio.open_memory_channel[PrefillRequest](channel_size) for _ in configs]
-    runners = tuple(
-        Stage(
-            config=config,
-            model_factory=model_factory,
-            inbox=channels[i][1],
-            outbox=channels[i + 1][0] if i + 1 < len(configs) else None,
-            environ=environ,
-            mailbox_size=mailbox_size,
+    if isinstance(placement, RayPlacement):
+        # Imported only when asked for: Ray is an optional extra.
+        from stage_runtime.placement.ray_stages import open_ray_stages
+
+        opened: AbstractAsyncContextManager[RunningStages] = open_ray_stages(
+            configs, model_factory, placement, mailbox_size=mailbox_size, environ=environ
         )
-        for i, config in enumerate(configs)
-    )
-    pipeline = Pipeline(stage_configs=tuple(configs), stages=runners, entry=channels[0][0])
+    else:
+        opened = open_local_stages(
+            configs,
+            model_factory,
+            channel_size=channel_size,
+            mailbox_size=mailbox_size,
+            environ=environ,
+        )
+    pipeline: Pipeline | None = None
     try:
-        async with trio.open_nursery() as nursery:
-            # Last stage first, so that every stage's downstream is running when it starts.
-            for runner in reversed(runners):
-                await nursery.start(runner.run)
+        async with opened as running:
+            pipeline = Pipeline(stage_configs=tuple(configs), stages=running, placement=placement)
             yield pipeline
             await pipeline._drain()
     except BaseException as exc:
-        pipeline._failure = _failure(exc)
+        if pipeline is not None:
+            pipeline._failure = _failure(exc)
         raise
     finally:
-        pipeline._fail_pending()
+        if pipeline is not None:
+            pipeline._fail_pending()
 
 
 def _failure(exc: BaseException) -> str:

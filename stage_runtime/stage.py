@@ -116,6 +116,13 @@ class StagePrefillReport:
     """``trio.current_time()`` when the stage had computed and recorded it."""
 
 
+def _owned(output: ActivationFrame, borrowed: ActivationFrame) -> ActivationFrame:
+    """``output``, or a copy of it when it shares memory with the ``borrowed`` input frame."""
+    if output.is_virtual or not np.may_share_memory(output.payload, borrowed.payload):
+        return output
+    return ActivationFrame(desc=output.desc, payload=output.payload.copy())
+
+
 def _evicted_by(records: Sequence[ResidentActivationRecord]) -> Sequence[EvictedEntry]:
     """The entries ``records`` evicted, in order (a single record's own sequence, as is)."""
     if len(records) == 1:
@@ -135,6 +142,10 @@ class StageStats:
 
     mailbox: ActorStatistics
     """Statistics of the cache actor's mailbox."""
+
+    restarts: int = 0
+    """Times the stage was recreated after its process died (Ray placement with a restart
+    policy); each restart started it with an empty cache."""
 
     @property
     def accounting(self) -> CacheAccounting | None:
@@ -213,6 +224,9 @@ class Stage:
         outbox: Requests to the next stage; None for the last stage, which settles them.
         environ: Environment for the cache configuration when ``config.kv_cache`` is None.
         mailbox_size: The cache actor's mailbox size.
+        borrowed_inputs: Whether incoming frames are borrowed memory (another process's,
+            mapped from Ray's object store): an output that shares memory with its input is
+            then copied before it is recorded, so the cache never pins the borrowed buffer.
     """
 
     config: StageConfig
@@ -221,6 +235,7 @@ class Stage:
     outbox: trio.MemorySendChannel[PrefillRequest] | None
     environ: Mapping[str, str] | None = None
     mailbox_size: int = 64
+    borrowed_inputs: bool = False
     _model: StageModel | None = attrs.field(default=None, init=False)
     _embed_async: Callable[[npt.NDArray[np.int32]], Awaitable[ActivationFrame]] | None = (
         attrs.field(default=None, init=False)
@@ -362,6 +377,8 @@ class Stage:
             return  # no record, nothing forwarded
         records: tuple[ResidentActivationRecord, ...] = ()
         if base is not None and self._record:
+            if self.borrowed_inputs and request.frame is not None:
+                output = _owned(output, request.frame)
             records = tuple(
                 await cache.ask(
                     RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)

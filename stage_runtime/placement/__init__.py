@@ -1,0 +1,220 @@
+"""Where a pipeline's stages run: in this trio run, or one Ray actor process per stage.
+
+:func:`~stage_runtime.pipeline.open_pipeline` takes ``placement=``:
+
+- ``None`` or :class:`LocalPlacement`: every stage is a task of the caller's trio run (one
+  process, one core).
+- :class:`RayPlacement`: every stage runs in its own Ray actor process, on this host or on the
+  nodes of a Ray cluster, with the same :class:`~stage_runtime.stage.Stage` and cache actor inside
+  a trio run of that process. Ray is an optional extra: ``pip install 'stage-runtime[ray]'``.
+
+Both give the same :class:`~stage_runtime.pipeline.Pipeline`: the same ``prefill``, results,
+statistics, ``clear_caches`` and drain on close.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import attrs
+
+from actors import RestartPolicy
+from stage_runtime.errors import ConfigError, shown
+
+if TYPE_CHECKING:
+    from stage_runtime.cache import EvictedEntry
+    from stage_runtime.stage import PrefillRequest, StageStats
+
+__all__ = [
+    "PLACEMENT_STRATEGIES",
+    "LocalPlacement",
+    "Placement",
+    "RayPlacement",
+    "RunningStages",
+    "ray_available",
+]
+
+PLACEMENT_STRATEGIES: Final = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Ray placement-group strategies :attr:`RayPlacement.strategy` accepts."""
+
+RAY_EXTRA_HINT: Final = "install the ray extra: pip install 'stage-runtime[ray]'"
+
+
+def ray_available() -> bool:
+    """Whether Ray can be imported here (the ``stage-runtime[ray]`` extra is installed)."""
+    return importlib.util.find_spec("ray") is not None
+
+
+@attrs.frozen(kw_only=True)
+class LocalPlacement:
+    """Every stage is a task of the trio run that opened the pipeline (the default)."""
+
+
+def _address(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        msg = f"{attribute.name} must be None or a non-empty string, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _cpus(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        msg = f"{attribute.name} must be a finite number >= 0, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{attribute.name} must be an integer >= 1, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _resources(value: object) -> dict[str, dict[str, float]]:
+    """Per-stage resources as ``{stage_id: {resource: amount}}``, checked."""
+    if not isinstance(value, Mapping):
+        msg = f"resources must be a mapping of stage id to resources, got {shown(value)}"
+        raise ConfigError(msg)
+    checked: dict[str, dict[str, float]] = {}
+    for stage_id, wants in value.items():
+        if not isinstance(stage_id, str) or not isinstance(wants, Mapping):
+            msg = (
+                f"resources must map stage ids to tables of resource amounts, got "
+                f"{shown(stage_id)}: {shown(wants)}"
+            )
+            raise ConfigError(msg)
+        amounts: dict[str, float] = {}
+        for name, amount in wants.items():
+            if (
+                not isinstance(name, str)
+                or not name
+                or isinstance(amount, bool)
+                or not isinstance(amount, int | float)
+                or not math.isfinite(amount)
+                or amount < 0
+            ):
+                msg = (
+                    f"resources[{stage_id!r}][{shown(name)}] must be a finite number >= 0, "
+                    f"got {shown(amount)}"
+                )
+                raise ConfigError(msg)
+            amounts[name] = float(amount)
+        checked[stage_id] = amounts
+    return checked
+
+
+def _strategy(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and value not in PLACEMENT_STRATEGIES:
+        choices = ", ".join(PLACEMENT_STRATEGIES)
+        msg = f"{attribute.name} must be None or one of {choices}, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _optional_restart(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, RestartPolicy):
+        msg = f"{attribute.name} must be None or an actors.RestartPolicy, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _optional_callable(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(value):
+        msg = f"{attribute.name} must be None or a callable, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class RayPlacement:
+    """Every stage in its own Ray actor process, placed by Ray on this host or a cluster.
+
+    Constructing one without Ray installed raises :class:`~stage_runtime.errors.ConfigError`
+    naming the extra to install.
+    """
+
+    address: str | None = attrs.field(default=None, validator=_address)
+    """``None``: start a local Ray instance (or use the one this process already joined);
+    ``"auto"``: join the cluster running on this host; ``"ray://host:port"`` (Ray Client) or
+    ``"host:port"``: join that cluster. A Ray instance the pipeline started is shut down when
+    the pipeline closes; one it joined is left running."""
+
+    num_cpus: float = attrs.field(default=1.0, validator=_cpus)
+    """Logical CPUs each stage's actor reserves (fractions let more stages share a core)."""
+
+    resources: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict, converter=_resources)
+    """Per stage id, extra resources its actor needs (``{"stage-1": {"GPU": 1}}``); a ``CPU``
+    entry overrides :attr:`num_cpus` for that stage."""
+
+    strategy: str | None = attrs.field(default=None, validator=_strategy)
+    """A placement-group strategy for the stages' bundles (``"STRICT_SPREAD"``: one stage per
+    node); ``None``: no placement group, Ray places each actor where it fits."""
+
+    restart: RestartPolicy | None = attrs.field(default=None, validator=_optional_restart)
+    """What to do when a stage process dies: recreate it (with an empty cache) up to the
+    policy's limit, or, with None, stop the pipeline."""
+
+    max_in_flight: int = attrs.field(default=16, validator=_positive_int)
+    """Prefills the pipeline keeps in flight at once; later callers wait for a slot (Ray queues
+    actor calls without limit, the pipeline does not)."""
+
+    log_setup: Callable[[], None] | None = attrs.field(default=None, validator=_optional_callable)
+    """Run once in each stage process before the stage starts, to configure logging there. The
+    default writes structlog JSON lines to stderr at this process's structlog level; Ray forwards
+    worker stderr to the driver. Must be picklable (a module-level function, or a
+    ``functools.partial`` of one)."""
+
+    init_options: Mapping[str, Any] = attrs.field(factory=dict)
+    """Extra keyword arguments for ``ray.init`` (``num_cpus``, ``_temp_dir``,
+    ``include_dashboard``...); the pipeline passes ``address`` itself."""
+
+    health_check_s: float = attrs.field(default=1.0, validator=_cpus)
+    """How often an idle pipeline checks that its stage processes are alive (seconds); a death
+    is noticed at once by the prefills it breaks."""
+
+    def __attrs_post_init__(self) -> None:
+        if not ray_available():
+            msg = f"RayPlacement needs Ray, which is not installed; {RAY_EXTRA_HINT}"
+            raise ConfigError(msg)
+        if not self.health_check_s > 0:
+            msg = f"health_check_s must be > 0, got {self.health_check_s!r}"
+            raise ConfigError(msg)
+        if "address" in self.init_options:
+            msg = "init_options must not hold 'address'; set RayPlacement.address instead"
+            raise ConfigError(msg)
+
+    def stage_cpus(self, stage_id: str) -> float:
+        """Logical CPUs the actor of ``stage_id`` reserves."""
+        return self.resources.get(stage_id, {}).get("CPU", self.num_cpus)
+
+    def stage_resources(self, stage_id: str) -> dict[str, float]:
+        """Custom resources (besides CPU and GPU) the actor of ``stage_id`` reserves."""
+        wants = self.resources.get(stage_id, {})
+        return {name: amount for name, amount in wants.items() if name not in ("CPU", "GPU")}
+
+    def stage_gpus(self, stage_id: str) -> float:
+        """GPUs the actor of ``stage_id`` reserves (0 unless its resources ask)."""
+        return self.resources.get(stage_id, {}).get("GPU", 0.0)
+
+
+Placement = LocalPlacement | RayPlacement
+"""Where a pipeline's stages run."""
+
+
+class RunningStages(Protocol):
+    """What a pipeline needs of its running stages, wherever they are placed."""
+
+    async def submit(self, request: PrefillRequest) -> None:
+        """Run ``request`` through every stage; return once it is settled (``request.done``)."""
+
+    async def stage_stats(self) -> tuple[StageStats, ...]:
+        """Each stage's statistics, in pipeline order."""
+
+    async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
+        """Empty every stage's cache; per stage, the entries evicted."""
+
+    async def close(self) -> None:
+        """Drain and stop the stages (no request is pending any more)."""

@@ -1,0 +1,125 @@
+"""Joining or starting Ray for one pipeline or one fanned-out simulation, and leaving it as found.
+
+Import this module only where Ray is installed (``stage-runtime[ray]``);
+:class:`~stage_runtime.placement.RayPlacement` checks that before anything gets here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import ray
+
+from stage_runtime.errors import ConfigError
+from stage_runtime.placement import RayPlacement
+
+__all__ = ["RayExecutor", "open_ray_executor", "ray_session"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# ray.init and ray.shutdown act on process-wide state; two pipelines opening at once in worker
+# threads must not both decide to start an instance.
+_session_lock = threading.Lock()
+_sessions = 0
+"""Open sessions of this process that share the Ray instance the first one started."""
+_started = False
+"""Whether that instance was started (or joined) by a session, so the last one shuts it down."""
+
+
+@contextmanager
+def ray_session(placement: RayPlacement) -> Iterator[bool]:
+    """Make sure this process is connected to Ray for the block; yields whether it connected.
+
+    When the process is already connected (its own ``ray.init``, a test fixture's), that
+    connection is used and left alone. Otherwise ``ray.init(address=placement.address,
+    **placement.init_options)`` starts a local instance (``address=None``) or joins a cluster,
+    and the last session to end calls ``ray.shutdown()``: that stops an instance the session
+    started and only disconnects from one it joined.
+
+    Raises:
+        ConfigError: Ray could not start or join (a wrong address, say); names the address.
+    """
+    global _sessions, _started
+    with _session_lock:
+        if _sessions == 0 and not ray.is_initialized():
+            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+            options.update(placement.init_options)
+            try:
+                ray.init(address=placement.address, **options)
+            except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+                msg = f"cannot start or join Ray at address {placement.address!r}: {exc}"
+                raise ConfigError(msg) from exc
+            _started = True
+        _sessions += 1
+        connected_here = _started
+    try:
+        yield connected_here
+    finally:
+        with _session_lock:
+            _sessions -= 1
+            if _sessions == 0 and _started:
+                _started = False
+                ray.shutdown()
+
+
+class RayExecutor(concurrent.futures.Executor):
+    """A :class:`concurrent.futures.Executor` that runs each call as a Ray task.
+
+    Each task reserves ``placement.num_cpus`` logical CPUs. An argument passed to several
+    calls (the same object) is put in Ray's object store once and shared by reference.
+    """
+
+    def __init__(self, placement: RayPlacement) -> None:
+        self._placement = placement
+        self._remotes: dict[Callable[..., Any], Any] = {}
+        self._refs: dict[int, tuple[object, ray.ObjectRef[Any]]] = {}
+        self._shutdown = False
+
+    def submit(
+        self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> concurrent.futures.Future[_T]:
+        if self._shutdown:
+            msg = "cannot submit to a RayExecutor after shutdown"
+            raise RuntimeError(msg)
+        remote = self._remotes.get(fn)
+        if remote is None:
+            remote = ray.remote(num_cpus=self._placement.num_cpus)(fn)
+            self._remotes[fn] = remote
+        refs = [self._shared(arg) for arg in args]
+        future: concurrent.futures.Future[_T] = remote.remote(*refs, **kwargs).future()
+        return future
+
+    def _shared(self, value: object) -> object:
+        """``value``'s object-store reference when it is big enough to be worth sharing."""
+        if isinstance(value, int | float | str | bool | type(None)):
+            return value
+        held = self._refs.get(id(value))
+        if held is None:
+            # The value itself is kept next to its ref, so its id cannot be reused meanwhile.
+            held = (value, ray.put(value))
+            self._refs[id(value)] = held
+        return held[1]
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._shutdown = True
+        self._refs.clear()
+
+
+@contextmanager
+def open_ray_executor(placement: RayPlacement) -> Iterator[RayExecutor]:
+    """A :class:`RayExecutor` inside a :func:`ray_session` (Ray started or joined for the block).
+
+    Raises:
+        ConfigError: Ray could not start or join.
+    """
+    with ray_session(placement):
+        executor = RayExecutor(placement)
+        try:
+            yield executor
+        finally:
+            executor.shutdown()

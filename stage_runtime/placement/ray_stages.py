@@ -1,0 +1,478 @@
+"""Ray placement, the driver's side: one Ray actor process per stage, chained by object refs.
+
+A prefill submits one call per stage at once: stage ``i`` gets stage ``i - 1``'s output frame as
+an object ref, which Ray resolves in stage ``i``'s process from stage ``i - 1``'s (the frame goes
+stage to stage, never through the driver). The driver awaits each stage's report and the last
+stage's frame, without ever blocking its trio run: a ref's future wakes the run through its
+:class:`trio.lowlevel.TrioToken`.
+
+Failure and cancellation, per request (the local contract of :mod:`stage_runtime.stage`, plus):
+
+- **A cancelled prefill** cancels its calls (``ray.cancel``); a stage working on it abandons it
+  exactly as a local stage does, so every stage's cache stays consistent.
+- **A stage process that dies** (SIGKILL, an out-of-memory kill, a lost node) fails every prefill
+  in flight on it with :class:`~stage_runtime.errors.StageFailedError` naming the stage, as soon
+  as Ray reports the death (an idle pipeline notices it by its health check). Under
+  ``RayPlacement.restart`` the stage is then recreated, with an empty cache (logged as
+  ``stage_restarted``, counted in :attr:`StageStats.restarts
+  <stage_runtime.stage.StageStats.restarts>`); new prefills wait for it. Without a policy, or
+  past its limit, the pipeline stops: the ``async with`` raises the ``StageFailedError`` in an
+  exception group, as a local stage crash does.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any, Final
+
+import attrs
+import ray
+import structlog
+import trio
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from stage_runtime.cache import EvictedEntry
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
+from stage_runtime.models import ModelFactory
+from stage_runtime.placement import RayPlacement
+from stage_runtime.placement.ray_session import ray_session
+from stage_runtime.placement.ray_worker import (
+    StageWorker,
+    default_stage_logging,
+    driver_log_level,
+)
+from stage_runtime.stage import PrefillRequest, StageStats
+
+__all__ = ["RayStages", "open_ray_stages"]
+
+log = structlog.get_logger(__name__)
+
+START_TIMEOUT_S: Final = 120.0
+"""How long a stage process may take to be placed and start (Ray may wait for resources)."""
+
+EXIT_TIMEOUT_S: Final = 10.0
+"""How long closing waits for a killed stage process on this host to exit."""
+
+PING_TIMEOUT_S: Final = 10.0
+"""A health check that gets no answer in this long is not a death; only Ray's word is."""
+
+_Worker: Any = ray.remote(StageWorker)
+
+
+async def await_ref(ref: Any) -> Any:
+    """The value of a Ray object ref, awaited from trio without blocking the run.
+
+    Raises:
+        Whatever ``ray.get`` would (``RayTaskError``, ``RayActorError``, ...).
+    """
+    future = ref.future()
+    token = trio.lowlevel.current_trio_token()
+    ready = trio.Event()
+
+    def wake(_: object) -> None:
+        with suppress(trio.RunFinishedError):
+            token.run_sync_soon(ready.set)
+
+    future.add_done_callback(wake)
+    await ready.wait()
+    return future.result()
+
+
+@attrs.define(eq=False)
+class _StageProcess:
+    """One stage's current actor, and what the driver knows of it."""
+
+    index: int
+    config: StageConfig
+    actor: Any = None
+    pid: int = 0
+    host: str = ""
+    generation: int = 0
+    """Bumped when the actor is declared dead: calls made before see a stale generation."""
+    restarts: int = 0
+    crashes: deque[float] = attrs.field(factory=deque)
+    available: trio.Event = attrs.field(factory=trio.Event)
+    """Set while the actor is usable; cleared while it is being recreated."""
+
+
+@attrs.define(eq=False)
+class RayStages:
+    """The running stage processes of a Ray-placed pipeline (see :func:`open_ray_stages`)."""
+
+    _configs: tuple[StageConfig, ...] = attrs.field(alias="configs")
+    _factory: ModelFactory = attrs.field(alias="factory")
+    _placement: RayPlacement = attrs.field(alias="placement")
+    _mailbox_size: int = attrs.field(alias="mailbox_size")
+    _environ: Mapping[str, str] = attrs.field(alias="environ")
+    _group: PlacementGroup | None = attrs.field(alias="group")
+    _nursery: trio.Nursery = attrs.field(alias="nursery")
+    _processes: list[_StageProcess] = attrs.field(init=False)
+    _limiter: trio.CapacityLimiter = attrs.field(init=False)
+    _keys: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+    _fatal: StageFailedError | None = attrs.field(default=None, init=False)
+    _fatal_event: trio.Event = attrs.field(factory=trio.Event, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
+    _final: tuple[StageStats, ...] | None = attrs.field(default=None, init=False)
+    _log_setup: Any = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._processes = [
+            _StageProcess(index=index, config=config) for index, config in enumerate(self._configs)
+        ]
+        self._limiter = trio.CapacityLimiter(self._placement.max_in_flight)
+        self._log_setup = self._placement.log_setup or functools.partial(
+            default_stage_logging, driver_log_level()
+        )
+
+    # -- starting and stopping processes -------------------------------------------------------
+
+    async def _start(self, process: _StageProcess) -> None:
+        """Create ``process``'s actor and wait until its stage runs."""
+        config = self._configs[process.index]
+        placement = self._placement
+        options: dict[str, Any] = {
+            "num_cpus": placement.stage_cpus(config.stage_id),
+            "num_gpus": placement.stage_gpus(config.stage_id),
+            "resources": placement.stage_resources(config.stage_id),
+            # Calls queue in the stage's own inbox; the driver bounds them (max_in_flight).
+            "max_concurrency": 4 * placement.max_in_flight + 16,
+        }
+        if self._group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._group, placement_group_bundle_index=process.index
+            )
+        actor = _Worker.options(**options).remote(
+            config, self._factory, self._environ, self._mailbox_size, self._log_setup
+        )
+        process.actor = actor
+        try:
+            with trio.fail_after(START_TIMEOUT_S):
+                process.pid, process.host = await await_ref(actor.ready.remote())
+        except trio.TooSlowError:
+            msg = (
+                f"stage {config.stage_id!r} failed: Ray could not place and start its process "
+                f"within {START_TIMEOUT_S:g} s (are the resources it asks for available? "
+                f"cpus={options['num_cpus']}, gpus={options['num_gpus']}, "
+                f"resources={options['resources']})"
+            )
+            raise StageFailedError(msg, stage_id=config.stage_id) from None
+        except (RayTaskError, RayActorError) as exc:
+            raise _stage_error(config.stage_id, exc) from _cause(exc)
+        process.available.set()
+        log.info(
+            "stage_process_started",
+            stage=config.stage_id,
+            pid=process.pid,
+            host=process.host,
+            restarts=process.restarts,
+        )
+
+    async def start_all(self) -> None:
+        """Start every stage's process, concurrently (each may wait for Ray to place it)."""
+        async with trio.open_nursery() as nursery:
+            for process in self._processes:
+                nursery.start_soon(self._start, process)
+
+    async def kill_all(self) -> None:
+        """Kill every stage process and wait (briefly) for those on this host to exit."""
+        here = socket.gethostname()
+        for process in self._processes:
+            if process.actor is not None:
+                try:
+                    ray.kill(process.actor, no_restart=True)
+                except Exception as exc:
+                    log.debug(
+                        "stage_process_kill_failed", stage=process.config.stage_id, error=str(exc)
+                    )
+        with trio.move_on_after(EXIT_TIMEOUT_S):
+            for process in self._processes:
+                if process.pid and process.host == here:
+                    # No event tells a process on another's pid has exited: poll it.
+                    while _alive(process.pid):  # noqa: ASYNC110
+                        await trio.sleep(0.02)
+        for process in self._processes:
+            if process.actor is not None:
+                log.info("stage_process_stopped", stage=process.config.stage_id, pid=process.pid)
+                process.actor = None
+
+    def _declare_dead(self, process: _StageProcess, generation: int, exc: BaseException) -> None:
+        """Handle the death of ``process`` seen by a call of ``generation`` (once per death):
+        recreate it under the restart policy, else stop the pipeline."""
+        if process.generation != generation or self._closing or self._fatal is not None:
+            return
+        process.generation += 1
+        process.available = trio.Event()
+        stage_id = process.config.stage_id
+        log.warning("stage_process_died", stage=stage_id, pid=process.pid, error=str(exc))
+        policy = self._placement.restart
+        now = trio.current_time()
+        if policy is not None:
+            while process.crashes and now - process.crashes[0] > policy.within_s:
+                process.crashes.popleft()
+            if len(process.crashes) < policy.max_restarts:
+                process.crashes.append(now)
+                self._nursery.start_soon(self._restart, process, exc)
+                return
+            log.error("stage_restart_limit_reached", stage=stage_id, restarts=process.restarts)
+        self._fatal = _stage_error(stage_id, exc)
+        self._fatal.__cause__ = _cause(exc)
+        self._fatal_event.set()
+
+    async def _restart(self, process: _StageProcess, exc: BaseException) -> None:
+        old = process.actor
+        with suppress(Exception):
+            ray.kill(old, no_restart=True)
+        policy = self._placement.restart
+        assert policy is not None
+        if policy.backoff_s:
+            await trio.sleep(policy.backoff_s)
+        process.restarts += 1
+        try:
+            await self._start(process)
+        except StageFailedError as error:
+            self._fatal = error
+            self._fatal_event.set()
+            return
+        log.warning(
+            "stage_restarted",
+            stage=process.config.stage_id,
+            restarts=process.restarts,
+            cache_lost=True,
+            cause=str(exc),
+        )
+
+    async def supervise(self) -> None:
+        """Raise the pipeline's fatal stage failure into its nursery when one happens; in the
+        meantime, check idle stage processes are alive every ``health_check_s``."""
+        while not self._fatal_event.is_set():
+            with trio.move_on_after(self._placement.health_check_s):
+                await self._fatal_event.wait()
+            if self._fatal_event.is_set() or self._closing:
+                break
+            for process in self._processes:
+                if not process.available.is_set():
+                    continue
+                generation = process.generation
+                try:
+                    with trio.move_on_after(PING_TIMEOUT_S):
+                        await await_ref(process.actor.ping.remote())
+                except RayActorError as exc:
+                    self._declare_dead(process, generation, exc)
+        if self._fatal is not None:
+            raise self._fatal
+
+    # -- the pipeline's calls ------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._fatal is not None:
+            msg = f"pipeline stopped ({self._fatal})"
+            raise PipelineStoppedError(msg)
+
+    async def submit(self, request: PrefillRequest) -> None:
+        """Run ``request`` through every stage process (at most ``max_in_flight`` at once)."""
+        async with self._limiter:
+            self._check_running()
+            for process in self._processes:
+                await process.available.wait()
+            await self._run(request)
+
+    async def _run(self, request: PrefillRequest) -> None:
+        key = next(self._keys)
+        tokens = ray.put(request.tokens)
+        frame = None
+        calls: list[tuple[_StageProcess, int, Any]] = []
+        for process in self._processes:
+            frame, report = process.actor.prefill.options(num_returns=2).remote(
+                key, request.request_id, request.session_id, request.cache_salt, tokens, frame
+            )
+            calls.append((process, process.generation, report))
+        try:
+            for process, generation, report in calls:
+                try:
+                    request.reports.append(await await_ref(report))
+                except RayActorError as exc:
+                    self._declare_dead(process, generation, exc)
+                    error = _stage_error(process.config.stage_id, exc)
+                    error.__cause__ = exc
+                    request.fail(error)
+                    return
+                except RayTaskError as exc:
+                    cause = _cause(exc)
+                    if isinstance(cause, StageFailedError):  # the stage crashed inside
+                        self._declare_dead(process, generation, exc)
+                    request.fail(cause if isinstance(cause, Exception) else exc)
+                    return
+            try:
+                request.frame = await await_ref(frame)
+            except (RayActorError, RayTaskError) as exc:
+                process = calls[-1][0]
+                error = _stage_error(process.config.stage_id, exc)
+                error.__cause__ = exc
+                request.fail(error)
+                return
+            request.succeed()
+        finally:
+            if not request.done.is_set():
+                # Cancelled (or failed part-way): stop every stage's work on it.
+                for _process, _generation, report in calls:
+                    try:
+                        ray.cancel(report)
+                    except Exception as exc:
+                        log.debug("prefill_cancel_failed", error=str(exc))
+
+    async def stage_stats(self) -> tuple[StageStats, ...]:
+        """Each stage's statistics, asked of its process (the final ones once closed)."""
+        if self._final is not None:
+            return self._final
+        stats = []
+        for process in self._processes:
+            try:
+                stage: StageStats = await await_ref(process.actor.stats.remote())
+            except (RayActorError, RayTaskError) as exc:
+                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
+                raise PipelineStoppedError(msg) from None
+            stats.append(attrs.evolve(stage, restarts=process.restarts))
+        return tuple(stats)
+
+    async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
+        """Empty every stage's cache; per stage, the entries evicted."""
+        evicted = []
+        for process in self._processes:
+            try:
+                evicted.append(await await_ref(process.actor.clear_cache.remote()))
+            except (RayActorError, RayTaskError) as exc:
+                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
+                raise PipelineStoppedError(msg) from None
+        return tuple(evicted)
+
+    async def close(self) -> None:
+        """Drain every stage process in pipeline order and keep their final statistics."""
+        self._check_running()
+        self._closing = True
+        final = []
+        for process in self._processes:
+            try:
+                stage: StageStats = await await_ref(process.actor.close.remote())
+            except (RayActorError, RayTaskError) as exc:
+                raise _stage_error(process.config.stage_id, exc) from _cause(exc)
+            final.append(attrs.evolve(stage, restarts=process.restarts))
+        self._final = tuple(final)
+
+    def processes(self) -> tuple[tuple[str, int, str], ...]:
+        """Per stage: its id, and the pid and host of its current process."""
+        return tuple((p.config.stage_id, p.pid, p.host) for p in self._processes)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a Ray error carries from the remote side (itself when none)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _stage_error(stage_id: str, exc: BaseException) -> StageFailedError:
+    if isinstance(exc, RayActorError):
+        what = f"its process died ({type(exc).__name__})"
+    else:
+        what = repr(_cause(exc))
+    return StageFailedError(f"stage {stage_id!r} failed: {what}", stage_id=stage_id)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_picklable(name: str, value: object) -> None:
+    try:
+        ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        msg = f"{name} must be picklable to reach the stage processes, got {value!r}: {exc}"
+        raise ConfigError(msg) from exc
+
+
+@asynccontextmanager
+async def open_ray_stages(
+    configs: Sequence[StageConfig],
+    model_factory: ModelFactory,
+    placement: RayPlacement,
+    *,
+    mailbox_size: int,
+    environ: Mapping[str, str],
+) -> AsyncIterator[RayStages]:
+    """Start one Ray actor process per stage (joining or starting Ray), and stop them all on exit.
+
+    Raises:
+        ConfigError: Ray could not start or join its cluster, or the model factory or log
+            set-up cannot be pickled.
+        StageFailedError: a stage could not start (in an exception group), or died with no
+            restart left.
+    """
+    _check_picklable("model_factory", model_factory)
+    if placement.log_setup is not None:
+        _check_picklable("log_setup", placement.log_setup)
+    session = ray_session(placement)
+    # ray.init blocks for seconds (it may start a whole local instance): off the event loop.
+    await trio.to_thread.run_sync(session.__enter__)
+    group: PlacementGroup | None = None
+    try:
+        if placement.strategy is not None:
+            bundles = [
+                {
+                    "CPU": placement.stage_cpus(c.stage_id),
+                    "GPU": placement.stage_gpus(c.stage_id),
+                    **placement.stage_resources(c.stage_id),
+                }
+                for c in configs
+            ]
+            bundles = [{k: v for k, v in b.items() if v} or {"CPU": 0.001} for b in bundles]
+            group = placement_group(bundles, strategy=placement.strategy)
+            with trio.move_on_after(START_TIMEOUT_S) as waited:
+                await await_ref(group.ready())
+            if waited.cancelled_caught:
+                msg = (
+                    f"placement group ({placement.strategy}, bundles {bundles}) could not be "
+                    f"placed within {START_TIMEOUT_S:g} s: the cluster lacks the nodes or "
+                    "resources it asks for"
+                )
+                raise ConfigError(msg)
+        async with trio.open_nursery() as nursery:
+            stages = RayStages(
+                configs=tuple(configs),
+                factory=model_factory,
+                placement=placement,
+                mailbox_size=mailbox_size,
+                environ=dict(environ),
+                group=group,
+                nursery=nursery,
+            )
+            try:
+                await stages.start_all()
+                nursery.start_soon(stages.supervise)
+                yield stages
+            finally:
+                stages._closing = True
+                with trio.CancelScope(shield=True):
+                    await stages.kill_all()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            if group is not None:
+                try:
+                    remove_placement_group(group)
+                except Exception as exc:
+                    log.debug("placement_group_remove_failed", error=str(exc))
+            await trio.to_thread.run_sync(session.__exit__, None, None, None)
