@@ -50,7 +50,13 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.integration import KvStageIntegration
 from stage_runtime.models import ModelFactory
-from stage_runtime.placement import LocalPlacement, Placement, RayPlacement, RunningStages
+from stage_runtime.placement import (
+    LocalPlacement,
+    Placement,
+    RayPlacement,
+    RunningStages,
+    StageProcess,
+)
 from stage_runtime.placement.local import open_local_stages
 from stage_runtime.stage import PrefillRequest, StagePrefillReport, StageStats
 
@@ -249,6 +255,12 @@ class Pipeline:
         except ActorStoppedError as exc:
             msg = f"pipeline has stopped without final statistics ({exc})"
             raise PipelineStoppedError(msg) from None
+
+    def stage_processes(self) -> tuple[StageProcess, ...]:
+        """Where each stage runs now (pid, host and, under Ray, node id), in pipeline order.
+
+        Under Ray placement a restarted stage shows its new process."""
+        return self._stages.processes()
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
         """Empty every stage's cache (each entry logged as ``cleared``).

@@ -34,6 +34,7 @@ __all__ = [
     "Placement",
     "RayPlacement",
     "RunningStages",
+    "StageProcess",
     "ray_available",
 ]
 
@@ -204,6 +205,23 @@ Placement = LocalPlacement | RayPlacement
 """Where a pipeline's stages run."""
 
 
+@attrs.frozen(kw_only=True)
+class StageProcess:
+    """Where one stage runs."""
+
+    stage_id: str
+    """The stage's id."""
+
+    pid: int
+    """Its process id (this process's, under local placement)."""
+
+    host: str
+    """The host name of its machine."""
+
+    node_id: str | None = None
+    """Its Ray node's id (None under local placement)."""
+
+
 class RunningStages(Protocol):
     """What a pipeline needs of its running stages, wherever they are placed."""
 
@@ -218,3 +236,6 @@ class RunningStages(Protocol):
 
     async def close(self) -> None:
         """Drain and stop the stages (no request is pending any more)."""
+
+    def processes(self) -> tuple[StageProcess, ...]:
+        """Where each stage runs now, in pipeline order."""

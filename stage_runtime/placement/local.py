@@ -7,6 +7,8 @@ on request ``i``) and a slow stage pushes back on the callers.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -17,6 +19,7 @@ from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import PipelineStoppedError
 from stage_runtime.models import ModelFactory
+from stage_runtime.placement import StageProcess
 from stage_runtime.stage import PrefillRequest, Stage, StageStats
 
 __all__ = ["LocalStages", "open_local_stages"]
@@ -56,6 +59,14 @@ class LocalStages:
         drains and stops its cache actor, and exits (the nursery of
         :func:`open_local_stages` then waits for them)."""
         await self._entry.aclose()
+
+    def processes(self) -> tuple[StageProcess, ...]:
+        """Every stage runs in this process."""
+        pid, host = os.getpid(), socket.gethostname()
+        return tuple(
+            StageProcess(stage_id=stage.config.stage_id, pid=pid, host=host)
+            for stage in self._stages
+        )
 
 
 @asynccontextmanager

@@ -43,7 +43,7 @@ from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
 from stage_runtime.models import ModelFactory
-from stage_runtime.placement import RayPlacement
+from stage_runtime.placement import RayPlacement, StageProcess
 from stage_runtime.placement.ray_session import ray_session
 from stage_runtime.placement.ray_worker import (
     StageWorker,
@@ -96,6 +96,7 @@ class _StageProcess:
     actor: Any = None
     pid: int = 0
     host: str = ""
+    node_id: str = ""
     generation: int = 0
     """Bumped when the actor is declared dead: calls made before see a stale generation."""
     restarts: int = 0
@@ -156,7 +157,8 @@ class RayStages:
         process.actor = actor
         try:
             with trio.fail_after(START_TIMEOUT_S):
-                process.pid, process.host = await await_ref(actor.ready.remote())
+                ready = await await_ref(actor.ready.remote())
+                process.pid, process.host, process.node_id = ready
         except trio.TooSlowError:
             msg = (
                 f"stage {config.stage_id!r} failed: Ray could not place and start its process "
@@ -173,6 +175,7 @@ class RayStages:
             stage=config.stage_id,
             pid=process.pid,
             host=process.host,
+            node_id=process.node_id,
             restarts=process.restarts,
         )
 
@@ -367,9 +370,12 @@ class RayStages:
             final.append(attrs.evolve(stage, restarts=process.restarts))
         self._final = tuple(final)
 
-    def processes(self) -> tuple[tuple[str, int, str], ...]:
-        """Per stage: its id, and the pid and host of its current process."""
-        return tuple((p.config.stage_id, p.pid, p.host) for p in self._processes)
+    def processes(self) -> tuple[StageProcess, ...]:
+        """Where each stage's current process runs, in pipeline order."""
+        return tuple(
+            StageProcess(stage_id=p.config.stage_id, pid=p.pid, host=p.host, node_id=p.node_id)
+            for p in self._processes
+        )
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import ray
 import structlog
 import trio
 
@@ -215,11 +216,12 @@ class StageWorker:
 
     # -- the Ray methods -----------------------------------------------------------------------
 
-    async def ready(self) -> tuple[int, str]:
-        """This process's pid and host, once the stage has started (raises its start error)."""
+    async def ready(self) -> tuple[int, str, str]:
+        """This process's pid, host and Ray node id, once the stage has started (raises its
+        start error)."""
         if self._crash is not None:
             raise self._failure()
-        return os.getpid(), socket.gethostname()
+        return os.getpid(), socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     async def ping(self) -> bool:
         """Whether the stage's trio run is alive (a health check)."""

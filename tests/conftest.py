@@ -1,0 +1,53 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """A two-node Ray cluster on this machine for the session, this process connected to it.
+
+    Logical CPUs (4 a node) let several fractional-CPU stages share the machine's cores. Every
+    file Ray writes goes under one temporary directory (``RAY_TMPDIR``), removed at the end;
+    token authentication is off, so nothing is written to ``~/.ray``. Skipped without Ray.
+    """
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    import tests.stage_runtime.pipeline_helpers
+    import tests.stage_runtime.ray_helpers
+
+    temp = tempfile.mkdtemp(prefix="sr-ray-")
+    saved = {name: os.environ.get(name) for name in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
+    os.environ["RAY_TMPDIR"] = temp
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Test helpers travel to the stage processes by value: those need not import the suite.
+    for module in (tests.stage_runtime.ray_helpers, tests.stage_runtime.pipeline_helpers):
+        ray.cloudpickle.register_pickle_by_value(module)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "resources": {"node-a": 1}, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(num_cpus=4, resources={"node-b": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+        for module in (tests.stage_runtime.ray_helpers, tests.stage_runtime.pipeline_helpers):
+            ray.cloudpickle.unregister_pickle_by_value(module)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(temp, ignore_errors=True)

@@ -1,0 +1,456 @@
+"""Placement: the same pipeline API with stages in this trio run or in Ray actor processes.
+
+Ray tests run on the real clock (virtual time cannot cross processes); every wait on a stage
+process is bounded by ``trio.fail_after`` so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from actors import RestartPolicy
+from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.config import CacheIndex, StageConfig
+from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
+from stage_runtime.models import virtual_model_factory
+from stage_runtime.pipeline import PrefillResult, open_pipeline
+from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
+from tests.stage_runtime.pipeline_helpers import prompt, stage_configs, uncached
+from tests.stage_runtime.ray_helpers import (
+    FAIL_TOKEN,
+    SLOW_LENGTH,
+    Failing,
+    LogToFile,
+    ProbeModels,
+)
+
+NO_ENV: dict[str, str] = {}
+WAIT_S = 60.0
+"""Bound on any wait for stage processes (Ray starts them in a second or two)."""
+
+
+@pytest.fixture(autouse=True)
+def logs() -> Iterator[list[LogEvent]]:
+    """Capture the driver's log events (keeps the output quiet; tests inspect them)."""
+    with capture_actor_logs() as captured:
+        yield captured
+
+
+@pytest.fixture(params=["local", "ray"])
+def placement(request: pytest.FixtureRequest) -> Placement:
+    """Each behaviour test runs with local placement and with one Ray process per stage."""
+    if request.param == "local":
+        return LocalPlacement()
+    request.getfixturevalue("ray_cluster")
+    return RayPlacement(num_cpus=0.25)
+
+
+def counts(result: PrefillResult) -> list[tuple[int, int]]:
+    return [(report.restored_tokens, report.computed_tokens) for report in result.stages]
+
+
+STREAM = [prompt(300), prompt(420), prompt(420), prompt(300, start=5), prompt(512)]
+
+
+async def run_stream(
+    placement: Placement, configs: list[StageConfig]
+) -> list[tuple[np.ndarray[Any, Any], list[tuple[int, int]]]]:
+    out = []
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            configs, ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            for tokens in STREAM:
+                result = await pipeline.prefill(tokens, session_id="s")
+                out.append((np.array(result.frame.rows()), counts(result)))
+    return out
+
+
+@pytest.mark.parametrize("index", [CacheIndex.LADDER, CacheIndex.PAGED])
+async def test_ray_placement_gives_byte_identical_frames_and_counts(
+    ray_cluster: Any, index: CacheIndex
+) -> None:
+    """The same request stream gives the same bytes and restored/computed counts per stage."""
+    configs = [
+        attrs.evolve(c, kv_cache=attrs.evolve(kv, index=index))
+        for c in stage_configs(3, max_entries=64)
+        if (kv := c.kv_cache) is not None
+    ]
+    local = await run_stream(LocalPlacement(), configs)
+    remote = await run_stream(RayPlacement(num_cpus=0.25), configs)
+    assert [c for _, c in remote] == [c for _, c in local]
+    assert any(restored for _, c in local for restored, _ in c)  # the stream does hit
+    for (a, _), (b, _) in zip(local, remote, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+async def test_cached_output_equals_uncached_output(placement: Placement) -> None:
+    """With the cache on, each output equals the output of stages with the cache off."""
+    cached = await run_stream(placement, stage_configs(2))
+    plain = await run_stream(LocalPlacement(), uncached(stage_configs(2)))
+    for (a, _), (b, _) in zip(cached, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+async def test_model_error_fails_only_that_caller(placement: Placement) -> None:
+    """A model error reaches its caller as itself; the pipeline serves the next prompt."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            bad = prompt(300)
+            bad[3] = FAIL_TOKEN
+            with pytest.raises(ValueError, match=f"cannot embed token {FAIL_TOKEN}"):
+                await pipeline.prefill(bad, session_id="s")
+            result = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(result) == [(0, 300), (0, 300)]
+            assert pipeline.failure is None
+
+
+async def test_bad_tokens_are_refused_before_any_stage(placement: Placement) -> None:
+    """Bad tokens are a ConfigError at the caller, with any placement."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            with pytest.raises(ConfigError, match="int32"):
+                await pipeline.prefill([1, 2**40], session_id="s")
+            result = await pipeline.prefill(prompt(300), session_id="s")
+            assert result.tokens == 300
+
+
+async def test_stats_and_clear_caches_reach_every_stage(placement: Placement) -> None:
+    """Statistics count each stage's records; clearing empties every stage's cache."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            await pipeline.prefill(prompt(300), session_id="s")
+            stats = await pipeline.stats()
+            assert [s.stage_id for s in stats.stages] == ["stage-0", "stage-1"]
+            assert all(s.cache is not None and s.cache.entries == 2 for s in stats.stages)
+            assert all(s.restarts == 0 for s in stats.stages)
+            cleared = await pipeline.clear_caches()
+            assert [len(evicted) for evicted in cleared] == [2, 2]
+            again = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(again) == [(0, 300), (0, 300)]
+        final = await pipeline.stats()
+        assert all(s.cache is not None and s.cache.entries == 2 for s in final.stages)
+
+
+async def test_leaving_the_block_drains_prefills_in_flight(placement: Placement) -> None:
+    """Prefills called before the block ends all finish; later ones are refused."""
+    results: list[PrefillResult] = []
+    with trio.fail_after(WAIT_S):
+        async with (
+            trio.open_nursery() as nursery,
+            open_pipeline(
+                stage_configs(3), ProbeModels(), environ=NO_ENV, placement=placement
+            ) as pipeline,
+        ):
+
+            async def one(n: int) -> None:
+                results.append(await pipeline.prefill(prompt(n), session_id="s"))
+
+            for n in range(260, 270):
+                nursery.start_soon(one, n)
+            await trio.testing.wait_all_tasks_blocked()
+    assert sorted(r.tokens for r in results) == list(range(260, 270))
+    with pytest.raises(trio.ClosedResourceError):
+        await pipeline.prefill(prompt(300), session_id="s")
+
+
+async def test_stage_processes_name_where_each_stage_runs(placement: Placement) -> None:
+    """``stage_processes`` gives each stage's pid and host (another process under Ray)."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            where = pipeline.stage_processes()
+    assert [p.stage_id for p in where] == ["stage-0", "stage-1"]
+    if isinstance(placement, LocalPlacement):
+        assert {p.pid for p in where} == {os.getpid()}
+    else:
+        assert len({p.pid for p in where}) == 2
+        assert os.getpid() not in {p.pid for p in where}
+        assert all(p.node_id for p in where)
+
+
+# -- Ray only ------------------------------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_closing_leaves_no_stage_process(ray_cluster: Any) -> None:
+    """After the block, every stage process has exited."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(3), ProbeModels(), environ=NO_ENV, placement=RayPlacement(num_cpus=0.25)
+        ) as pipeline:
+            pids = [p.pid for p in pipeline.stage_processes()]
+            await pipeline.prefill(prompt(300), session_id="s")
+    assert all(_gone(pid) for pid in pids)
+
+
+async def test_stages_spread_over_distinct_nodes(ray_cluster: Any) -> None:
+    """A STRICT_SPREAD placement group puts each stage on its own node."""
+    placement = RayPlacement(num_cpus=0.5, strategy="STRICT_SPREAD")
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            result = await pipeline.prefill(prompt(300), session_id="s")
+            nodes = {p.node_id for p in pipeline.stage_processes()}
+    assert len(nodes) == 2
+    assert counts(result) == [(0, 300), (0, 300)]
+
+
+async def test_per_stage_resources_pin_a_stage_to_a_node(ray_cluster: Any) -> None:
+    """A stage asking for a custom resource runs on the node that has it."""
+    import ray
+
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    node_b = next(n["NodeID"] for n in nodes if n["Resources"].get("node-b"))
+    placement = RayPlacement(num_cpus=0.25, resources={"stage-1": {"node-b": 0.5}})
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            where = pipeline.stage_processes()
+    assert where[1].node_id == node_b
+
+
+async def test_virtual_frames_cross_processes_without_memory(ray_cluster: Any) -> None:
+    """A 100K-token virtual frame goes stage to stage as a descriptor, and arrives virtual."""
+    configs = [attrs.evolve(c, ctx_size=262_144) for c in stage_configs(2)]
+    factory = virtual_model_factory(width=4096)
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            configs, factory, environ=NO_ENV, placement=RayPlacement(num_cpus=0.25)
+        ) as pipeline:
+            result = await pipeline.prefill(prompt(100_000), session_id="s")
+    assert result.frame.is_virtual
+    assert result.frame.payload_bytes == 100_000 * 4096 * 4
+
+
+async def test_sigkill_fails_prefills_in_flight_and_stops_the_pipeline(
+    ray_cluster: Any,
+) -> None:
+    """A killed stage process fails the prefill in flight on it with StageFailedError naming
+    the stage within 10 s; without a restart policy the pipeline then stops."""
+    errors: list[BaseException] = []
+    configs = stage_configs(2)
+    placement = RayPlacement(num_cpus=0.25)
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(StageFailedError, match="stage 'stage-1' failed: its process died"),
+        flatten_subgroups=True,
+    ):
+        async with open_pipeline(
+            configs, ProbeModels(slow_stage=1), environ=NO_ENV, placement=placement
+        ) as pipeline:
+
+            async def slow() -> None:
+                try:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id="s")
+                except StageFailedError as exc:
+                    errors.append(exc)
+
+            with trio.fail_after(WAIT_S):
+                await pipeline.prefill(prompt(300), session_id="s")
+            victim = pipeline.stage_processes()[1].pid
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow)
+                await trio.testing.wait_all_tasks_blocked()
+                os.kill(victim, signal.SIGKILL)
+                with trio.fail_after(10):
+                    await trio.sleep_forever()  # until the pipeline stops and cancels this
+    assert len(errors) == 1
+    assert errors[0].stage_id == "stage-1"  # type: ignore[attr-defined]
+    assert pipeline.failure is not None
+    assert "stage-1" in pipeline.failure
+    with pytest.raises(PipelineStoppedError):
+        await pipeline.prefill(prompt(300), session_id="s")
+    assert _gone(victim)
+
+
+async def test_sigkill_under_a_restart_policy_recreates_the_stage_empty(
+    ray_cluster: Any, logs: list[LogEvent]
+) -> None:
+    """Under a restart policy a killed stage comes back with an empty cache; the restart is
+    logged as ``stage_restarted`` and counted in the statistics."""
+    failed: list[str] = []
+    placement = RayPlacement(
+        num_cpus=0.25, restart=RestartPolicy(max_restarts=2, within_s=60), health_check_s=0.1
+    )
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            await pipeline.prefill(prompt(300), session_id="s")
+            victim = pipeline.stage_processes()[1].pid
+            os.kill(victim, signal.SIGKILL)
+            while True:  # a prefill sent before the death is noticed fails; later ones wait
+                try:
+                    result = await pipeline.prefill(prompt(300), session_id="s")
+                except StageFailedError as exc:
+                    failed.append(exc.stage_id)
+                    continue
+                break
+            assert counts(result) == [(300, 0), (0, 300)]
+            assert set(failed) <= {"stage-1"}
+            stats = await pipeline.stats()
+            assert [s.restarts for s in stats.stages] == [0, 1]
+            assert pipeline.stage_processes()[1].pid != victim
+    restarted = events_named(logs, "stage_restarted")
+    assert [(e["stage"], e["restarts"], e["cache_lost"]) for e in restarted] == [
+        ("stage-1", 1, True)
+    ]
+    assert pipeline.failure is None
+
+
+async def test_cancelled_prefill_interrupts_the_remote_stage(ray_cluster: Any) -> None:
+    """A caller giving up cancels its remote work: the sleeping stage is interrupted, records
+    nothing, and serves the next prompt at once; caches stay consistent."""
+    placement = RayPlacement(num_cpus=0.25)
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2),
+            ProbeModels(slow_stage=1, delay_s=3600),
+            environ=NO_ENV,
+            placement=placement,
+        ) as pipeline:
+            with trio.move_on_after(1):
+                await pipeline.prefill(prompt(SLOW_LENGTH), session_id="s")
+            result = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(result) == [(0, 300), (0, 300)]
+            stats = await pipeline.stats()
+            # Stage 0 finished and recorded the cancelled prompt; stage 1 recorded nothing.
+            entries = [s.cache.entries if s.cache else 0 for s in stats.stages]
+            assert entries[1] == 2
+            reference = await run_stream(LocalPlacement(), stage_configs(2))
+            again = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(again) == [(300, 0), (300, 0)]
+            assert again.frame.rows().tobytes() == reference[0][0].tobytes()
+
+
+async def test_in_flight_prefills_are_bounded(ray_cluster: Any) -> None:
+    """At most ``max_in_flight`` prefills are sent to the stages; the rest wait their turn."""
+    placement = RayPlacement(num_cpus=0.25, max_in_flight=2)
+    results: list[PrefillResult] = []
+    with trio.fail_after(WAIT_S):
+        async with (
+            open_pipeline(
+                stage_configs(2),
+                ProbeModels(slow_stage=0, delay_s=0.5),
+                environ=NO_ENV,
+                placement=placement,
+            ) as pipeline,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def one() -> None:
+                results.append(await pipeline.prefill(prompt(SLOW_LENGTH), session_id="s"))
+
+            for _ in range(5):
+                nursery.start_soon(one)
+            await trio.testing.wait_all_tasks_blocked()
+            limiter = pipeline._stages._limiter  # type: ignore[attr-defined]
+            assert limiter.statistics().borrowed_tokens == 2
+            assert limiter.statistics().tasks_waiting == 3
+    assert len(results) == 5
+
+
+async def test_stage_logs_come_from_the_stage_process(ray_cluster: Any, tmp_path: Path) -> None:
+    """The logging set-up runs in each stage process; events carry their stage."""
+    path = tmp_path / "stages.jsonl"
+    placement = RayPlacement(num_cpus=0.25, log_setup=LogToFile(str(path)))
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2, max_entries=1), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            await pipeline.prefill(prompt(300), session_id="s")
+            await pipeline.prefill(prompt(400, start=1), session_id="s")
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    evicted = [e for e in events if e["event"] == "activation_evicted" and e["stage"] == "stage-1"]
+    assert evicted
+    assert {e["pid"] for e in events if e["event"] == "stage_process_started"} != {os.getpid()}
+
+
+async def test_a_stage_that_cannot_start_is_a_stage_failure(ray_cluster: Any) -> None:
+    """A model factory raising in the stage process fails the pipeline, naming the stage."""
+    with (
+        trio.fail_after(WAIT_S),
+        pytest.RaisesGroup(
+            pytest.RaisesExc(StageFailedError, match="no weights for stage-"),
+            flatten_subgroups=True,
+        ),
+    ):
+        async with open_pipeline(
+            stage_configs(2), Failing(), environ=NO_ENV, placement=RayPlacement(num_cpus=0.25)
+        ):
+            pytest.fail("the pipeline must not open")
+
+
+async def test_an_unpicklable_model_factory_is_a_config_error(ray_cluster: Any) -> None:
+    """The model factory must reach the stage processes: refused at once if it cannot."""
+    lock = threading.Lock()
+
+    def factory(config: StageConfig) -> Any:
+        with lock:
+            return ProbeModels()(config)
+
+    with pytest.raises(ConfigError, match="model_factory must be picklable"):
+        async with open_pipeline(
+            stage_configs(2), factory, environ=NO_ENV, placement=RayPlacement(num_cpus=0.25)
+        ):
+            pytest.fail("the pipeline must not open")
+
+
+def test_ray_placement_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Ray installed, RayPlacement is a ConfigError saying what to install."""
+    monkeypatch.setattr("stage_runtime.placement.ray_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"stage-runtime\[ray\]"):
+        RayPlacement()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_cpus": -1}, "num_cpus must be a finite number >= 0, got -1"),
+        ({"strategy": "EVERYWHERE"}, "strategy must be None or one of"),
+        ({"max_in_flight": 0}, "max_in_flight must be an integer >= 1, got 0"),
+        ({"resources": {"stage-0": {"GPU": -1}}}, r"resources\['stage-0'\]\['GPU'\]"),
+        ({"address": ""}, "address must be None or a non-empty string"),
+        ({"init_options": {"address": "auto"}}, "init_options must not hold 'address'"),
+        ({"log_setup": 3}, "log_setup must be None or a callable"),
+    ],
+)
+def test_bad_ray_placement_settings_name_the_field(kwargs: dict[str, Any], match: str) -> None:
+    """Each bad setting is a ConfigError naming the field and the value."""
+    with pytest.raises(ConfigError, match=match):
+        RayPlacement(**kwargs)
+
+
+async def test_a_placement_that_is_not_one_is_refused() -> None:
+    """``placement`` must be a placement object."""
+    with pytest.raises(ConfigError, match="placement must be None, a LocalPlacement"):
+        async with open_pipeline(stage_configs(1), ProbeModels(), placement="ray"):  # type: ignore[arg-type]
+            pytest.fail("the pipeline must not open")
