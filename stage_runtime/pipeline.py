@@ -56,6 +56,7 @@ from stage_runtime.placement import (
     RayPlacement,
     RunningStages,
     StageProcess,
+    placement_from_mapping,
 )
 from stage_runtime.placement.local import open_local_stages
 from stage_runtime.stage import PrefillRequest, StagePrefillReport, StageStats
@@ -64,6 +65,7 @@ __all__ = [
     "Pipeline",
     "PipelineStats",
     "PrefillResult",
+    "load_placement",
     "load_topology",
     "open_pipeline",
     "validate_topology",
@@ -324,7 +326,8 @@ async def open_pipeline(
 
     Args:
         stages: The stages' configurations in pipeline order, or the path of a topology file
-            (see :func:`load_topology`).
+            (see :func:`load_topology`; its ``[placement]`` table applies unless
+            ``placement`` is given).
         model_factory: Builds each stage's model from its configuration.
         channel_size: Capacity of each channel between stages (and into stage 0); 0 makes
             every hand-off a rendezvous.
@@ -348,6 +351,8 @@ async def open_pipeline(
     """
     if isinstance(stages, str | os.PathLike):
         configs = load_topology(stages)
+        if placement is None:
+            placement = load_placement(stages)
     else:
         configs = list(stages)
         validate_topology(configs)
@@ -492,13 +497,57 @@ def _validate_topology(
                 )
 
 
+def load_placement(path: str | os.PathLike[str]) -> Placement | None:
+    """The placement a topology file's ``[placement]`` table asks for, None without one.
+
+    See :func:`stage_runtime.placement.placement_from_mapping` for the table's keys.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or the table is invalid; names the
+            file, the line and the key.
+    """
+    source = os.fspath(path)
+    text = _read_topology(source)
+    document = _parse_toml(text, source=source)
+    table = document.get("placement")
+    if table is None:
+        return None
+    try:
+        return placement_from_mapping(table)
+    except ConfigError as exc:
+        key = str(exc).split(" ", 1)[0].removeprefix("placement.")
+        line = _toml_locator(text, ("placement",))(key) if key else None
+        at = f"line {line}: " if line is not None else ""
+        msg = f"{source}: {at}{exc}"
+        raise ConfigError(msg) from None
+
+
+def _read_topology(source: str) -> str:
+    """The text of topology file ``source`` (UTF-8, a leading byte-order mark dropped)."""
+    try:
+        data = Path(source).read_bytes()
+    except OSError as exc:
+        msg = f"{source}: cannot read topology file: {exc.strerror or exc}"
+        raise ConfigError(msg) from exc
+    except ValueError as exc:  # a NUL byte in the path
+        msg = f"{source!r}: cannot read topology file: {exc}"
+        raise ConfigError(msg) from exc
+    try:
+        return data.decode("utf-8-sig")  # a leading byte-order mark is not part of the file
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        msg = f"{source}: line {line}: topology file must be UTF-8, got byte {data[exc.start]:#04x}"
+        raise ConfigError(msg) from None
+
+
 def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     """Load a pipeline's stages from a TOML topology file.
 
     The file holds an optional ``[defaults]`` table merged under every stage (stage keys win;
     ``kv_cache`` tables are merged key by key) and one ``[[stage]]`` table per stage, in pipeline
     order. ``stage_index`` defaults to the stage's position, ``upstream``/``downstream`` to its
-    neighbours' ids::
+    neighbours' ids. An optional ``[placement]`` table says where the stages run (read by
+    :func:`load_placement`)::
 
         [defaults]
         model_id = "example/model"
@@ -524,24 +573,11 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
             duplicate stage ids or non-contiguous layer ranges; names the file, stage and field.
     """
     source = os.fspath(path)
-    try:
-        data = Path(source).read_bytes()
-    except OSError as exc:
-        msg = f"{source}: cannot read topology file: {exc.strerror or exc}"
-        raise ConfigError(msg) from exc
-    except ValueError as exc:  # a NUL byte in the path
-        msg = f"{source!r}: cannot read topology file: {exc}"
-        raise ConfigError(msg) from exc
-    try:
-        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the file
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        msg = f"{source}: line {line}: topology file must be UTF-8, got byte {data[exc.start]:#04x}"
-        raise ConfigError(msg) from None
+    text = _read_topology(source)
     document = _parse_toml(text, source=source)
-    unknown = sorted(set(document) - {"defaults", "stage"})
+    unknown = sorted(set(document) - {"defaults", "stage", "placement"})
     if unknown:
-        msg = f"{source}: top-level keys must be 'defaults' and 'stage', got {unknown}"
+        msg = f"{source}: top-level keys must be 'defaults', 'stage' and 'placement', got {unknown}"
         raise ConfigError(msg)
     defaults = document.get("defaults", {})
     if not isinstance(defaults, dict):

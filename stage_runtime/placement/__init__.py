@@ -35,6 +35,8 @@ __all__ = [
     "RayPlacement",
     "RunningStages",
     "StageProcess",
+    "choose_placement",
+    "placement_from_mapping",
     "ray_available",
 ]
 
@@ -58,6 +60,11 @@ def _address(_instance: object, attribute: attrs.Attribute[Any], value: object) 
     if value is not None and (not isinstance(value, str) or not value.strip()):
         msg = f"{attribute.name} must be None or a non-empty string, got {shown(value)}"
         raise ConfigError(msg)
+
+
+def _optional_cpus(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _cpus(instance, attribute, value)
 
 
 def _cpus(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -143,8 +150,10 @@ class RayPlacement:
     ``"host:port"``: join that cluster. A Ray instance the pipeline started is shut down when
     the pipeline closes; one it joined is left running."""
 
-    num_cpus: float = attrs.field(default=1.0, validator=_cpus)
-    """Logical CPUs each stage's actor reserves (fractions let more stages share a core)."""
+    num_cpus: float | None = attrs.field(default=None, validator=_optional_cpus)
+    """Logical CPUs each stage's actor reserves (fractions let several stages share a core).
+    ``None``: an equal share of the cluster's CPUs when the pipeline opens, at most one per
+    stage (four stages on a two-core machine reserve half a CPU each)."""
 
     resources: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict, converter=_resources)
     """Per stage id, extra resources its actor needs (``{"stage-1": {"GPU": 1}}``); a ``CPU``
@@ -187,9 +196,10 @@ class RayPlacement:
             msg = "init_options must not hold 'address'; set RayPlacement.address instead"
             raise ConfigError(msg)
 
-    def stage_cpus(self, stage_id: str) -> float:
-        """Logical CPUs the actor of ``stage_id`` reserves."""
-        return self.resources.get(stage_id, {}).get("CPU", self.num_cpus)
+    def stage_cpus(self, stage_id: str, share: float = 1.0) -> float:
+        """Logical CPUs the actor of ``stage_id`` reserves (``share`` when not set)."""
+        cpus = self.resources.get(stage_id, {}).get("CPU", self.num_cpus)
+        return share if cpus is None else cpus
 
     def stage_resources(self, stage_id: str) -> dict[str, float]:
         """Custom resources (besides CPU and GPU) the actor of ``stage_id`` reserves."""
@@ -203,6 +213,107 @@ class RayPlacement:
 
 Placement = LocalPlacement | RayPlacement
 """Where a pipeline's stages run."""
+
+_RAY_KEYS: Final = (
+    "address",
+    "num_cpus",
+    "resources",
+    "strategy",
+    "max_in_flight",
+    "health_check_s",
+    "restart",
+)
+_RESTART_KEYS: Final = ("max_restarts", "within_s", "backoff_s")
+
+
+def choose_placement(
+    configured: Placement | None, *, engine: str | None = None, address: str | None = None
+) -> Placement:
+    """The placement a command line asks for, over the one a topology file configured.
+
+    Args:
+        configured: The topology file's placement (None: it has none).
+        engine: ``"local"`` or ``"ray"`` (``--placement``); None keeps the file's choice.
+        address: A Ray address (``--ray-address``); implies ``engine="ray"``.
+
+    Returns:
+        ``LocalPlacement()`` for ``"local"``; for Ray, the file's Ray settings (or defaults)
+        with the address replaced when one is given.
+
+    Raises:
+        ConfigError: ``engine`` is unknown, ``address`` comes with ``engine="local"``, or Ray
+            is not installed.
+    """
+    if engine not in (None, "local", "ray"):
+        msg = f"placement must be 'local' or 'ray', got {shown(engine)}"
+        raise ConfigError(msg)
+    if engine == "local":
+        if address is not None:
+            msg = f"a Ray address ({address!r}) needs the ray placement, not local"
+            raise ConfigError(msg)
+        return LocalPlacement()
+    if engine == "ray" or address is not None:
+        base = configured if isinstance(configured, RayPlacement) else RayPlacement()
+        return base if address is None else attrs.evolve(base, address=address)
+    return configured if configured is not None else LocalPlacement()
+
+
+def placement_from_mapping(table: Mapping[str, Any]) -> Placement:
+    """Build a placement from a topology file's ``[placement]`` table::
+
+        [placement]
+        engine = "ray"           # "local" (the default) or "ray"
+        address = "auto"         # omit to start a local Ray instance
+        num_cpus = 1             # logical CPUs per stage
+        strategy = "SPREAD"      # optional placement group: PACK, SPREAD, STRICT_*
+        max_in_flight = 16
+        [placement.resources]
+        "stage-1" = { GPU = 1 }
+        [placement.restart]      # recreate a dead stage process (empty cache)
+        max_restarts = 3
+        within_s = 60
+
+    Raises:
+        ConfigError: an unknown key or a bad value, named (``placement.<key>``); Ray keys with
+            ``engine = "local"``; ``engine = "ray"`` without Ray installed.
+    """
+    if not isinstance(table, Mapping):
+        msg = f"placement must be a table, got {shown(table)}"
+        raise ConfigError(msg)
+    engine = table.get("engine", "local")
+    if engine not in ("local", "ray"):
+        msg = f"placement.engine must be 'local' or 'ray', got {shown(engine)}"
+        raise ConfigError(msg)
+    allowed = ("engine", *_RAY_KEYS) if engine == "ray" else ("engine",)
+    unknown = [key for key in table if key not in allowed]
+    if unknown:
+        hint = "" if engine == "ray" or unknown[0] not in _RAY_KEYS else " (a Ray setting)"
+        msg = (
+            f"placement.{unknown[0]} is not a setting of engine {engine!r}{hint}; "
+            f"the settings are {', '.join(allowed)}"
+        )
+        raise ConfigError(msg)
+    if engine == "local":
+        return LocalPlacement()
+    kwargs = {key: table[key] for key in _RAY_KEYS if key in table and key != "restart"}
+    restart = table.get("restart")
+    if restart is not None:
+        if not isinstance(restart, Mapping) or any(k not in _RESTART_KEYS for k in restart):
+            msg = (
+                f"placement.restart must be a table of {', '.join(_RESTART_KEYS)}, "
+                f"got {shown(restart)}"
+            )
+            raise ConfigError(msg)
+        try:
+            kwargs["restart"] = RestartPolicy(**restart)
+        except (TypeError, ValueError) as exc:
+            msg = f"placement.restart: {exc}"
+            raise ConfigError(msg) from None
+    try:
+        return RayPlacement(**kwargs)
+    except ConfigError as exc:
+        msg = f"placement.{exc}" if str(exc).split(" ", 1)[0] in _RAY_KEYS else str(exc)
+        raise ConfigError(msg) from None
 
 
 @attrs.frozen(kw_only=True)

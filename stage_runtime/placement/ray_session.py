@@ -70,8 +70,9 @@ def ray_session(placement: RayPlacement) -> Iterator[bool]:
 class RayExecutor(concurrent.futures.Executor):
     """A :class:`concurrent.futures.Executor` that runs each call as a Ray task.
 
-    Each task reserves ``placement.num_cpus`` logical CPUs. An argument passed to several
-    calls (the same object) is put in Ray's object store once and shared by reference.
+    Each task reserves ``placement.num_cpus`` logical CPUs (one when None). An argument passed
+    to several calls (the same object) is put in Ray's object store once and shared by
+    reference.
     """
 
     def __init__(self, placement: RayPlacement) -> None:
@@ -88,7 +89,9 @@ class RayExecutor(concurrent.futures.Executor):
             raise RuntimeError(msg)
         remote = self._remotes.get(fn)
         if remote is None:
-            remote = ray.remote(num_cpus=self._placement.num_cpus)(fn)
+            # A unit of work keeps a core busy: one CPU each unless the placement says.
+            cpus = self._placement.num_cpus
+            remote = ray.remote(num_cpus=1 if cpus is None else cpus)(fn)
             self._remotes[fn] = remote
         refs = [self._shared(arg) for arg in args]
         future: concurrent.futures.Future[_T] = remote.remote(*refs, **kwargs).future()

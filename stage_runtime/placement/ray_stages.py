@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import socket
 from collections import deque
@@ -61,6 +62,10 @@ START_TIMEOUT_S: Final = 120.0
 
 EXIT_TIMEOUT_S: Final = 10.0
 """How long closing waits for a killed stage process on this host to exit."""
+
+CLOSE_TIMEOUT_S: Final = 30.0
+"""How long closing waits for a stage process to drain (its queue is empty by then: the
+pipeline waited for every prefill) before it is killed anyway."""
 
 PING_TIMEOUT_S: Final = 10.0
 """A health check that gets no answer in this long is not a death; only Ray's word is."""
@@ -115,6 +120,8 @@ class RayStages:
     _mailbox_size: int = attrs.field(alias="mailbox_size")
     _environ: Mapping[str, str] = attrs.field(alias="environ")
     _group: PlacementGroup | None = attrs.field(alias="group")
+    _cpu_share: float = attrs.field(alias="cpu_share")
+    """CPUs a stage reserves when the placement does not say."""
     _nursery: trio.Nursery = attrs.field(alias="nursery")
     _processes: list[_StageProcess] = attrs.field(init=False)
     _limiter: trio.CapacityLimiter = attrs.field(init=False)
@@ -141,12 +148,12 @@ class RayStages:
         config = self._configs[process.index]
         placement = self._placement
         options: dict[str, Any] = {
-            "num_cpus": placement.stage_cpus(config.stage_id),
             "num_gpus": placement.stage_gpus(config.stage_id),
             "resources": placement.stage_resources(config.stage_id),
             # Calls queue in the stage's own inbox; the driver bounds them (max_in_flight).
             "max_concurrency": 4 * placement.max_in_flight + 16,
         }
+        options["num_cpus"] = placement.stage_cpus(config.stage_id, self._cpu_share)
         if self._group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._group, placement_group_bundle_index=process.index
@@ -363,10 +370,15 @@ class RayStages:
         self._closing = True
         final = []
         for process in self._processes:
+            stage_id = process.config.stage_id
             try:
-                stage: StageStats = await await_ref(process.actor.close.remote())
+                with trio.fail_after(CLOSE_TIMEOUT_S):
+                    stage: StageStats = await await_ref(process.actor.close.remote())
+            except trio.TooSlowError:
+                msg = f"stage {stage_id!r} failed: it did not stop within {CLOSE_TIMEOUT_S:g} s"
+                raise StageFailedError(msg, stage_id=stage_id) from None
             except (RayActorError, RayTaskError) as exc:
-                raise _stage_error(process.config.stage_id, exc) from _cause(exc)
+                raise _stage_error(stage_id, exc) from _cause(exc)
             final.append(attrs.evolve(stage, restarts=process.restarts))
         self._final = tuple(final)
 
@@ -402,6 +414,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _cluster_cpus() -> float:
+    """Logical CPUs of the Ray cluster this process is connected to."""
+    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    return float(resources.get("CPU", 0.0))
+
+
+def _cpu_share(stages: int) -> float:
+    """An equal share of the cluster's CPUs per stage, at most one (two decimals, rounded down,
+    so that the shares always fit)."""
+    total = float(_cluster_cpus())
+    return max(min(1.0, math.floor(100 * total / stages) / 100), 0.01)
+
+
 def _check_picklable(name: str, value: object) -> None:
     try:
         ray.cloudpickle.dumps(value)  # type: ignore[no-untyped-call]
@@ -435,16 +460,27 @@ async def open_ray_stages(
     await trio.to_thread.run_sync(session.__enter__)
     group: PlacementGroup | None = None
     try:
+        share = _cpu_share(len(configs))
+        wanted = sum(placement.stage_cpus(c.stage_id, share) for c in configs)
+        total = float(_cluster_cpus())
+        if wanted > total:
+            msg = (
+                f"the stages reserve {wanted:g} CPUs (RayPlacement.num_cpus and resources) but "
+                f"the Ray cluster has {total:g}: reserve fractions of a CPU per stage, or add "
+                "nodes"
+            )
+            raise ConfigError(msg)
         if placement.strategy is not None:
+            # A bundle must hold some resource: a stage that reserves no CPU gets a sliver.
             bundles = [
                 {
-                    "CPU": placement.stage_cpus(c.stage_id),
+                    "CPU": placement.stage_cpus(c.stage_id, share),
                     "GPU": placement.stage_gpus(c.stage_id),
                     **placement.stage_resources(c.stage_id),
                 }
                 for c in configs
             ]
-            bundles = [{k: v for k, v in b.items() if v} or {"CPU": 0.001} for b in bundles]
+            bundles = [{k: v for k, v in b.items() if v} for b in bundles]
             group = placement_group(bundles, strategy=placement.strategy)
             with trio.move_on_after(START_TIMEOUT_S) as waited:
                 await await_ref(group.ready())
@@ -463,6 +499,7 @@ async def open_ray_stages(
                 mailbox_size=mailbox_size,
                 environ=dict(environ),
                 group=group,
+                cpu_share=share,
                 nursery=nursery,
             )
             try:

@@ -135,6 +135,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="frames buffered between two stages (default: %(default)s)",
     )
     parser.add_argument(
+        "--placement",
+        choices=("local", "ray"),
+        default=None,
+        help="where the stages run: this process (local) or one Ray actor process per stage "
+        "(ray; needs the ray extra); default: the topology's [placement] table, else local",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join the Ray cluster at ADDR ('auto', 'host:port' or 'ray://host:port'); "
+        "implies --placement ray (default: start a local Ray instance)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
@@ -152,11 +166,15 @@ async def _serve(args: argparse.Namespace) -> int:
     """Serve until shut down; returns the requests a forced shutdown dropped."""
     # Imported here: the pipeline pulls in numpy and the runtime, serving pulls in hypercorn.
     from stage_runtime.models import reference_model_factory
-    from stage_runtime.pipeline import load_topology, open_pipeline
+    from stage_runtime.pipeline import load_placement, load_topology, open_pipeline
+    from stage_runtime.placement import choose_placement
     from stage_runtime.server.app import ServerSettings, create_app
     from stage_runtime.server.serve import serve
 
     stages = load_topology(args.topology)
+    placement = choose_placement(
+        load_placement(args.topology), engine=args.placement, address=args.ray_address
+    )
     settings = ServerSettings(
         max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
@@ -165,7 +183,9 @@ async def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
     )
     factory = reference_model_factory(width=args.width, seed=args.seed)
-    async with open_pipeline(stages, factory, channel_size=args.channel_size) as pipeline:
+    async with open_pipeline(
+        stages, factory, channel_size=args.channel_size, placement=placement
+    ) as pipeline:
         app = create_app(pipeline, settings=settings)
         await serve(app, bind=args.bind, handle_signals=True, drain_grace_s=args.drain_grace)
     # Leaving open_pipeline after the server has drained stops the stages.

@@ -25,8 +25,8 @@ from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.config import CacheIndex, StageConfig
 from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
 from stage_runtime.models import virtual_model_factory
-from stage_runtime.pipeline import PrefillResult, open_pipeline
-from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
+from stage_runtime.pipeline import PrefillResult, load_placement, load_topology, open_pipeline
+from stage_runtime.placement import LocalPlacement, Placement, RayPlacement, choose_placement
 from tests.stage_runtime.pipeline_helpers import prompt, stage_configs, uncached
 from tests.stage_runtime.ray_helpers import (
     FAIL_TOKEN,
@@ -454,3 +454,114 @@ async def test_a_placement_that_is_not_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="placement must be None, a LocalPlacement"):
         async with open_pipeline(stage_configs(1), ProbeModels(), placement="ray"):  # type: ignore[arg-type]
             pytest.fail("the pipeline must not open")
+
+
+# -- topology files and the command line ----------------------------------------------------------
+
+TOPOLOGY = """
+[defaults]
+model_id = "m"
+
+[[stage]]
+stage_id = "stage-0"
+layer_start = 0
+layer_end = 4
+
+[[stage]]
+stage_id = "stage-1"
+layer_start = 4
+layer_end = 8
+"""
+
+
+def write_topology(tmp_path: Path, placement: str) -> Path:
+    path = tmp_path / "topology.toml"
+    path.write_text(TOPOLOGY + placement, encoding="utf-8")
+    return path
+
+
+def test_a_topology_without_placement_table_has_none(tmp_path: Path) -> None:
+    """No ``[placement]`` table: the caller (or local placement) decides."""
+    assert load_placement(write_topology(tmp_path, "")) is None
+
+
+def test_a_ray_placement_table_sets_every_field(tmp_path: Path) -> None:
+    """Every key of the table reaches the RayPlacement."""
+    path = write_topology(
+        tmp_path,
+        """
+[placement]
+engine = "ray"
+address = "auto"
+num_cpus = 0.5
+strategy = "SPREAD"
+max_in_flight = 4
+health_check_s = 2.5
+
+[placement.resources]
+"stage-1" = { GPU = 1, accel = 2 }
+
+[placement.restart]
+max_restarts = 3
+within_s = 60
+""",
+    )
+    placement = load_placement(path)
+    assert placement == RayPlacement(
+        address="auto",
+        num_cpus=0.5,
+        strategy="SPREAD",
+        max_in_flight=4,
+        health_check_s=2.5,
+        resources={"stage-1": {"GPU": 1, "accel": 2}},
+        restart=RestartPolicy(max_restarts=3, within_s=60),
+    )
+    assert len(load_topology(path)) == 2  # the stages load as before
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (
+            'engine = "ray"\nnodes = 3',
+            r"line 17: placement\.nodes is not a setting of engine",
+        ),
+        ('engine = "local"\naddress = "auto"', r"line 17: placement\.address .* \(a Ray setting\)"),
+        ('engine = "kubernetes"', r"line 16: placement\.engine must be 'local' or 'ray'"),
+        ('engine = "ray"\nnum_cpus = -2', r"line 17: placement\.num_cpus must be a finite"),
+        ('engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }', "max_restarts must be"),
+        ('engine = "ray"\nrestart = { tries = 1 }', r"placement\.restart must be a table of"),
+    ],
+)
+def test_a_bad_placement_table_names_file_line_and_key(
+    tmp_path: Path, table: str, match: str
+) -> None:
+    """Each mistake is a ConfigError naming the file, the line (when known) and the key."""
+    path = write_topology(tmp_path, "\n[placement]\n" + table + "\n")
+    with pytest.raises(ConfigError, match=match) as caught:
+        load_placement(path)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+async def test_a_topology_files_local_placement_opens_a_local_pipeline(tmp_path: Path) -> None:
+    """``open_pipeline(path)`` takes the file's placement."""
+    path = write_topology(tmp_path, '\n[placement]\nengine = "local"\n')
+    async with open_pipeline(path, ProbeModels(), environ=NO_ENV) as pipeline:
+        assert pipeline.placement == LocalPlacement()
+        result = await pipeline.prefill(prompt(10), session_id="s")
+    assert result.tokens == 10
+
+
+def test_command_line_choices_override_the_topology() -> None:
+    """``--placement`` and ``--ray-address`` win over the file; an address implies Ray."""
+    configured = RayPlacement(num_cpus=0.5, address="auto")
+    assert choose_placement(None) == LocalPlacement()
+    assert choose_placement(configured) is configured
+    assert choose_placement(configured, engine="local") == LocalPlacement()
+    assert choose_placement(None, engine="ray") == RayPlacement()
+    assert choose_placement(configured, address="ray://head:10001") == attrs.evolve(
+        configured, address="ray://head:10001"
+    )
+    assert choose_placement(LocalPlacement(), address="auto") == RayPlacement(address="auto")
+    with pytest.raises(ConfigError, match="needs the ray placement"):
+        choose_placement(None, engine="local", address="auto")

@@ -11,10 +11,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -1422,12 +1424,14 @@ class ServeProcess:
 
 
 @asynccontextmanager
-async def serve_process(*options: str) -> AsyncIterator[ServeProcess]:
+async def serve_process(
+    *options: str, env: dict[str, str] | None = None
+) -> AsyncIterator[ServeProcess]:
     """Start ``stage-runtime serve`` (as ``python -m stage_runtime serve``, the console script's
     entry point) on a free port (JSON logs: stderr is a pipe); kill it if needed."""
     topology = ROOT / "examples" / "topology.toml"
     argv = [sys.executable, "-m", "stage_runtime", "serve", "--topology", str(topology), *options]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = await trio.lowlevel.open_process(
         [*argv, "--bind", "127.0.0.1:0"], stderr=subprocess.PIPE, env=env
     )
@@ -1458,6 +1462,54 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
     assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
     assert any(event["event"] == "shutdown_requested" for event in child.events)
     assert status == 0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of the processes whose command line mentions ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in command:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_serve_with_ray_placement_serves_and_leaves_no_process_on_sigint() -> None:
+    """``serve --placement ray`` starts its own Ray instance, answers from stage processes,
+    drains on SIGINT and exits 0 with every stage and Ray process gone."""
+    pytest.importorskip("ray")
+    temp = Path(tempfile.mkdtemp(prefix="sr-serve-ray-"))
+    env = {"RAY_TMPDIR": str(temp), "RAY_AUTH_MODE": "disabled"}
+    try:
+        with trio.fail_after(120):
+            async with serve_process("--placement", "ray", env=env) as child:
+                started = await child.next_event("server_started")
+                async with httpx.AsyncClient(base_url=started["url"], timeout=60) as client:
+                    body = {"tokens": prompt(80), "session_id": "ray"}
+                    first = await client.post("/v1/prefill", json=body)
+                    second = await client.post("/v1/prefill", json=body)
+                child.process.send_signal(signal.SIGINT)
+                await child.next_event("server_stopped")
+                status = await child.process.wait()
+        stage_pids = {
+            e["pid"] for e in child.events if e["event"] == "stage_process_started" and "pid" in e
+        }
+        assert status == 0
+        assert first.status_code == second.status_code == 200
+        assert [s["restored_tokens"] for s in second.json()["stages"]] == [80] * 4
+        assert len(stage_pids) == 4
+        assert os.getpid() not in stage_pids
+        assert _processes_mentioning(str(temp)) == []  # Ray's own processes are gone too
+        for pid in stage_pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 async def test_serve_command_reports_draining_during_grace_and_a_second_signal_hastens() -> None:
