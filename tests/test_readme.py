@@ -143,3 +143,31 @@ async def test_server_block_serves_prefills_on_the_example_topology() -> None:
 # the plugin's fixtures exactly as it would run in a user's project.
 [_FIXTURE_EXAMPLE] = [block for block in blocks("server", "python") if "def test_" in block]
 exec(compile(_FIXTURE_EXAMPLE, "README.md#server-fixtures", "exec"), globals())
+
+
+def test_placement_block_runs_each_stage_in_its_own_ray_process(
+    ray_cluster: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The placement block restores what its comment says, from 4 stage processes."""
+    [code] = blocks("placement", "python")
+    assert "# [2176, 2176, 2176, 2176]" in code
+    run_block(code, "placement")
+    out = capsys.readouterr().out
+    assert "[2176, 2176, 2176, 2176]\n4\n" in out
+
+
+def test_placement_toml_block_is_a_valid_placement_table(tmp_path: Path) -> None:
+    """The [placement] table shown in the README loads as the RayPlacement it describes."""
+    from actors import RestartPolicy
+    from stage_runtime.pipeline import load_placement
+    from stage_runtime.placement import RayPlacement
+
+    [table] = blocks("placement", "toml")
+    path = tmp_path / "topology.toml"
+    path.write_text((ROOT / "examples/topology.toml").read_text() + "\n" + table)
+    assert load_placement(path) == RayPlacement(
+        address="auto",
+        num_cpus=1,
+        strategy="STRICT_SPREAD",
+        restart=RestartPolicy(max_restarts=3, within_s=60),
+    )

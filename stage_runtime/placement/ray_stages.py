@@ -175,7 +175,15 @@ class RayStages:
             )
             raise StageFailedError(msg, stage_id=config.stage_id) from None
         except (RayTaskError, RayActorError) as exc:
-            raise _stage_error(config.stage_id, exc) from _cause(exc)
+            error = _stage_error(config.stage_id, exc)
+            if isinstance(exc, RayActorError):  # died starting: say why, not just that it did
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                fallback = lines[-1] if lines else type(exc).__name__
+                reason = next((ln for ln in reversed(lines) if "Error" in ln), fallback)
+                error = StageFailedError(
+                    f"stage {config.stage_id!r} failed to start: {reason}", stage_id=config.stage_id
+                )
+            raise error from _cause(exc)
         process.available.set()
         log.info(
             "stage_process_started",
