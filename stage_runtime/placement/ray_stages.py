@@ -241,9 +241,17 @@ class RayStages:
                 self._nursery.start_soon(self._restart, process, exc)
                 return
             log.error("stage_restart_limit_reached", stage=stage_id, restarts=process.restarts)
-        self._fatal = _stage_error(stage_id, exc)
-        self._fatal.__cause__ = _cause(exc)
+        error = _stage_error(stage_id, exc)
+        error.__cause__ = _cause(exc)
+        self._stop(error)
+
+    def _stop(self, error: StageFailedError) -> None:
+        """Stop the pipeline for ``error``: the supervisor raises it, and callers waiting for
+        a stage to come back wake up to find the pipeline stopped."""
+        self._fatal = error
         self._fatal_event.set()
+        for process in self._processes:
+            process.available.set()
 
     async def _restart(self, process: _StageProcess, exc: BaseException) -> None:
         old = process.actor
@@ -257,8 +265,7 @@ class RayStages:
         try:
             await self._start(process)
         except StageFailedError as error:
-            self._fatal = error
-            self._fatal_event.set()
+            self._stop(error)
             return
         log.warning(
             "stage_restarted",
@@ -301,6 +308,7 @@ class RayStages:
             self._check_running()
             for process in self._processes:
                 await process.available.wait()
+            self._check_running()  # (a stage that could not come back stopped the pipeline)
             await self._run(request)
 
     async def _run(self, request: PrefillRequest) -> None:
