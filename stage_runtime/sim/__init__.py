@@ -9,7 +9,13 @@ Typical use from a program (the CLI does the same)::
     print(result.token_hit_ratio, result.theoretical.ratio)
 
 Inside a trio program, ``await replay(...)`` under a virtual clock instead (see
-``examples/multi_stage_simulation.py``).
+``examples/multi_stage_simulation.py``). To use more cores, fan the stages (and the points of a
+sweep) out to other processes; the results are identical::
+
+    from stage_runtime.sim import open_executor, run_sweep
+
+    with open_executor(workers=4) as executor:
+        results = run_sweep(trace.requests, SimConfig(stages=4), [0, 65536], executor=executor)
 """
 
 from __future__ import annotations
@@ -31,17 +37,22 @@ from stage_runtime.sim.driver import (
     MIN_BLOCK_SIZE,
     PAGED_MAX_ENTRIES,
     OfferedLoad,
+    ProgressCallback,
     ReplayResult,
     RequestOutcome,
     SimConfig,
+    StageReplay,
     StageSummary,
+    admission_order,
     kv_cache_config,
     replay,
     run_replay,
     run_sweep,
     stage_configs,
+    summarise_replay,
     validate_requests,
 )
+from stage_runtime.sim.fanout import fan_out, open_executor, replay_stage
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import (
     plot_figure,
@@ -77,16 +88,21 @@ __all__ = [
     "CostModel",
     "Percentiles",
     "OfferedLoad",
+    "ProgressCallback",
     "ReplayResult",
     "RequestOutcome",
     "SimConfig",
     "SimRequest",
     "SimulatedStageModel",
+    "StageReplay",
     "StageSummary",
     "TheoreticalMax",
     "TraceReadResult",
     "WorkloadSpec",
+    "admission_order",
+    "fan_out",
     "kv_cache_config",
+    "open_executor",
     "parse_trace_line",
     "percentiles",
     "pipeline_finish_times",
@@ -98,11 +114,13 @@ __all__ = [
     "render_sweep",
     "sweep_order",
     "replay",
+    "replay_stage",
     "result_to_json",
     "run_replay",
     "run_sweep",
     "simulated_model_factory",
     "stage_configs",
+    "summarise_replay",
     "synthetic_workload",
     "theoretical_max_hit_ratio",
     "total_prompt_tokens",

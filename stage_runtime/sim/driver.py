@@ -1,21 +1,31 @@
 """Replay a workload through a real pipeline of simulated stages, in virtual time.
 
 The requests go through :func:`~stage_runtime.pipeline.open_pipeline` exactly as a server's
-would: every stage restores, computes (a :class:`~stage_runtime.sim.model.SimulatedStageModel`
-that sleeps its cost), records with the ladder, and forwards. Payloads are virtual and time is
-virtual, so a 61-million-token trace replays in seconds and fits in memory.
+would: every stage restores, computes (a :class:`~stage_runtime.sim.model.SimulatedStageModel`),
+records with the ladder, and forwards. Payloads are virtual and time is virtual, so a
+61-million-token trace replays in seconds and fits in memory.
+
+Requests are admitted into stage 0 in :func:`admission_order` and every stage serves them one at
+a time in that order, so what a stage restores depends on that order alone, never on timing.
+The times are computed afterwards from what each stage restored and computed per request
+(:func:`summarise_replay`):
 
 - ``concurrency == 1``: requests in workload (file) order, each finishing at every stage before
-  the next starts. Nothing overlaps, so a request's time to first token is the sum of its
-  stages' costs; the models skip their sleeps and the driver adds the costs up (the same
-  number the virtual clock would show, about 15% less wall time; ``virtual_time=True`` sleeps
-  anyway).
-- ``concurrency > 1``: requests arrive at their timestamps in virtual time, with at most
-  ``concurrency`` in flight (later arrivals wait for a slot, in arrival order).
+  the next starts. A request's time to first token is the sum of its stages' costs; the models
+  skip their sleeps (``virtual_time=True`` sleeps anyway).
+- ``concurrency > 1``: requests arrive at their timestamps, by arrival, with at most
+  ``concurrency`` in flight; their times are those of single-server FIFO stages
+  (:func:`~stage_runtime.sim.cost.pipeline_finish_times`). The models sleep their costs on the
+  (virtual) clock, so the pipeline runs as it would serve them.
+
+Because stages are independent given that order, a replay also fans out: one unit per stage
+(and per capacity of a sweep) in processes of their own (:mod:`stage_runtime.sim.fanout`), with
+results identical to a one-process run.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import numbers
 import time
@@ -38,6 +48,7 @@ from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline
 from stage_runtime.sim.model import simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import SimRequest
+from stage_runtime.stage import StagePrefillReport
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -50,13 +61,17 @@ __all__ = [
     "OfferedLoad",
     "ReplayResult",
     "RequestOutcome",
+    "ProgressCallback",
     "SimConfig",
+    "StageReplay",
     "StageSummary",
+    "admission_order",
     "kv_cache_config",
     "replay",
     "run_replay",
     "run_sweep",
     "stage_configs",
+    "summarise_replay",
     "validate_requests",
 ]
 
@@ -84,7 +99,9 @@ MAX_ARRIVAL_SPAN_S = 1e9
 counts from the first arrival in floating point, which still resolves microseconds there."""
 
 ProgressCallback = Callable[[int], None]
-"""Called with the number of finished requests after each one finishes."""
+"""Called with the number of finished requests after each one finishes (over every replay of a
+sweep). A fanned-out replay calls it as each unit finishes, with the requests its finished
+units amount to: each of a replay's stages counts for ``1 / stages`` of its requests."""
 
 
 def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -495,62 +512,92 @@ class ReplayResult:
         return self.prompt_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-@attrs.define(eq=False)
-class _Collector:
-    """Per-request bookkeeping during one replay (written by one task at a time)."""
+@attrs.frozen(kw_only=True)
+class StageReplay:
+    """What one stage did over a whole replay, request by request.
 
-    stage_ids: list[str]
-    outcomes: dict[int, _Finished] = attrs.field(factory=dict)
-    """What the summary needs of each request; the results themselves (frames, records, the
-    entries each record evicted) are dropped as they arrive, so a long replay holds no more
-    than a few numbers per request (and the garbage collector has no growing heap to walk)."""
-    evictions: list[int] = attrs.field(init=False)
-    evicted_bytes: list[int] = attrs.field(init=False)
-    records: list[int] = attrs.field(init=False)
-    resident_max: list[int] = attrs.field(init=False)
-    done: int = 0
-    progress: ProgressCallback | None = None
+    It is all :func:`summarise_replay` needs of a stage: a one-process replay gathers one per
+    stage from its pipeline's reports, a fanned-out one gets one from each unit
+    (:func:`~stage_runtime.sim.fanout.replay_stage`), and both are summarised by the same code.
+    """
 
-    def __attrs_post_init__(self) -> None:
-        count = len(self.stage_ids)
-        self.evictions = [0] * count
-        self.evicted_bytes = [0] * count
-        self.records = [0] * count
-        self.resident_max = [0] * count
+    stage_id: str
+    """The stage's id."""
+    restored_tokens: tuple[int, ...]
+    """Tokens the stage restored for each request, in admission order (:func:`admission_order`)."""
+    computed_tokens: tuple[int, ...]
+    """Tokens the stage computed for each request, in admission order."""
+    records: int
+    """Records made (see :attr:`StageSummary.records`)."""
+    evictions: int
+    """Entries evicted to make room (see :attr:`StageSummary.evictions`)."""
+    evicted_bytes: int
+    """Bytes those evictions freed."""
+    resident_bytes_max: int
+    """Most bytes resident in the stage's cache at any time."""
+    accounting: CacheAccounting | None = None
+    """The cache's accounting at the end (None when the stage has no cache)."""
 
-    def finish(
-        self, request: SimRequest, result: PrefillResult, started_s: float, finished_s: float
-    ) -> None:
-        reports = result.stages
-        for position, report in enumerate(reports):
-            for record in report.records:
-                if record.payload_bytes:  # (a paged prompt whose pages were all cached: none)
-                    self.records[position] += 1
-                if record.resident_bytes > self.resident_max[position]:
-                    self.resident_max[position] = record.resident_bytes
-                self.evictions[position] += record.evicted_entries
-                self.evicted_bytes[position] += record.evicted_bytes
-        self.outcomes[request.index] = _Finished(
-            started_s=started_s,
-            finished_s=finished_s,
-            restored=tuple(report.restored_tokens for report in reports),
-            computed=tuple(report.computed_tokens for report in reports),
+
+class _StageTally:
+    """One stage's figures while a replay runs (a plain slotted class: it is updated for every
+    request, and the reports it reads are valid already)."""
+
+    __slots__ = ("computed", "evicted_bytes", "evictions", "records", "resident_max", "restored")
+
+    def __init__(self, requests: int) -> None:
+        self.restored = [0] * requests
+        self.computed = [0] * requests
+        self.records = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.resident_max = 0
+
+    def add(self, position: int, report: StagePrefillReport) -> None:
+        """Count the stage's report on the request at ``position`` in admission order. The
+        report is dropped afterwards (with its records and evicted entries), so a long replay
+        holds no more than a few numbers per request."""
+        self.restored[position] = report.restored_tokens
+        self.computed[position] = report.computed_tokens
+        for record in report.records:
+            if record.payload_bytes:  # (a paged prompt whose pages were all cached: none)
+                self.records += 1
+            if record.resident_bytes > self.resident_max:
+                self.resident_max = record.resident_bytes
+            self.evictions += record.evicted_entries
+            self.evicted_bytes += record.evicted_bytes
+
+    def replay(self, stage_id: str, accounting: CacheAccounting | None) -> StageReplay:
+        """The stage's figures, once every request has been counted."""
+        return StageReplay(
+            stage_id=stage_id,
+            restored_tokens=tuple(self.restored),
+            computed_tokens=tuple(self.computed),
+            records=self.records,
+            evictions=self.evictions,
+            evicted_bytes=self.evicted_bytes,
+            resident_bytes_max=self.resident_max,
+            accounting=accounting,
         )
-        self.done += 1
-        if self.progress is not None:
-            self.progress(self.done)
 
 
-@attrs.frozen
-class _Finished:
-    """One replayed request, as the summary needs it."""
+def admission_order(requests: Sequence[SimRequest], concurrency: int) -> list[SimRequest]:
+    """The order in which a replay admits requests into stage 0, and so into every stage.
 
-    started_s: float
-    finished_s: float
-    restored: tuple[int, ...]
-    """Tokens each stage restored."""
-    computed: tuple[int, ...]
-    """Tokens each stage computed."""
+    Each stage serves its requests one at a time in that order, so it alone decides every hit:
+    timing never does.
+
+    Args:
+        requests: The workload, in file order.
+        concurrency: Requests in flight (``SimConfig.concurrency``).
+
+    Returns:
+        File order at concurrency 1; otherwise by arrival, ties in file order (``(arrival_s,
+        index)``).
+    """
+    if concurrency == 1:
+        return list(requests)
+    return sorted(requests, key=lambda request: (request.arrival_s, request.index))
 
 
 def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> None:
@@ -633,34 +680,30 @@ async def replay(
 ) -> ReplayResult:
     """Replay requests through a pipeline of simulated stages (call inside a trio run).
 
-    With ``concurrency > 1`` (or ``virtual_time=True``) the stages sleep their simulated cost,
-    so run it under a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``, or the
-    ``autojump_clock`` fixture in tests); under a real clock it works too, but takes the
-    simulated time for real. :func:`run_replay` starts a virtual-time trio run for you.
+    The figures come from what each stage did per request (:func:`summarise_replay`); whether
+    the stages sleep their costs changes none of them. With ``concurrency > 1`` (or
+    ``virtual_time=True``) they do, and arrivals are paced by their timestamps, so the
+    pipeline runs on the caller's clock as it would serve them: run it under a virtual clock
+    (``trio.testing.MockClock(autojump_threshold=0)``, or the ``autojump_clock`` fixture in
+    tests), where that takes no wall time. :func:`run_replay` starts a virtual-time trio run
+    for you.
 
     Args:
-        requests: The workload, in file order (arrival order is by ``arrival_s`` when
-            ``config.concurrency > 1``).
+        requests: The workload, in file order (admitted by ``arrival_s`` when
+            ``config.concurrency > 1``; see :func:`admission_order`).
         config: The simulation settings.
         capacity_tokens: Overrides ``config.capacity_tokens`` (for sweeps).
         theoretical: The workload's theoretical maximum, if already computed.
         progress: Called with the count of finished requests after each one.
-        virtual_time: Whether the stages sleep their cost. ``None`` (default): only when
-            ``concurrency > 1``; one request at a time, TTFT is the sum of stage costs.
-            ``False`` needs ``concurrency == 1`` (queueing is made of the sleeps).
+        virtual_time: Whether the stages sleep their cost and arrivals are paced. ``None``
+            (default): only when ``concurrency > 1``.
 
     Returns:
         Per-stage and per-request results, TTFT percentiles and the theoretical maximum.
 
     Raises:
-        ConfigError: the requests or the settings are invalid, or ``virtual_time=False`` with
-            ``concurrency > 1``.
+        ConfigError: the requests or the settings are invalid.
     """
-    if virtual_time is False and config.concurrency > 1:
-        # Requests queue only because the stages sleep their costs: without the sleeps every
-        # request would seem to run alone, and TTFTs with the cache would be wrong.
-        msg = f"virtual_time=False needs concurrency 1, got concurrency {config.concurrency}"
-        raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     validate_requests(requests, block_size=config.block_size)
     if theoretical is None:
@@ -671,164 +714,205 @@ async def replay(
         bytes_per_token=config.bytes_per_token, cost=config.cost, sleep=sleep
     )
     tokenizer = BlockTokenizer(config.block_size)
-    collector = _Collector([c.stage_id for c in configs], progress=progress)
+    ordered = admission_order(requests, config.concurrency)
+    tallies = [_StageTally(len(ordered)) for _ in configs]
+    finished = 0
+
+    def finish(position: int, result: PrefillResult) -> None:
+        nonlocal finished
+        for tally, report in zip(tallies, result.stages, strict=True):
+            tally.add(position, report)
+        finished += 1
+        if progress is not None:
+            progress(finished)
 
     wall_start = time.perf_counter()
     # Channels as deep as the concurrency: a stage never waits for room downstream, so the
-    # stages behave as FIFO queues with unbounded buffers, the model the uncached TTFT uses.
+    # stages behave as FIFO queues with unbounded buffers, the model the TTFTs are computed by.
     # environ={}: a simulation is what its SimConfig says. The STAGE_RUNTIME_KV_CACHE* variables
     # (the kill switch, bounds) are for stages serving traffic; read here, they would silently
     # turn a what-if into something else (the kill switch made every replay restore 0%).
     async with open_pipeline(
         configs, factory, channel_size=max(4, config.concurrency), environ={}
     ) as pipeline:
-        clock_start = trio.current_time()
         if config.concurrency == 1:
-            for request in requests:
-                started = trio.current_time()
-                result = await _prefill(pipeline, tokenizer, request)
-                collector.finish(
-                    request, result, started - clock_start, trio.current_time() - clock_start
-                )
+            for position, request in enumerate(ordered):
+                finish(position, await _prefill(pipeline, tokenizer, request))
         else:
-            await _replay_concurrently(pipeline, tokenizer, requests, config, collector)
+            await _replay_concurrently(
+                pipeline, tokenizer, ordered, config.concurrency, finish, paced=sleep
+            )
         final = await pipeline.stats()
     wall_s = time.perf_counter() - wall_start
-    accounting = tuple(stage.accounting for stage in final.stages)
-    return _summarise(
-        config, capacity, requests, collector, theoretical, wall_s, accounting, slept=sleep
+    stages = [
+        tally.replay(stage.stage_id, stage.accounting)
+        for tally, stage in zip(tallies, final.stages, strict=True)
+    ]
+    return summarise_replay(
+        requests, config, stages, capacity_tokens=capacity, theoretical=theoretical, wall_s=wall_s
     )
 
 
 async def _replay_concurrently(
     pipeline: Pipeline,
     tokenizer: BlockTokenizer,
-    requests: Sequence[SimRequest],
-    config: SimConfig,
-    collector: _Collector,
+    ordered: Sequence[SimRequest],
+    concurrency: int,
+    finish: Callable[[int, PrefillResult], None],
+    *,
+    paced: bool,
 ) -> None:
-    limiter = trio.CapacityLimiter(config.concurrency)
-    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    """Prefill ``ordered`` (in admission order) with at most ``concurrency`` in flight; when
+    ``paced``, each no earlier than its arrival on the run's clock."""
+    limiter = trio.CapacityLimiter(concurrency)
     # Virtual time counts from the first arrival: timestamps far from 0 (epoch microseconds,
-    # say) would otherwise leave the clock too coarse for the stage costs, which rounding then
-    # shortens or drops (TTFTs of 0).
-    origin = ordered[0].arrival_s if ordered else 0.0
+    # say) would otherwise leave the clock too coarse for the stage costs.
+    origin = float(ordered[0].arrival_s) if ordered else 0.0
     start = trio.current_time()
 
-    async def one(request: SimRequest, arrived: float) -> None:
+    async def one(
+        position: int,
+        request: SimRequest,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         try:
-            result = await _prefill(pipeline, tokenizer, request)
-            collector.finish(request, result, arrived, trio.current_time() - start)
+            task_status.started()
+            # From started() to the send into stage 0 there is no checkpoint, so this request
+            # is queued there before the feeder admits the next one.
+            finish(position, await _prefill(pipeline, tokenizer, request))
         finally:
             limiter.release_on_behalf_of(request)
 
     async with trio.open_nursery() as nursery:
-        for request in ordered:
-            arrived = request.arrival_s - origin
-            await trio.sleep_until(start + arrived)
+        for position, request in enumerate(ordered):
+            if paced:
+                await trio.sleep_until(start + (float(request.arrival_s) - origin))
             await limiter.acquire_on_behalf_of(request)
-            nursery.start_soon(one, request, arrived)
+            # start, not start_soon: the feeder goes on once this request is queued at stage 0,
+            # so requests reach it in admission order by construction, not by how trio happens
+            # to schedule the tasks it wakes together (in an order it randomises).
+            await nursery.start(one, position, request)
 
 
-def _summarise(
-    config: SimConfig,
-    capacity: int,
+def summarise_replay(
     requests: Sequence[SimRequest],
-    collector: _Collector,
-    theoretical: TheoreticalMax,
-    wall_s: float,
-    accounting: Sequence[CacheAccounting | None],
+    config: SimConfig,
+    stages: Sequence[StageReplay],
     *,
-    slept: bool,
+    capacity_tokens: int | None = None,
+    theoretical: TheoreticalMax | None = None,
+    wall_s: float = 0.0,
 ) -> ReplayResult:
-    stage_count = config.stages
-    restored = [0] * stage_count
-    computed = [0] * stage_count
-    hits = [0] * stage_count
-    records, evictions = collector.records, collector.evictions
-    evicted_bytes, resident_max = collector.evicted_bytes, collector.resident_max
-    cost = config.cost
+    """A replay's figures from what each of its stages did, request by request.
 
-    if config.concurrency == 1:
-        ordered = list(requests)
-    else:
-        ordered = sorted(requests, key=lambda r: (r.arrival_s, r.index))
-    arrivals: list[float] = []
-    uncached_costs: list[list[float]] = []
-    cached: dict[int, float] = {}
-    for request in ordered:
-        finished = collector.outcomes[request.index]
-        # When the models did not sleep at all, charge every stage's cost here. (A stage that
-        # restores the whole prompt sleeps its restore in the model's full_restore.)
-        unslept_s = 0.0
-        for position, (k, c) in enumerate(zip(finished.restored, finished.computed, strict=True)):
-            restored[position] += k
-            computed[position] += c
-            hits[position] += k > 0
-            if not slept:
-                unslept_s += cost.stage_cost(
-                    computed_tokens=c,
-                    restored_bytes=k * config.bytes_per_token,
-                    stage_index=position,
-                )
-        cached[request.index] = finished.finished_s - finished.started_s + unslept_s
-        arrivals.append(finished.started_s)  # from the first arrival, as the replay's clock
-        uncached_costs.append(
-            [cost.uncached_stage_cost(request.input_length, s) for s in range(stage_count)]
+    Every time is computed here, once, from the cost model: a stage spends
+    ``cost.stage_cost(computed, restored bytes)`` on a request. At concurrency 1 requests run
+    one after another, so a time to first token is the sum of its stages' costs; above, they
+    pass single-server FIFO stages in admission order from their arrivals
+    (:func:`~stage_runtime.sim.cost.pipeline_finish_times`), with the cache's costs and with
+    every token computed. A one-process replay and a fanned-out one both end here, which is
+    why their results are identical.
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        stages: One per stage, in pipeline order, each listing requests in admission order.
+        capacity_tokens: The capacity replayed (``config.capacity_tokens`` when None).
+        theoretical: The workload's theoretical maximum (computed when None).
+        wall_s: Real seconds the replay took.
+
+    Returns:
+        The replay's result.
+
+    Raises:
+        ConfigError: ``stages`` does not hold one entry per stage, or one per request each.
+    """
+    capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    if theoretical is None:
+        theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
+    ordered = admission_order(requests, config.concurrency)
+    count = len(ordered)
+    if len(stages) != config.stages or any(
+        len(stage.restored_tokens) != count or len(stage.computed_tokens) != count
+        for stage in stages
+    ):
+        msg = (
+            f"stages must hold {config.stages} stage replays of {count} requests each, got "
+            f"{[len(stage.restored_tokens) for stage in stages]}"
         )
-
+        raise ConfigError(msg)
+    cost, bytes_per_token = config.cost, config.bytes_per_token
+    cached_costs = [
+        [
+            cost.stage_cost(
+                computed_tokens=stage.computed_tokens[position],
+                restored_bytes=stage.restored_tokens[position] * bytes_per_token,
+                stage_index=index,
+            )
+            for index, stage in enumerate(stages)
+        ]
+        for position in range(count)
+    ]
+    uncached_costs = [
+        [cost.uncached_stage_cost(request.input_length, index) for index in range(len(stages))]
+        for request in ordered
+    ]
     if config.concurrency == 1:
-        # One at a time: each request starts when the previous one finished, so its uncached
-        # time is just the sum of its stages' costs.
+        # One at a time: each request starts when the previous one finished.
+        cached = [sum(costs) for costs in cached_costs]
         uncached = [sum(costs) for costs in uncached_costs]
+        virtual_s = sum(cached)
     else:
-        finishes = pipeline_finish_times(arrivals, uncached_costs, concurrency=config.concurrency)
-        uncached = [finish - arrival for finish, arrival in zip(finishes, arrivals, strict=True)]
+        # From the first arrival, as the replay's clock counts.
+        origin = float(ordered[0].arrival_s) if ordered else 0.0
+        arrivals = [float(request.arrival_s) - origin for request in ordered]
+        concurrency = config.concurrency
+        finishes = pipeline_finish_times(arrivals, cached_costs, concurrency=concurrency)
+        cached = [finish - arrival for finish, arrival in zip(finishes, arrivals, strict=True)]
+        without = pipeline_finish_times(arrivals, uncached_costs, concurrency=concurrency)
+        uncached = [finish - arrival for finish, arrival in zip(without, arrivals, strict=True)]
+        virtual_s = max(finishes, default=0.0)
 
-    outcomes = []
-    for request, uncached_s in zip(ordered, uncached, strict=True):
-        outcomes.append(
+    outcomes = sorted(
+        (
             RequestOutcome(
                 index=request.index,
                 input_length=request.input_length,
-                restored_tokens=collector.outcomes[request.index].restored,
-                ttft_cached_s=cached[request.index],
-                ttft_uncached_s=uncached_s,
+                restored_tokens=tuple(stage.restored_tokens[position] for stage in stages),
+                ttft_cached_s=cached[position],
+                ttft_uncached_s=uncached[position],
             )
-        )
-    outcomes.sort(key=lambda outcome: outcome.index)
-    finishes_s = [value.finished_s for value in collector.outcomes.values()]
-    first_arrival = min(arrivals, default=0.0)
-    stages = tuple(
+            for position, request in enumerate(ordered)
+        ),
+        key=lambda outcome: outcome.index,
+    )
+    summaries = tuple(
         StageSummary(
-            stage_id=collector.stage_ids[position],
-            restored_tokens=restored[position],
-            computed_tokens=computed[position],
-            hits=hits[position],
-            records=records[position],
-            evictions=evictions[position],
-            evicted_bytes=evicted_bytes[position],
-            resident_bytes_max=resident_max[position],
-            accounting=accounting[position],
+            stage_id=stage.stage_id,
+            restored_tokens=sum(stage.restored_tokens),
+            computed_tokens=sum(stage.computed_tokens),
+            hits=sum(1 for restored in stage.restored_tokens if restored > 0),
+            records=stage.records,
+            evictions=stage.evictions,
+            evicted_bytes=stage.evicted_bytes,
+            resident_bytes_max=stage.resident_bytes_max,
+            accounting=stage.accounting,
         )
-        for position in range(stage_count)
+        for stage in stages
     )
     return ReplayResult(
         config=config,
         capacity_tokens=capacity,
         requests=len(requests),
         prompt_tokens=sum(request.input_length for request in requests),
-        restored_tokens=restored[0],
+        restored_tokens=summaries[0].restored_tokens if summaries else 0,
         theoretical=theoretical,
-        stages=stages,
+        stages=summaries,
         ttft_cached=percentiles([o.ttft_cached_s for o in outcomes]),
         ttft_uncached=percentiles([o.ttft_uncached_s for o in outcomes]),
         wall_s=wall_s,
-        virtual_s=(
-            sum(cached.values())
-            if config.concurrency == 1
-            else max(finishes_s, default=0.0) - first_arrival
-        ),
+        virtual_s=virtual_s,
         outcomes=tuple(outcomes),
         arrival_span_s=(
             float(max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests))
@@ -846,12 +930,33 @@ def run_replay(
     theoretical: TheoreticalMax | None = None,
     progress: ProgressCallback | None = None,
     virtual_time: bool | None = None,
+    executor: concurrent.futures.Executor | None = None,
 ) -> ReplayResult:
-    """Run :func:`replay` in a fresh trio run on a virtual clock (from synchronous code).
+    """Run :func:`replay` in a fresh trio run on a virtual clock (from synchronous code), or
+    fan it out.
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        capacity_tokens: Overrides ``config.capacity_tokens``.
+        theoretical: The workload's theoretical maximum, if already computed.
+        progress: Called with the count of finished requests (see :data:`ProgressCallback`).
+        virtual_time: See :func:`replay` (one process only: fanned-out stages never sleep).
+        executor: None: one process, one pipeline. An executor (a process pool, Ray tasks):
+            one unit per stage on it, with identical results (see
+            :func:`~stage_runtime.sim.fanout.fan_out`).
 
     Returns:
         The replay's result.
     """
+    if executor is not None:
+        from stage_runtime.sim.fanout import fan_out  # (it builds on this module)
+
+        capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+        (result,) = fan_out(
+            requests, config, [capacity], executor, theoretical=theoretical, progress=progress
+        )
+        return result
     clock = trio.testing.MockClock(autojump_threshold=0)
 
     async def main() -> ReplayResult:
@@ -873,8 +978,19 @@ def run_sweep(
     capacities: Sequence[int],
     *,
     progress: ProgressCallback | None = None,
+    executor: concurrent.futures.Executor | None = None,
 ) -> list[ReplayResult]:
     """Replay the same requests once per cache capacity (tokens per stage; 0 = unbounded).
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        capacities: The capacities, in the order of the results.
+        progress: Called with the count of finished requests over all the replays (see
+            :data:`ProgressCallback`).
+        executor: None: one replay after another in this process. An executor: every
+            (stage, capacity) unit on it, with identical results (see
+            :func:`~stage_runtime.sim.fanout.fan_out`).
 
     Returns:
         One result per capacity, in the given order.
@@ -882,6 +998,12 @@ def run_sweep(
     for capacity in capacities:
         config.check_capacity(capacity)
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
+    if executor is not None:
+        from stage_runtime.sim.fanout import fan_out  # (it builds on this module)
+
+        return fan_out(
+            requests, config, capacities, executor, theoretical=theoretical, progress=progress
+        )
     results = []
     for done, capacity in enumerate(capacities):
         base = done * len(requests)

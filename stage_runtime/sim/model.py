@@ -64,7 +64,7 @@ class SimulatedStageModel:
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """A virtual frame with one row per token."""
-        return self._frame(int(np.size(tokens)))
+        return self.frame(int(np.size(tokens)))
 
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
@@ -75,7 +75,7 @@ class SimulatedStageModel:
             msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
             raise FrameError(msg)
         await self._spend(n - start, 0 if restored is None else restored.payload_bytes)
-        return self._frame(n - start)
+        return self.frame(n - start)
 
     async def full_restore(self, restored: ActivationFrame) -> None:
         """Sleep for restoring the whole prompt (the stage runs no forward then)."""
@@ -91,7 +91,9 @@ class SimulatedStageModel:
         if self.sleep and delay > 0:
             await trio.sleep(delay)
 
-    def _frame(self, token_count: int) -> ActivationFrame:
+    def frame(self, token_count: int) -> ActivationFrame:
+        """The virtual frame this stage outputs for ``token_count`` tokens (what the next stage
+        receives; a stage replayed alone gets its input from its predecessor's model)."""
         return ActivationFrame.virtual(
             token_count=token_count,
             bytes_per_token=self.bytes_per_token,

@@ -29,6 +29,7 @@ from stage_runtime.sim import (
     pipeline_finish_times,
     read_demo_trace,
     replay,
+    result_to_json,
     run_replay,
     run_sweep,
     stage_configs,
@@ -208,12 +209,24 @@ def test_load_and_queueing_agree_with_the_fifo_pipeline_model() -> None:
     assert load.uncached == pytest.approx(prompt * 4e-3 * (len(trace) - 1) / len(trace) / span)
 
 
-def test_concurrent_replay_refuses_to_skip_the_stage_sleeps() -> None:
-    """virtual_time=False would make each request seem to run alone: refused at concurrency 2."""
-    trace = [_request(0, [1], 16), _request(1, [2], 16, arrival_s=0.001)]
-    with pytest.raises(ConfigError, match="virtual_time=False needs concurrency 1, got "):
-        run_replay(trace, _config(concurrency=2), virtual_time=False)
-    assert run_replay(trace, _config(), virtual_time=False).requests == 2
+def test_the_stage_sleeps_change_no_figure_of_a_concurrent_replay() -> None:
+    """Times are computed from each stage's costs per request, so a concurrent replay whose
+    stages skip their sleeps (virtual_time=False) reports what the sleeping one does."""
+    trace = [
+        _request(0, [1, 2, 3], 40, arrival_s=0.0),
+        _request(1, [1, 2, 4], 40, arrival_s=0.001),
+        _request(2, [9], 16, arrival_s=0.001),
+        _request(3, [1, 2, 3], 44, arrival_s=0.2),
+    ]
+    config = _config(concurrency=2)
+    slept = result_to_json(run_replay(trace, config))
+    unslept = result_to_json(run_replay(trace, config, virtual_time=False))
+    for document in (slept, unslept):
+        del document["wall_s"], document["tokens_per_s"]
+    assert unslept == slept
+    share = slept["ttft_waiting_share"]
+    assert isinstance(share, float)
+    assert share > 0  # the requests do queue
 
 
 def test_arrivals_too_close_to_measure_give_no_load() -> None:
@@ -446,6 +459,14 @@ def test_concurrency_1_keeps_file_order_and_more_follows_timestamps() -> None:
     assert [o.restored_tokens[0] for o in in_file_order.outcomes] == [0, 32]
     by_arrival = run_replay(trace, _config(concurrency=2))
     assert [o.restored_tokens[0] for o in by_arrival.outcomes] == [32, 0]
+
+
+def test_requests_arriving_together_reach_the_stages_in_file_order() -> None:
+    """Admission order breaks ties of arrival by file order, at every stage. Each prompt
+    extends the previous one by a block, so any other order would restore something else."""
+    trace = [_request(i, list(range(1, i + 2)), 16 * (i + 1)) for i in range(40)]
+    result = run_replay(trace, _config(concurrency=40))
+    assert [o.restored_tokens for o in result.outcomes] == [(16 * i, 16 * i) for i in range(40)]
 
 
 def test_the_grid_spacing_is_the_stride_capped_at_the_min_tokens() -> None:
