@@ -12,6 +12,7 @@ Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file);
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import io
 import json
@@ -32,6 +33,7 @@ from stage_runtime._cli_support import (
 from stage_runtime.errors import ConfigError, TraceFormatError
 
 if TYPE_CHECKING:
+    from stage_runtime.placement import Placement
     from stage_runtime.sim import SimConfig, WorkloadSpec
 
 __all__ = ["build_parser", "main"]
@@ -234,6 +236,31 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.05,
         metavar="NS",
         help="simulated restore cost per cached byte, nanoseconds (0.05, i.e. 20 GB/s)",
+    )
+
+    processes = parser.add_argument_group("processes")
+    processes.add_argument(
+        "--workers",
+        type=_POSITIVE,
+        metavar="N",
+        default=None,
+        help="replay each stage (and each capacity of a sweep) in N local processes at once; "
+        "the results are identical, the wall time shorter (1: this process only; with "
+        "--placement ray: the most at once on Ray)",
+    )
+    processes.add_argument(
+        "--placement",
+        choices=["local", "ray"],
+        default=None,
+        help="where the stages replay: 'local' (this process, or --workers processes) or 'ray' "
+        "(Ray tasks; needs stage-runtime[ray]) (default: local)",
+    )
+    processes.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help="the Ray cluster to join ('auto', 'host:port' or 'ray://host:port'); implies "
+        "--placement ray (default: start a local Ray instance)",
     )
 
     output = parser.add_argument_group("output")
@@ -505,6 +532,7 @@ def _check_usage(args: argparse.Namespace) -> None:
         if args.json not in (None, "-") and _same_file(args.json, args.plot):
             msg = f"--json and --plot name the same file ({args.plot}): the plot would replace it"
             raise _UsageError(msg)
+    _placement(args)  # refuses --ray-address with --placement local, or Ray not installed
     if args.command == "simulate" and args.groups == 0 and args.conversations == 0:
         msg = "--groups and --conversations are both 0: the workload has no requests"
         raise _UsageError(msg)
@@ -517,6 +545,23 @@ def _check_usage(args: argparse.Namespace) -> None:
             f"{_DEMO_BLOCK_SIZE}-token blocks; the demo needs --block-size >= {_DEMO_BLOCK_SIZE}"
         )
         raise _UsageError(msg)
+
+
+def _placement(args: argparse.Namespace) -> Placement | None:
+    """Where ``--placement`` and ``--ray-address`` put the stages (None: this host's processes).
+
+    Raises:
+        _UsageError: ``--ray-address`` with ``--placement local``.
+        ConfigError: Ray is asked for but not installed (the message names the extra).
+    """
+    if args.placement == "local" and args.ray_address is not None:
+        msg = f"--ray-address {args.ray_address} needs --placement ray, got --placement local"
+        raise _UsageError(msg)
+    if args.placement != "ray" and args.ray_address is None:
+        return None
+    from stage_runtime.placement import choose_placement
+
+    return choose_placement(None, engine="ray", address=args.ray_address)
 
 
 def _check_prompt_lengths(args: argparse.Namespace) -> None:
@@ -659,21 +704,30 @@ def _run_simulation(args: argparse.Namespace) -> int:
     status = Console(stderr=True)
     capacities: list[int] | None = args.sweep_capacity
     runs = len(capacities) if capacities else 1
+    placement = _placement(args)
+    on_ray = placement is not None
+    # No more processes than units (one per stage and capacity): the others would idle.
+    workers = 1 if on_ray else min(args.workers or 1, config.stages * runs)
     # Off with -v: log lines written under a live bar end up glued to it.
     show_progress = status.is_terminal and not json_to_stdout and not args.verbose
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=status,
-        transient=True,
-        disable=not show_progress,
-    ) as progress:
-        task = progress.add_task("replaying", total=len(requests) * runs)
+    with (
+        sim.open_executor(workers=workers, placement=placement) as executor,
+        Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=status,
+            transient=True,
+            disable=not show_progress,
+        ) as progress,
+    ):
+        where = "on Ray" if on_ray else f"in {workers} processes"
+        label = "replaying" if executor is None else f"replaying {where}"
+        task = progress.add_task(label, total=len(requests) * runs)
 
         def advance(done: int) -> None:
-            if capacities:  # say which replay of the sweep this is
+            if capacities and executor is None:  # say which replay of the sweep this is
                 run_index = min(done // max(len(requests), 1), runs - 1)
                 capacity = capacities[run_index]
                 shown = f"{capacity:,} tokens" if capacity else "unbounded"
@@ -682,7 +736,20 @@ def _run_simulation(args: argparse.Namespace) -> int:
             else:
                 progress.update(task, completed=done)
 
-        if capacities:
+        if executor is not None:  # the capacities replay side by side
+            results = sim.fan_out(
+                requests,
+                config,
+                capacities or [config.capacity_tokens],
+                executor,
+                progress=advance,
+                max_in_flight=args.workers if on_ray else None,
+                # The units log as this process does (-v), on their own stderr.
+                log_setup=functools.partial(
+                    configure_logging, level=_VERBOSITY[min(args.verbose, 2)]
+                ),
+            )
+        elif capacities:
             results = sim.run_sweep(requests, config, capacities, progress=advance)
         else:
             results = [sim.run_replay(requests, config, progress=advance)]

@@ -127,6 +127,18 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         ([], "the following arguments are required: COMMAND"),
+        (
+            ["replay", "t.jsonl", "--workers", "0"],
+            "argument --workers: must be an integer >= 1, got 0",
+        ),
+        (["simulate", "--workers", "-2"], "argument --workers: must be an integer >= 1, got -2"),
+        (["demo", "--workers", "two"], "argument --workers: must be an integer >= 1, got 'two'"),
+        (["demo", "--workers", "1.5"], "argument --workers: must be an integer >= 1, got '1.5'"),
+        (["simulate", "--placement", "cloud"], "argument --placement: invalid choice: 'cloud'"),
+        (
+            ["replay", "t.jsonl", "--placement", "local", "--ray-address", "auto"],
+            "--ray-address auto needs --placement ray, got --placement local",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(
@@ -143,6 +155,29 @@ def test_usage_errors_exit_2_with_one_line(
     assert captured.err.count("\n") == 1
     assert fragment in captured.err
     assert captured.err.startswith("stage-runtime")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "t.jsonl", "--placement", "ray"],
+        ["simulate", "--ray-address", "auto"],  # an address means Ray too
+    ],
+)
+def test_ray_placement_without_ray_names_the_extra(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without Ray installed, --placement ray is one line naming the extra, exit 2, before
+    anything is read or replayed."""
+    import stage_runtime.placement
+
+    monkeypatch.setattr(stage_runtime.placement, "ray_available", lambda: False)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith(f"stage-runtime {argv[0]}: error: ")
+    assert "pip install 'stage-runtime[ray]'" in captured.err
 
 
 def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:

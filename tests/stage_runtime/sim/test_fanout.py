@@ -1,0 +1,264 @@
+"""Fanned-out replays: every stage (and capacity) a unit in another process, results identical.
+
+Worker processes cannot share a virtual clock, and need not: these tests pin that what the
+units return, summarised by the driver, is exactly what one process replaying the whole
+pipeline reports (every figure but the wall time), on the bundled excerpt and on hand traces.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.resources
+import json
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import pytest
+
+from stage_runtime import ConfigError
+from stage_runtime.cli import main
+from stage_runtime.data import demo_trace
+from stage_runtime.sim import (
+    CostModel,
+    ReplayResult,
+    SimConfig,
+    SimRequest,
+    fan_out,
+    open_executor,
+    read_demo_trace,
+    replay_stage,
+    result_to_json,
+    run_replay,
+    run_sweep,
+)
+from tests.stage_runtime.sim.conftest import QUIET
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+EXCERPT = read_demo_trace().requests
+"""The bundled 300-request excerpt of the Mooncake trace."""
+
+
+def _request(index: int, ids: list[int], length: int, arrival_s: float = 0.0) -> SimRequest:
+    return SimRequest(index=index, arrival_s=arrival_s, input_length=length, block_ids=tuple(ids))
+
+
+# The hand-worked trace of test_replay.py: every stage restores 0, 32, 0 and 16 tokens.
+HAND_TRACE = [
+    _request(0, [1, 2, 3], 40),
+    _request(1, [1, 2, 4], 40),
+    _request(2, [1, 5], 20),
+    _request(3, [1, 5, 6], 48),
+]
+SMALL = SimConfig(
+    stages=2,
+    block_size=16,
+    bytes_per_token=2,
+    cost=CostModel(prefill_s_per_token=1e-3, restore_s_per_byte=1e-4),
+)
+
+
+class Inline(concurrent.futures.Executor):
+    """Runs each unit at once, in this process, and keeps the arguments it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def submit(
+        self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> concurrent.futures.Future[_T]:
+        self.calls.append(args)
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+
+def _documents(results: Sequence[ReplayResult]) -> list[dict[str, object]]:
+    """The results' JSON, without the two keys that measure real time."""
+    documents = [result_to_json(result) for result in results]
+    for document in documents:
+        del document["wall_s"], document["tokens_per_s"]
+    return documents
+
+
+def _same(one: Sequence[ReplayResult], fanned: Sequence[ReplayResult]) -> None:
+    assert _documents(fanned) == _documents(one)
+    # Beyond the JSON's percentiles: every request's restored tokens and times, to the bit.
+    assert [result.outcomes for result in fanned] == [result.outcomes for result in one]
+
+
+def test_replay_stage_replays_one_stage_as_the_pipeline_does() -> None:
+    """A unit runs one stage alone, fed in admission order: the hand-worked trace restores 0,
+    32, 0 and 16 tokens at either stage, with the pipeline's counters and accounting; its
+    result pickles (it comes back from another process)."""
+    pipeline = run_replay(HAND_TRACE, SMALL)
+    for index in range(SMALL.stages):
+        alone = replay_stage(HAND_TRACE, SMALL, index)
+        assert alone.stage_id == f"stage-{index}"
+        assert alone.restored_tokens == (0, 32, 0, 16)
+        assert alone.computed_tokens == (40, 8, 20, 32)
+        summary = pipeline.stages[index]
+        assert (alone.records, alone.evictions, alone.resident_bytes_max) == (8, 0, 456)
+        assert alone.resident_bytes_max == summary.resident_bytes_max
+        assert alone.accounting is not None
+        assert alone.accounting == summary.accounting
+        assert pickle.loads(pickle.dumps(alone)) == alone
+
+
+def test_replay_stage_refuses_a_stage_the_pipeline_does_not_have() -> None:
+    """stage_index must name a stage of the configuration; the capacity must fit a cache."""
+    with pytest.raises(ConfigError, match=r"stage_index must be an integer in \[0, 1\], got 2"):
+        replay_stage(HAND_TRACE, SMALL, 2)
+    with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
+        replay_stage(HAND_TRACE, SMALL, 0, -1)
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_a_fanned_out_sweep_of_the_excerpt_equals_the_one_process_sweep(
+    concurrency: int, index: str, process_pool: concurrent.futures.Executor
+) -> None:
+    """On the bundled excerpt, one capacity that evicts and one unbounded, in two worker
+    processes: the same JSON as one process, and the same restores and times per request."""
+    config = SimConfig(concurrency=concurrency, index=index, max_entries=512)
+    capacities = [100_000, 0]
+    one = run_sweep(EXCERPT, config, capacities)
+    fanned = fan_out(EXCERPT, config, capacities, process_pool, log_setup=QUIET)
+    _same(one, fanned)
+    assert one[0].stages[0].evictions > 0  # the bounded replay did evict
+
+
+def test_requests_arriving_together_fan_out_in_file_order() -> None:
+    """Ties of arrival go in file order in the units as in the pipeline: each prompt extends
+    the previous one, so any other order would restore something else."""
+    trace = [_request(i, list(range(1, i + 2)), 16 * (i + 1)) for i in range(40)]
+    config = SimConfig(stages=2, block_size=16, bytes_per_token=2, concurrency=40)
+    fanned = run_replay(trace, config, executor=Inline())
+    _same([run_replay(trace, config)], [fanned])
+    assert [o.restored_tokens for o in fanned.outcomes] == [(16 * i, 16 * i) for i in range(40)]
+
+
+def test_run_replay_and_run_sweep_take_an_executor() -> None:
+    """With an executor, run_replay and run_sweep fan out (each stage and capacity a unit,
+    sharing one request list) and report what they report in one process."""
+    executor = Inline()
+    _same([run_replay(HAND_TRACE, SMALL)], [run_replay(HAND_TRACE, SMALL, executor=executor)])
+    assert [call[2:4] for call in executor.calls] == [(0, 0), (1, 0)]
+    executor = Inline()
+    sweep = run_sweep(HAND_TRACE, SMALL, [32, 0], executor=executor)
+    _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), sweep)
+    assert [call[2:4] for call in executor.calls] == [(0, 32), (1, 32), (0, 0), (1, 0)]
+    assert len({id(call[0]) for call in executor.calls}) == 1  # Ray ships it once
+
+
+def test_progress_advances_as_units_finish() -> None:
+    """Each finished unit adds its share of its replay's requests: a stage of two counts half."""
+    counts: list[int] = []
+    fan_out(HAND_TRACE, SMALL, [32, 0], Inline(), progress=counts.append)
+    assert counts == [2, 4, 6, 8]  # 2 capacities x 4 requests, in 4 units
+
+
+def test_max_in_flight_bounds_the_units_submitted_at_once() -> None:
+    """Units wait for a free slot; a bound below one is refused before any work."""
+
+    class Counting(Inline):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: list[concurrent.futures.Future[Any]] = []
+
+        def submit(
+            self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> concurrent.futures.Future[_T]:
+            # Settled only when the next unit is submitted: at most one pending at a time
+            # means the bound held.
+            assert all(future.done() for future in self.held)
+            future = super().submit(fn, *args, **kwargs)
+            self.held.append(future)
+            return future
+
+    results = fan_out(HAND_TRACE, SMALL, [32, 0], Counting(), max_in_flight=1)
+    _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), results)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="max_in_flight must be None or an integer >= 1"):
+            fan_out(HAND_TRACE, SMALL, [0], Inline(), max_in_flight=bad)  # type: ignore[arg-type]
+
+
+def test_a_failing_unit_fails_the_fan_out_and_cancels_the_rest() -> None:
+    """A unit's error reaches the caller as it was raised; units not yet run are cancelled."""
+
+    class FailingFirst(Inline):
+        def __init__(self) -> None:
+            super().__init__()
+            self.futures: list[concurrent.futures.Future[Any]] = []
+
+        def submit(
+            self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> concurrent.futures.Future[_T]:
+            future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+            if not self.futures:
+                future.set_exception(RuntimeError("worker lost"))
+            self.futures.append(future)
+            return future
+
+    executor = FailingFirst()
+    with pytest.raises(RuntimeError, match="worker lost"):
+        fan_out(HAND_TRACE, SMALL, [32, 0], executor)
+    assert len(executor.futures) == 4
+    assert all(future.cancelled() for future in executor.futures[1:])
+
+
+def test_open_executor_gives_this_process_a_pool_or_refuses() -> None:
+    """One worker is this process (None); more, a spawn pool of that many; nonsense refused."""
+    with open_executor() as executor:
+        assert executor is None
+    with open_executor(workers=3) as executor:
+        assert isinstance(executor, concurrent.futures.ProcessPoolExecutor)
+        assert vars(executor)["_max_workers"] == 3
+        context = executor._mp_context
+        assert context is not None
+        assert context.get_start_method() == "spawn"  # never fork a process running trio
+    for bad in (0, -1, 1.5, True):
+        with (
+            pytest.raises(ConfigError, match="workers must be an integer >= 1, got "),
+            open_executor(workers=bad),  # type: ignore[arg-type]
+        ):
+            pass
+    with (
+        pytest.raises(ConfigError, match="placement must be None, a LocalPlacement or a Ray"),
+        open_executor(placement="ray"),  # type: ignore[arg-type]
+    ):
+        pass
+
+
+def _cli_json(tmp_path: Path, name: str, *flags: str) -> list[dict[str, object]]:
+    """Replay the first 120 requests of the excerpt through the command line (a sweep of two
+    capacities at concurrency 4); its JSON without the two keys that measure real time."""
+    out = tmp_path / f"{name}.json"
+    with importlib.resources.as_file(demo_trace()) as path:
+        argv = ["replay", str(path), "--limit-requests", "120", "--concurrency", "4"]
+        argv += ["--sweep-capacity", "100000,0", "--json", str(out), *flags]
+        assert main(argv) == 0
+    documents: list[dict[str, object]] = json.loads(out.read_text(encoding="utf-8"))
+    for document in documents:
+        del document["wall_s"], document["tokens_per_s"]
+    return documents
+
+
+def test_replay_with_two_workers_writes_the_one_process_json(tmp_path: Path) -> None:
+    """`replay --workers 2` writes, key for key, the JSON one process writes."""
+    one = _cli_json(tmp_path, "one")
+    assert _cli_json(tmp_path, "workers", "--workers", "2") == one
+    assert len(one) == 2
+
+
+def test_replay_on_ray_writes_the_one_process_json(tmp_path: Path, local_ray: None) -> None:
+    """`replay --placement ray` runs the units as Ray tasks and writes the one-process JSON."""
+    one = _cli_json(tmp_path, "one")
+    assert _cli_json(tmp_path, "ray", "--placement", "ray") == one
+    assert _cli_json(tmp_path, "ray-1", "--placement", "ray", "--workers", "1") == one
