@@ -221,12 +221,15 @@ def fan_out(
         config.check_capacity(capacity)
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
     validate_requests(requests, block_size=config.block_size)
-    if theoretical is None:
-        theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     if log_setup is None:
         log_setup = functools.partial(_json_logging, _log_level(), driver_pid=os.getpid())
     stages = config.stages
-    units = [(run, stage) for run in range(len(capacities)) for stage in range(stages)]
+    # Larger caches hold more pages, so their units take longer: they go first, and the
+    # shortest fill the last gaps (the results do not depend on the order).
+    by_size = sorted(
+        range(len(capacities)), key=lambda run: (capacities[run] != 0, -capacities[run])
+    )
+    units = [(run, stage) for run in by_size for stage in range(stages)]
     limit = len(units) if max_in_flight is None else max_in_flight
     waiting = iter(units)
     pending: dict[concurrent.futures.Future[StageReplay], tuple[int, int]] = {}
@@ -242,6 +245,8 @@ def fan_out(
                 pending[future] = unit
             if not pending:
                 break
+            if theoretical is None:  # while the first units run
+                theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
             finished, _ = concurrent.futures.wait(
                 pending, return_when=concurrent.futures.FIRST_COMPLETED
             )
@@ -255,6 +260,8 @@ def fan_out(
             future.cancel()
         raise
     wall_s = (time.perf_counter() - started) / max(len(capacities), 1)
+    if theoretical is None:  # (no capacities: no units ran)
+        theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     return [
         summarise_replay(
             requests,
