@@ -20,6 +20,19 @@ from tests.benchmark_scripts import load_script
         ("bench_replay", ["TRACE", "--limit-requests", "-1"], "--limit-requests: must be an"),
         ("bench_identity", ["--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
         ("bench_actors", ["--reps", "0"], "--reps: must be an integer >= 1, got 0"),
+        ("bench_placement", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
+        ("bench_placement", ["TRACE", "--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
+        (
+            "bench_placement",
+            ["TRACE", "--workers", "1"],
+            "--workers: must be an integer >= 2, got 1",
+        ),
+        (
+            "bench_placement",
+            ["TRACE", "--sections", "bogus"],
+            "--sections: must name sections among replay, got 'bogus'",
+        ),
+        ("bench_placement", ["TRACE", "--capacities", "5,-1"], "--capacities: must be a comma"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(
