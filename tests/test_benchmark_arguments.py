@@ -12,7 +12,7 @@ from tests.benchmark_scripts import load_script
 @pytest.mark.parametrize(
     ("script", "argv", "message"),
     [
-        ("run", ["--only", "bogus"], "--only must name benchmarks among actors, identity"),
+        ("run", ["--only", "bogus"], "--only must name benchmarks among actors, cache, identity"),
         ("run", ["--trace", "/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_replay", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_paged", ["--trace", "/no/such.jsonl"], "cannot read trace /no/such.jsonl"),
