@@ -36,7 +36,6 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
-import trio.testing
 
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
@@ -957,6 +956,10 @@ def run_replay(
             requests, config, [capacity], executor, theoretical=theoretical, progress=progress
         )
         return result
+    # Imported here: trio.testing imports pytest, which a process replaying a fanned-out unit
+    # (or printing --help) need not load.
+    import trio.testing
+
     clock = trio.testing.MockClock(autojump_threshold=0)
 
     async def main() -> ReplayResult:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Final
 
+import attrs
 import numpy as np
 import structlog
 import trio
@@ -234,6 +235,9 @@ def fan_out(
     waiting = iter(units)
     pending: dict[concurrent.futures.Future[StageReplay], tuple[int, int]] = {}
     done: dict[tuple[int, int], StageReplay] = {}
+    left = [stages] * len(capacities)
+    results: list[ReplayResult] = []
+    finished_units = 0
     started = time.perf_counter()
     try:
         while True:
@@ -253,26 +257,31 @@ def fan_out(
             for future in finished:
                 run, stage = pending.pop(future)
                 done[run, stage] = future.result()
+                finished_units += 1
+                left[run] -= 1
+                if not left[run]:  # summarised now, while other units run
+                    replayed = [done.pop((run, index)) for index in range(stages)]
+                    results.append(
+                        summarise_replay(
+                            requests,
+                            config,
+                            replayed,
+                            capacity_tokens=capacities[run],
+                            theoretical=theoretical,
+                        )
+                    )
                 if progress is not None:
-                    progress(len(done) * len(requests) // stages)
+                    progress(finished_units * len(requests) // stages)
     except BaseException:
         for future in pending:
             future.cancel()
         raise
+    # The replays ran side by side: each gets an equal share of the wall time.
     wall_s = (time.perf_counter() - started) / max(len(capacities), 1)
-    if theoretical is None:  # (no capacities: no units ran)
-        theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
-    return [
-        summarise_replay(
-            requests,
-            config,
-            [done[run, stage] for stage in range(stages)],
-            capacity_tokens=capacity,
-            theoretical=theoretical,
-            wall_s=wall_s,
-        )
-        for run, capacity in enumerate(capacities)
-    ]
+    by_capacity = {
+        result.capacity_tokens: attrs.evolve(result, wall_s=wall_s) for result in results
+    }
+    return [by_capacity[capacity] for capacity in capacities]
 
 
 @contextmanager
