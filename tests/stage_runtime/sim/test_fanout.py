@@ -251,11 +251,19 @@ def _cli_json(tmp_path: Path, name: str, *flags: str) -> list[dict[str, object]]
     return documents
 
 
-def test_replay_with_two_workers_writes_the_one_process_json(tmp_path: Path) -> None:
-    """`replay --workers 2` writes, key for key, the JSON one process writes."""
+def test_replay_with_two_workers_writes_the_one_process_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay --workers 2` writes, key for key, the JSON one process writes; on a terminal
+    its progress bar says where the units run and reaches every request of both replays."""
     one = _cli_json(tmp_path, "one")
+    capsys.readouterr()
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's switch for "this is a terminal"
     assert _cli_json(tmp_path, "workers", "--workers", "2") == one
     assert len(one) == 2
+    bar = capsys.readouterr().err
+    assert "replaying in 2 processes" in bar
+    assert "240/240" in bar  # 2 capacities x 120 requests
 
 
 def test_replay_on_ray_writes_the_one_process_json(tmp_path: Path, local_ray: None) -> None:
