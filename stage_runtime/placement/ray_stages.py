@@ -46,11 +46,8 @@ from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedE
 from stage_runtime.models import ModelFactory
 from stage_runtime.placement import RayPlacement, StageProcess
 from stage_runtime.placement.ray_session import ray_session
-from stage_runtime.placement.ray_worker import (
-    StageWorker,
-    default_stage_logging,
-    driver_log_level,
-)
+from stage_runtime.placement.ray_worker import StageWorker
+from stage_runtime.placement.worker_logging import driver_log_level, stderr_json_logging
 from stage_runtime.stage import PrefillRequest, StageStats
 
 __all__ = ["RayStages", "open_ray_stages"]
@@ -138,7 +135,7 @@ class RayStages:
         ]
         self._limiter = trio.CapacityLimiter(self._placement.max_in_flight)
         self._log_setup = self._placement.log_setup or functools.partial(
-            default_stage_logging, driver_log_level()
+            stderr_json_logging, driver_log_level()
         )
 
     # -- starting and stopping processes -------------------------------------------------------

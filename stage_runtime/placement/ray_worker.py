@@ -19,11 +19,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import logging
 import math
 import os
 import socket
-import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,29 +39,9 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import ModelFactory
 from stage_runtime.stage import PrefillRequest, Stage, StagePrefillReport, StageStats
 
-__all__ = ["StageWorker", "default_stage_logging"]
+__all__ = ["StageWorker"]
 
 log = structlog.get_logger(__name__)
-
-
-def default_stage_logging(level: int) -> None:
-    """The logging a stage process gets by default: structlog JSON lines on stderr at ``level``.
-
-    Ray forwards a worker's stderr to the driver (``log_to_driver``), one line per event; each
-    event carries its ``stage`` (bound by the stage task).
-    """
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
 
 
 class StageWorker:
@@ -291,14 +269,3 @@ class StageWorker:
             raise self._failure()
         assert self._final is not None
         return self._final
-
-
-def driver_log_level() -> int:
-    """The level structlog filters at in this process (INFO when it cannot tell)."""
-    logger = structlog.get_logger().bind()
-    level = getattr(logger, "get_effective_level", None)
-    if callable(level):
-        value = level()
-        if isinstance(value, int):
-            return value
-    return logging.INFO

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import logging
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,11 +30,11 @@ from typing import Final
 
 import attrs
 import numpy as np
-import structlog
 import trio
 
 from stage_runtime.errors import ConfigError
 from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
+from stage_runtime.placement.worker_logging import driver_log_level, stderr_json_logging
 from stage_runtime.sim.blocks import BlockTokenizer
 from stage_runtime.sim.driver import (
     ProgressCallback,
@@ -223,7 +221,9 @@ def fan_out(
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
     validate_requests(requests, block_size=config.block_size)
     if log_setup is None:
-        log_setup = functools.partial(_json_logging, _log_level(), driver_pid=os.getpid())
+        log_setup = functools.partial(
+            stderr_json_logging, driver_log_level(), driver_pid=os.getpid()
+        )
     stages = config.stages
     # Larger caches hold more pages, so their units take longer: they go first, and the
     # shortest fill the last gaps (the results do not depend on the order).
@@ -329,32 +329,3 @@ def open_executor(
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _log_level() -> int:
-    """The level structlog filters at in this process (INFO when it cannot tell)."""
-    level = getattr(structlog.get_logger().bind(), "get_effective_level", None)
-    if callable(level):
-        value = level()
-        if isinstance(value, int):
-            return value
-    return logging.INFO
-
-
-def _json_logging(level: int, *, driver_pid: int) -> None:
-    """A unit's default logging: structlog JSON lines on stderr at ``level`` (the driver's),
-    unless the unit runs in the driver's own process (``driver_pid``), already configured."""
-    if os.getpid() == driver_pid:
-        return
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )

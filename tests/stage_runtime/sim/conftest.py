@@ -1,14 +1,12 @@
-"""Fixtures for fanned-out replays: a pool of worker processes, and a local Ray instance."""
+"""Fixtures for fanned-out replays: a pool of worker processes, and Ray."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import multiprocessing
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -29,31 +27,6 @@ def process_pool() -> Iterator[concurrent.futures.Executor]:
         yield pool
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """This process connected to Ray for the module: a Ray instance the suite already joined,
-    else a local one of 4 logical CPUs started here, shut down at the end.
-
-    Everything Ray writes goes under a temporary directory (a short path: Ray's socket paths
-    must stay under about 100 bytes), removed at the end; token authentication is off, so
-    nothing is written to ``~/.ray``. Skipped without Ray.
-    """
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():  # the session's cluster (tests/conftest.py), joined already
-        yield
-        return
-    temp = tempfile.mkdtemp(prefix="sr-ray-")
-    saved = {name: os.environ.get(name) for name in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
-    os.environ["RAY_TMPDIR"] = temp
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
-        ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-        yield
-    finally:
-        ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(temp, ignore_errors=True)
+@pytest.fixture
+def local_ray(ray_cluster: Any) -> None:
+    """This process connected to Ray: the session's cluster (``tests/conftest.py``)."""

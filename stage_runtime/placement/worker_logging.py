@@ -1,0 +1,46 @@
+"""Logging in the processes a driver starts (stage processes, fanned-out replay units).
+
+The library configures no logging in the caller's process; a process it starts has nobody else
+to do it, so by default it writes structlog JSON lines to stderr at the driver's level (Ray
+forwards a worker's stderr to the driver). Ray-free, so that local worker processes use it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+__all__ = ["driver_log_level", "stderr_json_logging"]
+
+
+def driver_log_level() -> int:
+    """The level structlog filters at in this process (INFO when it cannot tell)."""
+    level = getattr(structlog.get_logger().bind(), "get_effective_level", None)
+    if callable(level):
+        value = level()
+        if isinstance(value, int):
+            return value
+    return logging.INFO
+
+
+def stderr_json_logging(level: int, *, driver_pid: int | None = None) -> None:
+    """Configure structlog JSON lines on stderr at ``level`` (events keep their contextvars,
+    such as ``stage``), unless this is the driver's own process (``driver_pid``): a unit run
+    there (a thread pool) keeps the driver's logging."""
+    if driver_pid is not None and os.getpid() == driver_pid:
+        return
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
