@@ -9,6 +9,16 @@ noise from other work on the machine spreads over both sides of every ratio:
   reading the trace is not timed), their ratio (goal: at most 0.6 on 2 cores) and whether every
   result is identical (all of the JSON but ``wall_s`` and ``tokens_per_s``, and every request's
   restores and times).
+- ``hops``: the round trip of a 2-stage pipeline of stages that do nothing (driver, stage 0,
+  stage 1, driver), a 32-byte frame and a 16 MiB one, local against Ray.
+- ``throughput``: 2 ``CausalMixModel`` stages at width 1,024, 64 prompts of 2,048 tokens at
+  concurrency 8, BLAS threads pinned to one per process: local (the model computes large
+  forwards in worker threads), local on one core (the model computes on the event loop) and Ray
+  (two stage processes); goal: Ray at least 1.6x local on 2 cores. The Ray run's peak memory:
+  the driver, each stage process and Ray's own processes, separately.
+
+The ``hops`` and ``throughput`` sections run in a child process each (``_placement_pipeline.py``)
+that pins BLAS threads before numpy loads and starts, then stops, its own Ray instance.
 
 Sections are functions in :data:`SECTIONS` that return a table's rows and their goals;
 ``--sections`` picks some (all by default).
@@ -27,6 +37,9 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
@@ -57,6 +70,12 @@ REPLAY_CAPACITIES = (1_000_000, 3_000_000, 10_000_000, 0)
 
 REPLAY_GOAL_RATIO = 0.6
 """The issue's goal: ``--workers 2`` takes at most this share of one process's wall time."""
+
+THROUGHPUT_GOAL_RATIO = 1.6
+"""The issue's goal: two Ray stage processes prefill at least this many times as fast as one
+process on 2 cores."""
+
+HERE = Path(__file__).resolve().parent
 
 Rows = list[dict[str, Any]]
 Section = Callable[[argparse.Namespace], dict[str, Any]]
@@ -177,7 +196,94 @@ def replay_section(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-SECTIONS: dict[str, Section] = {"replay": replay_section}
+def _child_section(section: str, *options: str) -> dict[str, Any]:
+    """Run ``_placement_pipeline.py section`` in a child process and return its JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-placement-") as temp:
+        out = Path(temp) / f"{section}.json"
+        command = [sys.executable, str(HERE / "_placement_pipeline.py"), section, "--out", str(out)]
+        done = subprocess.run([*command, *options], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            msg = f"the {section} section failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+            raise RuntimeError(msg)
+        result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+        return result
+
+
+def hops_section(args: argparse.Namespace) -> dict[str, Any]:
+    """Round trips of do-nothing stages, local against Ray (no goal: what a hop costs)."""
+    result = _child_section("hops", "--repeat", str(args.hop_repeat))
+    return {
+        "title": f"2-stage round trip of do-nothing stages; median of {args.hop_repeat}",
+        "rows": result["rows"],
+    }
+
+
+def throughput_section(args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill throughput of 2 CausalMixModel stages, local against Ray, and the Ray run's
+    peak memory."""
+    result = _child_section(
+        "throughput",
+        "--repeat",
+        str(args.throughput_repeat),
+        "--prompts",
+        str(args.prompts),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--width",
+        str(args.width),
+        "--concurrency",
+        str(args.concurrency),
+    )
+    ratio = result["ray_over_local"]
+    by_name = {row["placement"]: row for row in result["rows"]}
+    local_speedup = by_name["local_one_core"]["wall_s"] / by_name["local"]["wall_s"]
+    bound = result["two_stage_balance_bound"]
+    memory = result["memory"]
+    mib = 1 << 20
+    stages = ", ".join(
+        f"{stage} {size / mib:,.0f}" for stage, size in memory["stage_peak_rss_bytes"].items()
+    )
+    return {
+        "title": (
+            f"2 CausalMixModel stages, width {args.width:,}, {args.prompts} prompts of "
+            f"{args.prompt_tokens:,} tokens, concurrency {args.concurrency}, one BLAS thread "
+            f"per process; median of {args.throughput_repeat}"
+        ),
+        "rows": result["rows"],
+        "ray_over_local": ratio,
+        "ray_over_local_one_core": result["ray_over_local_one_core"],
+        "two_stage_balance_bound": bound,
+        "local_over_local_one_core": local_speedup,
+        "ceiling_over_local": bound / local_speedup if bound else None,
+        "memory": memory,
+        "notes": [
+            f"Ray / local on one core: {result['ray_over_local_one_core']:.2f}x; local (threads)"
+            f" / local on one core: {local_speedup:.2f}x",
+            f"two-stage balance bound (stages' work on one core, sum / busiest): {bound:.2f}x,"
+            f" so at most {bound / local_speedup:.2f}x over local"
+            if bound
+            else "",
+            f"peak RSS of the Ray run (MiB): driver {memory['driver_peak_rss_bytes'] / mib:,.0f};"
+            f" stages {stages}; Ray's own processes "
+            f"{memory['ray_processes_total_bytes'] / mib:,.0f} in "
+            f"{len(memory['ray_processes_peak_rss_bytes'])} processes",
+        ],
+        "goals": [
+            {
+                "name": "2-stage prefill throughput, Ray / one process",
+                "target": f">= {THROUGHPUT_GOAL_RATIO:g}",
+                "measured": round(ratio, 3),
+                "met": ratio >= THROUGHPUT_GOAL_RATIO,
+            }
+        ],
+    }
+
+
+SECTIONS: dict[str, Section] = {
+    "replay": replay_section,
+    "hops": hops_section,
+    "throughput": throughput_section,
+}
 """Every section, in the order they run."""
 
 NEEDS_TRACE = frozenset({"replay"})
@@ -235,6 +341,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         help="tokens per stage, comma-separated; 0 = unbounded (1000000,3000000,10000000,0)",
     )
     replay.add_argument("--limit-requests", type=int_at_least(1), default=None)
+    pipeline = parser.add_argument_group("hops and throughput sections")
+    pipeline.add_argument(
+        "--hop-repeat", type=int_at_least(1), default=50, help="round trips timed (50)"
+    )
+    pipeline.add_argument(
+        "--throughput-repeat",
+        type=int_at_least(1),
+        default=1,
+        help="repetitions of the three throughput runs (1; each is 3 x 64 prompts)",
+    )
+    pipeline.add_argument("--prompts", type=int_at_least(1), default=64, help="prompts (64)")
+    pipeline.add_argument(
+        "--prompt-tokens", type=int_at_least(64), default=2048, help="tokens per prompt (2048)"
+    )
+    pipeline.add_argument("--width", type=int_at_least(1), default=1024, help="width (1024)")
+    pipeline.add_argument(
+        "--concurrency", type=int_at_least(1), default=8, help="prefills in flight (8)"
+    )
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
     args = parser.parse_args(argv)
     args.trace = args.trace_option or args.trace_path
@@ -257,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         goals += [{**goal, "section": name} for goal in result.get("goals", [])]
         print_table(result.get("title", name), result["rows"])
         for note in result.get("notes", []):
-            print(f"  {note}")
+            if note:
+                print(f"  {note}")
         for goal in result.get("goals", []):
             verdict = "met" if goal["met"] else "MISSED"
             print(f"  goal {goal['name']}: {goal['measured']} (target {goal['target']}) {verdict}")

@@ -30,7 +30,7 @@ from tests.benchmark_scripts import load_script
         (
             "bench_placement",
             ["TRACE", "--sections", "bogus"],
-            "--sections: must name sections among replay, got 'bogus'",
+            "--sections: must name sections among replay, hops, throughput, got 'bogus'",
         ),
         ("bench_placement", ["TRACE", "--capacities", "5,-1"], "--capacities: must be a comma"),
     ],
