@@ -141,6 +141,15 @@ class ServerSettings:
     ``408`` (``"error": "body_timeout"``) and its connection closed, so stalled uploads cannot
     pile up."""
 
+    keep_alive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
+    """How long an idle keep-alive connection stays open. Longer than clients keep theirs
+    (httpx: 5 s) so that a client never reuses a connection the server is closing under it; 75 s
+    as nginx."""
+
+    backlog: int = attrs.field(default=1024, validator=_positive_int)
+    """Connections the kernel queues before the server accepts them (capped by
+    ``net.core.somaxconn``); a burst of simultaneous connects beyond it is refused or retried."""
+
 
 @attrs.frozen(kw_only=True)
 class _Response:

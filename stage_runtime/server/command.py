@@ -106,6 +106,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--keep-alive-timeout",
+        type=positive_float,
+        default=75.0,
+        metavar="SECONDS",
+        help="how long an idle keep-alive connection stays open; keep it longer than clients' "
+        "own expiry (httpx: 5 s) so no request races the close (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backlog",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="connections queued before they are accepted (capped by net.core.somaxconn) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--drain-grace",
         type=non_negative_float,
         default=0.0,
@@ -181,6 +197,8 @@ async def _serve(args: argparse.Namespace) -> int:
         retry_after_s=args.retry_after,
         shutdown_timeout_s=args.shutdown_timeout,
         body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        backlog=args.backlog,
     )
     factory = reference_model_factory(width=args.width, seed=args.seed)
     async with open_pipeline(

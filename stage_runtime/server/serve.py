@@ -27,7 +27,7 @@ import structlog
 import trio
 
 from stage_runtime.errors import ConfigError, sole_exception
-from stage_runtime.server.app import ANSWER_MARGIN_S, PipelineApp
+from stage_runtime.server.app import ANSWER_MARGIN_S, PipelineApp, ServerSettings
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -118,11 +118,15 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _hypercorn_config(*, shutdown_timeout_s: float) -> Config:
+def _hypercorn_config(settings: ServerSettings) -> Config:
     from hypercorn.config import Config
 
     config = Config()
-    config.graceful_timeout = shutdown_timeout_s + ANSWER_MARGIN_S
+    config.graceful_timeout = settings.shutdown_timeout_s + ANSWER_MARGIN_S
+    # Hypercorn's 5 s default equals httpx's keep-alive expiry: a request sent on a connection
+    # idle for 5 s raced the server's close and was lost ("Server disconnected").
+    config.keep_alive_timeout = settings.keep_alive_timeout_s
+    config.backlog = settings.backlog
     # Hypercorn's own messages go to a stdlib logger; the application decides where they end up.
     config.errorlog = logging.getLogger("hypercorn.error")
     config.accesslog = None  # `request_served` is the access log
@@ -235,7 +239,7 @@ async def serve(
     except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installed extras
         msg = "serving needs the server extra: pip install 'stage-runtime[server]'"
         raise ConfigError(msg) from exc
-    config = _hypercorn_config(shutdown_timeout_s=app.settings.shutdown_timeout_s)
+    config = _hypercorn_config(app.settings)
     sock = _listening_socket(host, port)
 
     shutdown_requested = trio.Event()
@@ -272,7 +276,13 @@ async def serve(
                     nursery.start_soon(
                         _stop_on_signals, received, server, drain_grace_s, signal_scope
                     )
-                log.info("server_started", url=server.url, max_inflight=app.settings.max_inflight)
+                log.info(
+                    "server_started",
+                    url=server.url,
+                    max_inflight=app.settings.max_inflight,
+                    keep_alive_timeout_s=app.settings.keep_alive_timeout_s,
+                    backlog=app.settings.backlog,
+                )
                 task_status.started(server)
         finally:
             if server is not None:

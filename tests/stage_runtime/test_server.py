@@ -719,6 +719,74 @@ async def test_the_shutdown_does_not_wait_for_idle_connections() -> None:
                 await h.server.wait_stopped()
 
 
+# -- keep-alive -----------------------------------------------------------------------------------
+
+HTTPX_KEEPALIVE_EXPIRY_S = 5.0
+"""How long httpx (as most clients) reuses an idle connection; hypercorn's default server
+keep-alive was the same 5 s, so a request sent at that boundary raced the server's close."""
+
+_GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n"
+
+
+async def _keep_alive_exchange(stream: trio.SocketStream) -> bytes:
+    """Send ``GET /healthz`` on an open connection and read one answer (b"" if it was closed)."""
+    try:
+        await stream.send_all(_GET_HEALTHZ)
+    except trio.BrokenResourceError:
+        return b""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        try:
+            chunk = await stream.receive_some()
+        except trio.BrokenResourceError:
+            return b""
+        if not chunk:
+            return b""
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        chunk = await stream.receive_some()
+        if not chunk:
+            return b""
+        body += chunk
+    return head
+
+
+async def test_an_idle_connection_reused_at_the_clients_keep_alive_expiry_is_answered(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A connection idle for exactly httpx's keep-alive expiry is reused, not closed under the
+    request: the server's keep-alive (75 s by default) outlasts common clients' (issue 21)."""
+    async with serving() as h:
+        stream = await trio.open_tcp_stream(h.server.host, h.server.port)
+        async with stream:
+            assert (await _keep_alive_exchange(stream)).startswith(b"HTTP/1.1 200 ")
+            await trio.testing.wait_all_tasks_blocked()  # the server counts the idle time
+            mock_clock.jump(HTTPX_KEEPALIVE_EXPIRY_S)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await _keep_alive_exchange(stream)).startswith(b"HTTP/1.1 200 ")
+            await trio.testing.wait_all_tasks_blocked()  # the server counts the idle time
+            mock_clock.jump(ServerSettings().keep_alive_timeout_s - 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await _keep_alive_exchange(stream)).startswith(b"HTTP/1.1 200 ")
+
+
+async def test_an_idle_connection_is_closed_at_the_keep_alive_timeout(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """``keep_alive_timeout_s`` is the server's idle limit: a connection idle that long is
+    closed, and the next request on it gets no answer."""
+    async with serving(settings=ServerSettings(keep_alive_timeout_s=10)) as h:
+        stream = await trio.open_tcp_stream(h.server.host, h.server.port)
+        async with stream:
+            assert (await _keep_alive_exchange(stream)).startswith(b"HTTP/1.1 200 ")
+            await trio.testing.wait_all_tasks_blocked()  # the server counts the idle time
+            mock_clock.jump(10)
+            await trio.testing.wait_all_tasks_blocked()
+            assert await _keep_alive_exchange(stream) == b""
+
+
 # -- load and faults ------------------------------------------------------------------------------
 
 
@@ -1262,7 +1330,14 @@ def test_serve_arguments_have_defaults_and_reject_bad_values() -> None:
     assert (args.bind, args.max_inflight, args.max_body_bytes) == ("127.0.0.1:8000", 64, 1 << 20)
     assert args.topology == Path("t.toml")
     assert args.body_timeout == 30.0
+    assert (args.keep_alive_timeout, args.backlog) == (75.0, 1024)
+    tuned = parser.parse_args(
+        ["--topology", "t.toml", "--keep-alive-timeout", "120", "--backlog", "4096"]
+    )
+    assert (tuned.keep_alive_timeout, tuned.backlog) == (120.0, 4096)
     for bad in (
+        ["--keep-alive-timeout", "0"],
+        ["--backlog", "0"],
         ["--body-timeout", "0"],
         ["--max-inflight", "0"],
         ["--max-body-bytes", "many"],
@@ -1446,7 +1521,7 @@ async def serve_process(
 async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
     """The serve command, run as a process, answers requests, logs JSON, and exits 0 on SIGTERM."""
     with trio.fail_after(60):
-        async with serve_process() as child:
+        async with serve_process("--keep-alive-timeout", "90", "--backlog", "300") as child:
             started = await child.next_event("server_started")
             async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
                 body = {"text": "hello, pipeline " * 4, "session_id": "cli"}
@@ -1457,6 +1532,7 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
             status = await child.process.wait()
     assert answer.status_code == 200
     assert len(answer.json()["stages"]) == 4
+    assert (started["keep_alive_timeout_s"], started["backlog"]) == (90.0, 300)
     assert served["status"] == 200
     assert served["level"] == "info"
     assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
