@@ -283,6 +283,44 @@ def _env_mode(environ: Mapping[str, str]) -> CacheMode | None:
     return None
 
 
+@attrs.frozen(kw_only=True)
+class UnrecognisedCacheMode:
+    """A cache-mode variable set to a value that names no mode (the cache stays off)."""
+
+    variable: str
+    """The variable, ``STAGE_RUNTIME_KV_CACHE`` or ``STAGE_RUNTIME_PREFIX_CACHE``."""
+
+    value: str
+    """Its value, as set."""
+
+    accepted: tuple[str, ...] = tuple(name for name in _ENV_MODE_VALUES if name)
+    """The values it accepts (any case, padded, ``_`` for ``-``; empty means ``auto``)."""
+
+    def __str__(self) -> str:
+        return (
+            f"{self.variable}={self.value!r} is not a cache mode, so stages without a kv_cache "
+            f"table run with the cache off (accepted: {', '.join(self.accepted)})"
+        )
+
+
+def unrecognised_cache_mode(
+    environ: Mapping[str, str] | None = None,
+) -> UnrecognisedCacheMode | None:
+    """The first cache-mode variable set to a value that names no mode, or None.
+
+    Such a value disables the cache, as upstream (spec §6.1); this is for warning about it.
+    """
+    env = _environment(environ)
+    for name in _ENV_MODE:
+        raw = _env_get(env, name)
+        if raw is None:
+            continue
+        if _trim(raw).lower().replace("_", "-") not in _ENV_MODE_VALUES:
+            return UnrecognisedCacheMode(variable=name, value=raw)
+        return None  # the first variable set decides, as _env_mode reads them
+    return None
+
+
 def _environment(environ: object) -> Mapping[str, str]:
     """``os.environ`` for None, else ``environ`` once it is known to be a mapping."""
     if environ is None:

@@ -35,11 +35,19 @@ from typing import Any, NoReturn
 import attrs
 import numpy as np
 import numpy.typing as npt
+import structlog
 import trio
 
 from actors import ActorStoppedError
 from stage_runtime.cache import EvictedEntry
-from stage_runtime.config import StageConfig, _build, _parse_toml, _toml_locator, check_text
+from stage_runtime.config import (
+    StageConfig,
+    _build,
+    _parse_toml,
+    _toml_locator,
+    check_text,
+    unrecognised_cache_mode,
+)
 from stage_runtime.errors import (
     ConfigError,
     PipelineStoppedError,
@@ -70,6 +78,8 @@ __all__ = [
     "open_pipeline",
     "validate_topology",
 ]
+
+log = structlog.get_logger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -372,6 +382,15 @@ async def open_pipeline(
         # Resolved once, here: stage processes elsewhere must see the driver's environment,
         # not their own.
         environ = dict(os.environ)
+    mistyped = unrecognised_cache_mode(environ)
+    if mistyped is not None:
+        # The cache stays off, as upstream (spec §6.1), but a typo must not pass unnoticed.
+        log.warning(
+            "cache_mode_unrecognised",
+            variable=mistyped.variable,
+            value=mistyped.value,
+            accepted=list(mistyped.accepted),
+        )
     for config in configs:
         # Resolved now, not when each stage builds its cache: a bad STAGE_RUNTIME_KV_CACHE_*
         # variable is then a ConfigError here, not a stage failure inside an exception group.

@@ -24,6 +24,7 @@ from stage_runtime._cli_support import (
     non_negative_float,
     positive_float,
 )
+from stage_runtime.config import unrecognised_cache_mode
 from stage_runtime.errors import ConfigError
 
 __all__ = ["add_serve_arguments", "configure_logging", "run_serve"]
@@ -235,6 +236,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    mistyped = unrecognised_cache_mode()
+    if mistyped is not None:
+        # A plain line whatever the log format: the structured warning can drown in JSON logs.
+        print(f"stage-runtime serve: warning: {mistyped}", file=sys.stderr)
     configure_logging(level=args.log_level, log_format=args.log_format)
     log = structlog.get_logger(__name__)
     status = 0

@@ -1076,3 +1076,31 @@ async def test_a_stopped_pipeline_answers_with_pipeline_errors_not_actor_interna
             await trio.sleep_forever()
     with pytest.raises(PipelineStoppedError, match="pipeline has stopped without final"):
         await cancelled.stats()
+
+
+@pytest.mark.parametrize("name", ["STAGE_RUNTIME_KV_CACHE", "STAGE_RUNTIME_PREFIX_CACHE"])
+async def test_a_mistyped_cache_mode_variable_is_warned_about_naming_its_value(
+    name: str, logs: list[LogEvent]
+) -> None:
+    """An unrecognised mode leaves the cache off (spec §6.1), but not silently: a warning names
+    the variable, its value and the values it accepts (issue 21)."""
+    no_block = [attrs.evolve(config, kv_cache=None) for config in stage_configs(2)]
+    async with open_pipeline(no_block, mix_factory(), environ={name: "maybe"}) as pipeline:
+        result = await pipeline.prefill(prompt(300), session_id="s")
+        again = await pipeline.prefill(prompt(300), session_id="s")
+    assert restored(result) == restored(again) == [0, 0]
+    [warning] = events_named(logs, "cache_mode_unrecognised")
+    assert warning["log_level"] == "warning"
+    assert (warning["variable"], warning["value"]) == (name, "maybe")
+    assert {"off", "record", "lookup-record", "auto"} <= set(warning["accepted"])
+
+
+async def test_a_recognised_cache_mode_variable_is_not_warned_about(logs: list[LogEvent]) -> None:
+    """Accepted spellings (any case, padded, ``_`` for ``-``) raise no warning."""
+    no_block = [attrs.evolve(config, kv_cache=None) for config in stage_configs(1)]
+    for value in (" Lookup_Record ", "OFF", "", "1"):
+        async with open_pipeline(
+            no_block, mix_factory(), environ={"STAGE_RUNTIME_KV_CACHE": value}
+        ):
+            pass
+    assert events_named(logs, "cache_mode_unrecognised") == []

@@ -1481,6 +1481,8 @@ class ServeProcess:
 
     process: trio.Process
     events: list[dict[str, Any]] = attrs.field(factory=list)
+    lines: list[str] = attrs.field(factory=list)
+    """The lines of stderr that are not JSON log events."""
     _buffer: bytes = b""
 
     async def next_event(self, name: str) -> dict[str, Any]:
@@ -1489,10 +1491,12 @@ class ServeProcess:
         while True:
             while b"\n" in self._buffer:
                 raw, self._buffer = self._buffer.split(b"\n", 1)
-                if raw.startswith(b"{"):
-                    self.events.append(json.loads(raw))
-                    if self.events[-1]["event"] == name:
-                        return self.events[-1]
+                if not raw.startswith(b"{"):
+                    self.lines.append(raw.decode())
+                    continue
+                self.events.append(json.loads(raw))
+                if self.events[-1]["event"] == name:
+                    return self.events[-1]
             chunk = await self.process.stderr.receive_some()
             assert chunk, f"process exited before logging {name}: {self._buffer!r}"
             self._buffer += chunk
@@ -1538,6 +1542,19 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
     assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
     assert any(event["event"] == "shutdown_requested" for event in child.events)
     assert status == 0
+
+
+async def test_serve_command_warns_on_stderr_about_a_mistyped_cache_mode() -> None:
+    """``STAGE_RUNTIME_KV_CACHE=maybe`` leaves the cache off; serve says so in a plain line on
+    stderr as it starts, even when its logs are JSON, and logs the structured warning too."""
+    with trio.fail_after(60):
+        async with serve_process(env={"STAGE_RUNTIME_KV_CACHE": "maybe"}) as child:
+            await child.next_event("server_started")
+    warned = [line for line in child.lines if line.startswith("stage-runtime serve: warning:")]
+    assert len(warned) == 1
+    assert "STAGE_RUNTIME_KV_CACHE='maybe' is not a cache mode" in warned[0]
+    assert "accepted: auto, 0, off" in warned[0]
+    assert [event["event"] for event in child.events].count("cache_mode_unrecognised") == 1
 
 
 def _processes_mentioning(text: str) -> list[int]:
