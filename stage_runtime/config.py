@@ -145,6 +145,25 @@ def check_text(name: str, value: str) -> None:
         raise ConfigError(msg) from None
 
 
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
+"""C0 controls, DEL and C1 controls: a terminal acts on them (``ESC [``, ``CSI``) when a log
+line holding them reaches a console."""
+
+
+def check_id(name: str, value: str) -> None:
+    """Refuse an id a client sends (session, request, salt) that is not printable text: a lone
+    surrogate (see :func:`check_text`), or a control character that the console log would
+    write raw to a terminal."""
+    check_text(name, value)
+    control = _CONTROL.search(value)
+    if control is not None:
+        msg = (
+            f"{name} must not hold control characters, got {control.group()!r} "
+            f"at index {control.start()}"
+        )
+        raise ConfigError(msg)
+
+
 def _nonempty_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     _str(instance, attribute, value)
     if not value:

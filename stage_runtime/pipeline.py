@@ -45,7 +45,7 @@ from stage_runtime.config import (
     _build,
     _parse_toml,
     _toml_locator,
-    check_text,
+    check_id,
     unrecognised_cache_mode,
 )
 from stage_runtime.errors import (
@@ -226,7 +226,7 @@ class Pipeline:
             ("cache_salt", cache_salt),
         ):
             if text is not None:
-                check_text(name, text)
+                check_id(name, text)
         request = PrefillRequest(
             request_id=request_id,
             session_id=session_id,

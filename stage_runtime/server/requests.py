@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.config import check_text
+from stage_runtime.config import check_id
 from stage_runtime.errors import ConfigError
 from stage_runtime.server.tokenizer import ByteTokenizer
 
@@ -153,7 +153,7 @@ def _parse_id(body: Mapping[str, object], field: str) -> str | None:
         msg = f"{field} must be at most {MAX_ID_CHARS} characters, got {len(value)}"
         _invalid(field, msg)
     try:
-        check_text(field, value)
+        check_id(field, value)
     except ConfigError as exc:
         _invalid(field, str(exc))
     return value

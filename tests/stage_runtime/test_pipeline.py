@@ -269,6 +269,20 @@ async def test_text_that_is_not_unicode_is_refused_before_it_reaches_a_stage(fie
     assert computed(result) == [300, 300]
 
 
+@pytest.mark.parametrize("field", ["cache_salt", "session_id", "request_id"])
+@pytest.mark.parametrize("control", ["\x1b", "\n", "\x00", "\x7f", "\x85", "\x9b"])
+async def test_ids_holding_control_characters_are_refused(field: str, control: str) -> None:
+    """C0 controls, DEL and C1 controls in an id would reach the console log raw (a terminal
+    escape); the caller gets a ConfigError naming the field, the character and its index."""
+    kwargs: dict[str, Any] = {"session_id": "s", field: f"id{control}x"}
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        expected = f"{field} must not hold control characters, got {control!r} at index 2"
+        with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+            await pipeline.prefill(prompt(300), **kwargs)
+        result = await pipeline.prefill(prompt(300), session_id="s", request_id="é ü")
+    assert computed(result) == [300, 300]
+
+
 async def test_bad_tokens_fail_only_that_caller() -> None:
     """Bad prompts raise ConfigError at once; the pipeline keeps serving."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:

@@ -116,6 +116,24 @@ def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
             "invalid_field",
             "cache_salt must be valid UTF-8 text, got a lone surrogate",
         ),
+        (  # a terminal escape would reach the console log raw
+            b'{"tokens": [1], "session_id": "s\\u001b[31mX"}',
+            "session_id",
+            "invalid_field",
+            r"session_id must not hold control characters, got '\\x1b' at index 1",
+        ),
+        (  # DEL and the C1 controls (U+0085, U+009B: a one-character CSI) too
+            b'{"tokens": [1], "session_id": "s", "request_id": "r\\u007f"}',
+            "request_id",
+            "invalid_field",
+            "request_id must not hold control characters",
+        ),
+        (
+            b'{"tokens": [1], "session_id": "s", "cache_salt": "t\\u009b31m"}',
+            "cache_salt",
+            "invalid_field",
+            r"cache_salt must not hold control characters, got '\\x9b' at index 1",
+        ),
         (
             b'{"tokens": [1], "session_id": "a\\ud800b"}',
             "session_id",
