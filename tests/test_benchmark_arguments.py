@@ -12,7 +12,11 @@ from tests.benchmark_scripts import load_script
 @pytest.mark.parametrize(
     ("script", "argv", "message"),
     [
-        ("run", ["--only", "bogus"], "--only must name benchmarks among actors, cache, identity"),
+        (
+            "run",
+            ["--only", "bogus"],
+            "--only must name benchmarks among actors, cache, http, identity",
+        ),
         ("run", ["--trace", "/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_replay", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_paged", ["--trace", "/no/such.jsonl"], "cannot read trace /no/such.jsonl"),
@@ -20,6 +24,10 @@ from tests.benchmark_scripts import load_script
         ("bench_replay", ["TRACE", "--limit-requests", "-1"], "--limit-requests: must be an"),
         ("bench_identity", ["--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
         ("bench_actors", ["--reps", "0"], "--reps: must be an integer >= 1, got 0"),
+        ("bench_http", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
+        ("bench_http", ["--concurrency", "1", "0"], "--concurrency: must be an integer >= 1"),
+        ("bench_http", ["--load-requests", "-1"], "--load-requests: must be an integer >= 0"),
+        ("bench_http", ["--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
         ("bench_placement", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_placement", ["TRACE", "--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
         (
