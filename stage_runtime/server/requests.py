@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.config import check_id
+from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
 from stage_runtime.errors import ConfigError
 from stage_runtime.server.tokenizer import ByteTokenizer
 
@@ -185,7 +185,19 @@ def parse_prefill_request(
         InvalidRequestError: the body is not a valid request; its ``field`` names the culprit.
     """
     try:
-        document = json.loads(body, parse_constant=_reject_constant, parse_int=_parse_int)
+        document = json.loads(
+            body,
+            parse_constant=_reject_constant,
+            parse_int=_parse_int,
+            object_pairs_hook=_unique_keys,
+        )
+    except _DuplicateKeyError as exc:
+        # json.loads keeps the last one silently; the client may have meant the first.
+        if exc.key in _FIELDS:
+            msg = f"{exc.key} appears twice in the body"
+            raise InvalidRequestError(msg, field=exc.key, error="invalid_field") from None
+        msg = f"body must not repeat a key in one object, got {exc.key!r} twice"
+        raise InvalidRequestError(msg, field="body", error="invalid_field") from None
     except ValueError as exc:
         # JSONDecodeError and UnicodeDecodeError, and any other conversion the parser refuses.
         msg = f"body must be valid JSON, got a parse error: {exc}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import attrs
 
+from stage_runtime.config import _DuplicateKeyError, _unique_keys
 from stage_runtime.errors import TraceFormatError, shown
 
 __all__ = [
@@ -148,7 +149,9 @@ def parse_trace_line(
     if line == 1 and text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark some editors write at the start of a file
     try:
-        record = json.loads(text)
+        record = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise _fail(path, line, exc.key, "appears twice in one object") from None
     except json.JSONDecodeError as exc:
         raise _fail(path, line, "", f"is not valid JSON ({exc.msg})") from exc
     except ValueError:  # an integer over int()'s 4,300 digits

@@ -116,6 +116,18 @@ def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
             "invalid_field",
             "cache_salt must be valid UTF-8 text, got a lone surrogate",
         ),
+        (  # json.loads keeps the last one silently: which prompt did the client mean?
+            b'{"tokens": [1], "session_id": "s", "tokens": [2]}',
+            "tokens",
+            "invalid_field",
+            "tokens appears twice in the body",
+        ),
+        (
+            b'{"tokens": [1], "session_id": "s", "session_id": "t"}',
+            "session_id",
+            "invalid_field",
+            "session_id appears twice in the body",
+        ),
         (  # a terminal escape would reach the console log raw
             b'{"tokens": [1], "session_id": "s\\u001b[31mX"}',
             "session_id",

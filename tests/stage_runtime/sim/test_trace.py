@@ -82,6 +82,12 @@ def test_block_layout_cuts_the_last_block() -> None:
             "must be <= block_size * len(hash_ids) = 512 * 2, got 1025",
         ),
         (_line(input_length=1, hash_ids=[]), "input_length", "512 * 0, got 1"),
+        (  # json.loads keeps the last one silently: a line that says two things is refused
+            '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2], '
+            '"input_length": 900}',
+            "input_length",
+            "input_length appears twice in one object",
+        ),
     ],
 )
 def test_malformed_line_names_file_line_and_field(text: str, field: str, fragment: str) -> None:
