@@ -6,6 +6,7 @@ bad input are also :class:`ValueError` so that callers catching the standard typ
 
 from __future__ import annotations
 
+import json
 from typing import overload
 
 __all__ = [
@@ -85,3 +86,24 @@ def shown(value: object) -> str:
     if len(text) <= SHOWN_CHARS:
         return text
     return f"{text[: SHOWN_CHARS - 3]}... ({len(text):,} characters)"
+
+
+def json_error_detail(exc: json.JSONDecodeError, *, one_line: bool) -> str:
+    """What a JSON syntax error is and where, in words a user can act on.
+
+    ``json`` leaves the position out of ``exc.msg`` ("Invalid control character at") and says
+    nothing of why a string is unterminated; this puts the column (and the line, unless the text
+    is ``one_line``, as a trace line is) where it belongs.
+    """
+    where = f"column {exc.colno}" if one_line else f"line {exc.lineno} column {exc.colno}"
+    if exc.msg.startswith("Unterminated string"):
+        scope = "on this line" if one_line else "before the end"
+        return f"the string opened at {where} is not closed {scope}"
+    if exc.msg.startswith("Invalid control character"):
+        code = f"{ord(exc.doc[exc.pos]):04X}" if exc.pos < len(exc.doc) else "?"
+        return (
+            f"a control character (U+{code}) at {where} inside a string: "
+            f"escape it, as \\u{code.lower()}"
+        )
+    message = exc.msg.removesuffix(" at")
+    return f"{message[:1].lower()}{message[1:]} at {where}"

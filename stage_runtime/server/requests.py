@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
-from stage_runtime.errors import ConfigError
+from stage_runtime.errors import ConfigError, json_error_detail
 from stage_runtime.server.tokenizer import ByteTokenizer
 
 __all__ = ["InvalidRequestError", "PrefillBody", "parse_prefill_request"]
@@ -198,8 +198,15 @@ def parse_prefill_request(
             raise InvalidRequestError(msg, field=exc.key, error="invalid_field") from None
         msg = f"body must not repeat a key in one object, got {exc.key!r} twice"
         raise InvalidRequestError(msg, field="body", error="invalid_field") from None
+    except InvalidRequestError:
+        raise  # a non-standard constant, already worded (it is a ValueError too)
+    except json.JSONDecodeError as exc:
+        msg = (
+            f"body must be valid JSON, got a parse error: {json_error_detail(exc, one_line=False)}"
+        )
+        raise InvalidRequestError(msg, field="body", error="malformed_json") from exc
     except ValueError as exc:
-        # JSONDecodeError and UnicodeDecodeError, and any other conversion the parser refuses.
+        # UnicodeDecodeError, and any other conversion the parser refuses.
         msg = f"body must be valid JSON, got a parse error: {exc}"
         raise InvalidRequestError(msg, field="body", error="malformed_json") from exc
     except RecursionError as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys
-from stage_runtime.errors import TraceFormatError, shown
+from stage_runtime.errors import TraceFormatError, json_error_detail, shown
 
 __all__ = [
     "SimRequest",
@@ -153,7 +153,8 @@ def parse_trace_line(
     except _DuplicateKeyError as exc:
         raise _fail(path, line, exc.key, "appears twice in one object") from None
     except json.JSONDecodeError as exc:
-        raise _fail(path, line, "", f"is not valid JSON ({exc.msg})") from exc
+        rule = f"is not valid JSON ({json_error_detail(exc, one_line=True)})"
+        raise _fail(path, line, "", rule) from exc
     except ValueError:  # an integer over int()'s 4,300 digits
         rule = "is not valid JSON (an integer of more than 4,300 digits)"
         raise _fail(path, line, "", rule) from None

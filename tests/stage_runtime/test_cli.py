@@ -682,7 +682,7 @@ def test_trace_from_standard_input(tmp_path: Path) -> None:
     bad = _run("replay", "-", *SMALL, cwd=tmp_path, stdin=lines + "{oops\n")
     assert bad.returncode == 1
     assert bad.stderr == "stage-runtime replay: error: <stdin>:4: is not valid JSON " + (
-        "(Expecting property name enclosed in double quotes)\n"
+        "(expecting property name enclosed in double quotes at column 2)\n"
     )
 
 

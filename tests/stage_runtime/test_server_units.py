@@ -85,6 +85,17 @@ def test_parse_tokenizes_text_and_leaves_request_id_optional() -> None:
     assert request.source == "text"
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_standard_constant_is_refused_in_one_message(constant: str) -> None:
+    """NaN was reported twice over: "body must be valid JSON, got a parse error: body must be
+    valid JSON, got the non-standard constant NaN"."""
+    body = f'{{"tokens": [{constant}], "session_id": "s"}}'.encode()
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_prefill_request(body)
+    assert str(caught.value) == f"body must be valid JSON, got the non-standard constant {constant}"
+    assert (caught.value.field, caught.value.error) == ("body", "malformed_json")
+
+
 @pytest.mark.parametrize(
     ("body", "field", "error", "message"),
     [

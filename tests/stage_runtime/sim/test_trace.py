@@ -43,7 +43,22 @@ def test_block_layout_cuts_the_last_block() -> None:
 @pytest.mark.parametrize(
     ("text", "field", "fragment"),
     [
-        ("{not json", "", "is not valid JSON"),
+        (
+            "{not json",
+            "",
+            "is not valid JSON (expecting property name enclosed in double quotes at column 2)",
+        ),
+        (  # json's message ends in a dangling "at": the column is the position
+            '{"timestamp": 0, "hash_ids": "a\tb"}',
+            "",
+            "is not valid JSON (a control character (U+0009) at column 32 inside a string: "
+            "escape it, as \\u0009)",
+        ),
+        (  # "Unterminated string starting at", no position: where is it, and why?
+            '{"timestamp": 0, "input_length": 600, "hash_ids": "1, 2]}',
+            "",
+            "is not valid JSON (the string opened at column 51 is not closed on this line)",
+        ),
         ("[1, 2]", "", "must be a JSON object, got list (a trace is JSON lines: one request"),
         # what json.loads raises besides JSONDecodeError
         (
