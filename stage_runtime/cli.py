@@ -445,8 +445,17 @@ def _check_output(path: str | None, what: str) -> None:
         msg = f"cannot write {what} to {path}: directory {folder} does not exist"
         raise _FileError(msg)
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        msg = f"cannot write {what} to {path}: permission denied"
+        reason = "read-only file system" if _read_only(folder) else "permission denied"
+        msg = f"cannot write {what} to {path}: {reason}"
         raise _FileError(msg)
+
+
+def _read_only(folder: Path) -> bool:
+    """Whether ``folder`` is on a read-only mount (where chmod cannot help)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_files(args: argparse.Namespace) -> None:

@@ -185,7 +185,7 @@ class Pipeline:
         Raises:
             ConfigError: ``tokens`` is not a sequence, empty, longer than the stages' context,
                 not integers, or outside int32; or ``session_id`` or ``request_id`` is not a
-                string.
+                non-empty string, or holds control characters.
             trio.ClosedResourceError: the pipeline is draining, or closed normally.
             PipelineStoppedError: the pipeline stopped (a stage crashed) before the request
                 finished, or had stopped abnormally already (:attr:`failure` says why).
@@ -207,13 +207,14 @@ class Pipeline:
                 f"tokens, the smallest ctx_size), got {token_array.size:,}"
             )
             raise ConfigError(msg)
-        if not isinstance(session_id, str):
-            msg = f"session_id must be a string, got {session_id!r}"
+        # Non-empty, as over HTTP: an empty id names nothing in the logs.
+        if not isinstance(session_id, str) or not session_id:
+            msg = f"session_id must be a non-empty string, got {session_id!r}"
             raise ConfigError(msg)
         if request_id is None:
             request_id = f"prefill-{next(self._ids)}"
-        elif not isinstance(request_id, str):
-            msg = f"request_id must be a string or None, got {request_id!r}"
+        elif not isinstance(request_id, str) or not request_id:
+            msg = f"request_id must be a non-empty string or None, got {request_id!r}"
             raise ConfigError(msg)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             msg = f"cache_salt must be a non-empty string or None, got {cache_salt!r}"

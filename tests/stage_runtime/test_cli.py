@@ -209,6 +209,31 @@ def test_unwritable_output_is_refused_before_replaying(
     assert logs == []  # nothing ran: no pipeline started
 
 
+def test_an_output_on_a_read_only_file_system_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only mount was reported as "permission denied", which sent users to chmod."""
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    access, statvfs = os.access, os.statvfs
+
+    def read_only_access(path: object, mode: int, **kwargs: object) -> bool:
+        return False if Path(str(path)) == folder else access(path, mode, **kwargs)  # type: ignore[arg-type]
+
+    def read_only_statvfs(path: object) -> object:
+        if Path(str(path)) == folder:
+            return type("StatVfs", (), {"f_flag": os.ST_RDONLY})()
+        return statvfs(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", read_only_access)
+    monkeypatch.setattr(os, "statvfs", read_only_statvfs)
+    assert main(["demo", "--json", str(folder / "out.json")]) == 1
+    assert capsys.readouterr().err == (
+        f"stage-runtime demo: error: cannot write JSON to {folder / 'out.json'}: "
+        "read-only file system\n"
+    )
+
+
 def test_missing_trace_is_named_as_a_trace_that_cannot_be_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -283,6 +283,17 @@ async def test_ids_holding_control_characters_are_refused(field: str, control: s
     assert computed(result) == [300, 300]
 
 
+async def test_an_empty_session_id_is_refused_as_over_http() -> None:
+    """HTTP refuses ``"session_id": ""``; the Python API accepted it."""
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        with pytest.raises(ConfigError, match=r"^session_id must be a non-empty string, got ''$"):
+            await pipeline.prefill(prompt(300), session_id="")
+        with pytest.raises(ConfigError, match=r"^request_id must be a non-empty string or None"):
+            await pipeline.prefill(prompt(300), session_id="s", request_id="")
+        result = await pipeline.prefill(prompt(300), session_id="s")
+    assert computed(result) == [300, 300]
+
+
 async def test_bad_tokens_fail_only_that_caller() -> None:
     """Bad prompts raise ConfigError at once; the pipeline keeps serving."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
@@ -294,9 +305,11 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
             await pipeline.prefill(None, session_id="s")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="int32 range"):
             await pipeline.prefill(np.array([1, 2**40]), session_id="s")
-        with pytest.raises(ConfigError, match="session_id must be a string"):
+        with pytest.raises(ConfigError, match="session_id must be a non-empty string, got 7"):
             await pipeline.prefill([1, 2], session_id=7)  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="request_id must be a string or None, got 5"):
+        with pytest.raises(
+            ConfigError, match="request_id must be a non-empty string or None, got 5"
+        ):
             await pipeline.prefill([1, 2], session_id="s", request_id=5)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="cache_salt must be a non-empty string or None"):
             await pipeline.prefill([1, 2], session_id="s", cache_salt="")  # the server's rule
