@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
+from typing import Final
 
 import attrs
 import numpy as np
@@ -18,7 +19,17 @@ import numpy as np
 from stage_runtime.errors import ConfigError
 from stage_runtime.sim.trace import SimRequest
 
-__all__ = ["WorkloadSpec", "synthetic_workload"]
+__all__ = ["MAX_BLOCKS", "MAX_PROMPT_TOKENS", "MAX_REQUESTS", "WorkloadSpec", "synthetic_workload"]
+
+MAX_REQUESTS: Final = 200_000
+"""Most requests a synthetic workload may have (100,000 take about 100 MB and 1 s to build)."""
+
+MAX_PROMPT_TOKENS: Final = 1_000_000_000
+"""Most prompt tokens, summed over the requests, a synthetic workload may have."""
+
+MAX_BLOCKS: Final = 20_000_000
+"""Most blocks, summed over the requests' prompts, a synthetic workload may hold: what its
+memory grows with (a small ``block_size`` makes many)."""
 
 
 def _at_least(minimum: int) -> attrs._ValidatorType[int]:
@@ -68,11 +79,42 @@ class WorkloadSpec:
         if self.groups == 0 and self.conversations == 0:
             msg = "groups and conversations are both 0: the workload has no requests"
             raise ConfigError(msg)
+        # Checked from the shape, before anything is built: 10^8 groups grew to gigabytes
+        # before they ended in a MemoryError.
+        if self.request_count > MAX_REQUESTS:
+            msg = (
+                f"the workload would have {self.request_count:,} requests; at most "
+                f"{MAX_REQUESTS:,} are generated (fewer --groups, --prompts-per-group, "
+                "--conversations or --turns)"
+            )
+            raise ConfigError(msg)
+        if self.prompt_tokens > MAX_PROMPT_TOKENS:
+            msg = (
+                f"the workload would have {self.prompt_tokens:,} prompt tokens; at most "
+                f"{MAX_PROMPT_TOKENS:,} are generated (shorter prompts, fewer requests)"
+            )
+            raise ConfigError(msg)
 
     @property
     def request_count(self) -> int:
         """Number of requests the workload has."""
         return self.groups * self.prompts_per_group + self.conversations * self.turns
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens summed over the workload's requests (turn ``t`` resends ``t - 1``)."""
+        group_tokens = self.prompts_per_group * (self.system_prompt_tokens + self.question_tokens)
+        turn_tokens = self.tokens_per_turn * self.turns * (self.turns + 1) // 2
+        return self.groups * group_tokens + self.conversations * turn_tokens
+
+    def block_count(self, block_size: int) -> int:
+        """Blocks summed over the workload's prompts, with ``block_size`` tokens per block."""
+        system = -(-self.system_prompt_tokens // block_size)
+        question = -(-self.question_tokens // block_size)
+        turn = -(-self.tokens_per_turn // block_size)
+        return self.groups * self.prompts_per_group * (system + question) + (
+            self.conversations * turn * self.turns * (self.turns + 1) // 2
+        )
 
 
 @attrs.define(eq=False)
@@ -102,6 +144,13 @@ def synthetic_workload(spec: WorkloadSpec, *, block_size: int = 512) -> list[Sim
     """
     if block_size < 1:
         msg = f"block_size must be >= 1, got {block_size}"
+        raise ConfigError(msg)
+    blocks = spec.block_count(block_size)
+    if blocks > MAX_BLOCKS:
+        msg = (
+            f"block_size {block_size} would give the workload {blocks:,} blocks; at most "
+            f"{MAX_BLOCKS:,} are generated (larger blocks, or a smaller workload)"
+        )
         raise ConfigError(msg)
     segments = _Segments(block_size)
     sources: list[list[tuple[list[int], list[int]]]] = []

@@ -643,6 +643,18 @@ def test_every_flag_reaches_the_replay(tmp_path: Path, capsys: pytest.CaptureFix
     assert len(document["stages"]) == 3
 
 
+def test_simulate_refuses_a_workload_past_the_limits_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--groups 100000000 is refused at once (exit 2), before anything is generated."""
+    assert main(["simulate", "--groups", "100000000"]) == 2
+    assert capsys.readouterr().err == (
+        "stage-runtime simulate: error: the workload would have 1,200,000,048 requests; at most "
+        "200,000 are generated (fewer --groups, --prompts-per-group, --conversations or "
+        "--turns)\n"
+    )
+
+
 def test_simulate_flags_shape_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
     """simulate's workload flags give that many requests of those lengths, and are reported."""
     argv = [

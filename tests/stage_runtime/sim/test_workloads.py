@@ -70,3 +70,47 @@ def test_a_rate_so_small_that_arrivals_overflow_is_refused() -> None:
     concurrency > 1 waited for those arrivals forever."""
     with pytest.raises(ConfigError, match="arrival rate of 1e-307 requests per second is too"):
         synthetic_workload(WorkloadSpec(requests_per_s=1e-307))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"groups": 100_000_000},
+            "the workload would have 1,200,000,048 requests; at most 200,000 are generated",
+        ),
+        (  # few requests, each enormous
+            {"groups": 1000, "prompts_per_group": 100, "system_prompt_tokens": 100_000},
+            "the workload would have 10,038,486,016 prompt tokens; at most 1,000,000,000 are",
+        ),
+        (  # a conversation resends every earlier turn: tokens grow with turns squared
+            {"groups": 0, "conversations": 1000, "turns": 100},
+            "the workload would have 2,585,600,000 prompt tokens",
+        ),
+    ],
+)
+def test_a_workload_past_the_limits_is_refused_before_it_is_generated(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """--groups 100000000 grew to 2.3 GB in 20 s without a word, then a raw MemoryError; the
+    size is computed from the shape first, and refused past the documented limits."""
+    with pytest.raises(ConfigError, match=message):
+        WorkloadSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_size_is_known_before_generating_and_matches_the_workload() -> None:
+    """request_count and prompt_tokens, computed from the shape, are what gets generated."""
+    spec = WorkloadSpec(groups=3, prompts_per_group=4, conversations=2, turns=5)
+    requests = synthetic_workload(spec)
+    assert spec.request_count == len(requests)
+    assert spec.prompt_tokens == sum(request.input_length for request in requests)
+    blocks = synthetic_workload(spec, block_size=100)
+    assert spec.block_count(100) == sum(len(request.block_ids) for request in blocks)
+
+
+def test_small_blocks_are_bounded_by_the_blocks_they_would_hold() -> None:
+    """The memory a workload takes grows with its blocks: tiny blocks are refused by count."""
+    spec = WorkloadSpec(groups=1000, prompts_per_group=10, system_prompt_tokens=30_000)
+    assert spec.block_count(1) == spec.prompt_tokens
+    with pytest.raises(ConfigError, match="block_size 1 would give the workload 303,926,016 "):
+        synthetic_workload(spec, block_size=1)
