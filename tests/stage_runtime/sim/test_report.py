@@ -391,3 +391,40 @@ def test_a_gap_too_small_to_show_is_no_gap() -> None:
         console = Console(record=True, width=200)
         render_report(console, shown, title="gap")
         assert hint in console.export_text()
+
+
+def _drawn_at(figure: object, index: float, tokens: float) -> bool:
+    """Whether the per-request plot, drawn as write_plot draws it (960x540), colours a pixel
+    within half a pixel of request ``index`` at height ``tokens``."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    assert isinstance(figure, Figure)
+    figure.set_dpi(120)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())
+    x, y = figure.axes[0].transData.transform((index, tokens))
+    row = pixels.shape[0] - 1 - round(y)
+    columns = pixels[row, max(round(x) - 1, 0) : round(x) + 2, :3]
+    return bool((columns < 200).any())  # a bar's colour, not the white background
+
+
+def test_the_tallest_of_a_thousand_requests_are_drawn_at_960x540(result: ReplayResult) -> None:
+    """With 1,000 requests, bars are narrower than a pixel: the two tallest were not drawn at
+    all, though the axis reached them (--limit-requests 1000 --plot)."""
+    base = result.outcomes[0]
+    # The shape of the trace's first 1,000 requests, whose two tallest went missing.
+    lengths = [30_000] * 1000
+    lengths[249], lengths[189] = 134_773, 82_831
+    outcomes = tuple(
+        attrs.evolve(
+            base, index=i, input_length=n, restored_tokens=(0,) * len(base.restored_tokens)
+        )
+        for i, n in enumerate(lengths)
+    )
+    many = attrs.evolve(result, outcomes=outcomes)
+    assert _drawn_at(plot_figure([many]), 249, 130_000)
+    assert _drawn_at(plot_figure([many]), 189, 80_000)
+    assert not _drawn_at(plot_figure([many]), 500, 80_000)  # nothing tall there
