@@ -396,15 +396,17 @@ def test_a_gap_too_small_to_show_is_no_gap() -> None:
 def _drawn_at(figure: object, index: float, tokens: float) -> bool:
     """Whether the per-request plot, drawn as write_plot draws it (960x540), colours a pixel
     within half a pixel of request ``index`` at height ``tokens``."""
+    import io
+
     import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     assert isinstance(figure, Figure)
     figure.set_dpi(120)
-    canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    pixels = np.asarray(canvas.buffer_rgba())
+    raw = io.BytesIO()
+    figure.savefig(raw, format="rgba", dpi=120)
+    width, height = (round(float(side)) for side in figure.get_size_inches() * 120)
+    pixels = np.frombuffer(raw.getvalue(), dtype=np.uint8).reshape(height, width, 4)
     x, y = figure.axes[0].transData.transform((index, tokens))
     row = pixels.shape[0] - 1 - round(y)
     columns = pixels[row, max(round(x) - 1, 0) : round(x) + 2, :3]
