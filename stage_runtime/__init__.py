@@ -8,7 +8,6 @@ from stage_runtime.cache import (
     CacheRecordOutcome,
     EvictedEntry,
     EvictionReason,
-    KeyIndex,
     ResidentActivationCache,
     ResidentCacheStats,
 )
@@ -72,7 +71,6 @@ from stage_runtime.integration import (
     PrefillKvIdentity,
     ResidentActivationRecord,
     ResidentActivationRestore,
-    activation_key_slot,
     effective_cache_payload,
     summarize_records,
 )
@@ -154,7 +152,6 @@ __all__ = [
     "EvictedEntry",
     "EvictionReason",
     "FlashAttention",
-    "KeyIndex",
     "FrameError",
     "KvCacheConfig",
     "KvStageIntegration",
@@ -173,7 +170,6 @@ __all__ = [
     "StageRuntimeError",
     "TokenArray",
     "TraceFormatError",
-    "activation_key_slot",
     "activation_page_id",
     "as_token_array",
     "derive_max_resident_tokens",

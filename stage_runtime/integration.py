@@ -18,7 +18,7 @@ one pass over the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -30,6 +30,17 @@ from stage_runtime.cache import (
     EvictedEntry,
     ResidentActivationCache,
     ResidentCacheStats,
+)
+from stage_runtime.cache.ladder import LadderIndex
+from stage_runtime.cache.prompt import Prompt, owned_tokens
+from stage_runtime.cache.results import (
+    ActivationRecordSummary,
+    PageIdentity,
+    PrefillKvIdentity,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+    prefill_kv_identity,
+    summarize_records,
 )
 from stage_runtime.config import (
     CacheIndex,
@@ -44,20 +55,13 @@ from stage_runtime.config import (
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import (
-    RUNTIME_ABI_VERSION,
     TokenArray,
-    activation_page_id,
     as_token_array,
-    page_id,
-    prefix_hashes,
-    prefix_namespace_hash,
 )
 from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
-from stage_runtime.tenancy import salted_prefix_hashes
 
 __all__ = [
     "ActivationRecordSummary",
-    "activation_key_slot",
     "KvStageIntegration",
     "PageIdentity",
     "PrefillKvIdentity",
@@ -100,163 +104,6 @@ def effective_cache_payload(payload: CachePayload, model_id: str) -> CachePayloa
     return CachePayload.RESIDENT_KV
 
 
-@attrs.frozen(kw_only=True)
-class PageIdentity:
-    """Metadata describing a cached page (spec §1.1); only ``prefix_hash`` is a hash."""
-
-    model_id: str
-    model_revision: str = "unknown"
-    runtime_abi_version: str = RUNTIME_ABI_VERSION
-    topology_id: str
-    stage_id: str
-    stage_index: int
-    layer_start: int
-    layer_end: int
-    prefix_hash: str
-    """``"blake3:"`` + 64 hex digits over the identity stream and the prefix tokens."""
-    session_id: str
-    """The requesting session: metadata only, never hashed (prefixes are shared)."""
-    token_start: int
-    token_count: int
-    """Length of the prefix."""
-    generation: int = 1
-    layout: str = "layer-contiguous"
-    codec: str = "fp16"
-    tokenizer_id: str
-    """``MessageBase.tokenizer_id``, or the model id when absent."""
-    chat_template_id: str
-    """``MessageBase.chat_template_id`` or ``""``."""
-    position_config_hash: str
-    """``"ctx:{ctx_size}"``."""
-    kv_dtype: str = "ggml-native-kv"
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class PrefillKvIdentity:
-    """The identity of one prefix of a prompt on one stage."""
-
-    identity: PageIdentity
-    """Descriptive metadata, including the prefix hash and token count."""
-
-    page_id: str
-    """``"{stage}:{start}:{count}:{layer_start}:{digest16}"``."""
-
-    namespace: str
-    """:func:`~stage_runtime.identity.prefix_namespace_hash` of the stage and cache namespace."""
-
-    token_ids: TokenArray
-    """The prefix's tokens: a read-only view, not a copy."""
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class ResidentActivationRestore:
-    """A validated hit: the longest cached prefix of the prompt."""
-
-    identity: PrefillKvIdentity
-    """Identity of the restored prefix."""
-
-    page_id: str
-    """The cache key that hit (``"act:...:w{width}"``)."""
-
-    token_count: int
-    """Tokens restored."""
-
-    payload_bytes: int
-    """Bytes of the restored frame."""
-
-    entries: int
-    """Entries resident at lookup time."""
-
-    frame: ActivationFrame
-    """The restored frame (shared with the cache, read-only)."""
-
-
-@attrs.frozen(kw_only=True)
-class ResidentActivationRecord:
-    """One prefix length stored by a record call."""
-
-    page_id: str
-    """The cache key (``"act:...:w{width}"``)."""
-
-    token_count: int
-    """Tokens of this prefix."""
-
-    payload_bytes: int
-    """Bytes of this prefix's frame."""
-
-    evicted_entries: int
-    """Entries this store evicted."""
-
-    evicted_bytes: int
-    """Bytes this store evicted."""
-
-    entries: int
-    """Entries resident after this store."""
-
-    resident_bytes: int
-    """Bytes resident after this store."""
-
-    evicted: Sequence[EvictedEntry] = ()
-    """The entries this store evicted, least recently used first (a tuple from the ladder; from the
-    paged index, an ``EvictedPages`` that builds each record when read, which ``attrs.asdict``
-    leaves as it is: ``tuple(record.evicted)`` gives a plain tuple)."""
-
-
-@attrs.frozen(kw_only=True)
-class ActivationRecordSummary:
-    """Totals over the records of one record call (the upstream's reply statistics)."""
-
-    recorded_frames: int
-    recorded_bytes: int
-    evicted_entries: int
-    evicted_bytes: int
-
-
-def summarize_records(records: Iterable[ResidentActivationRecord]) -> ActivationRecordSummary:
-    """Sum frames, bytes and evictions over records (binary transport statistics, spec §9.3)."""
-    frames = recorded = entries = evicted = 0
-    for record in records:
-        frames += 1
-        recorded += record.payload_bytes
-        entries += record.evicted_entries
-        evicted += record.evicted_bytes
-    return ActivationRecordSummary(
-        recorded_frames=frames,
-        recorded_bytes=recorded,
-        evicted_entries=entries,
-        evicted_bytes=evicted,
-    )
-
-
-@attrs.define(eq=False)
-class _HashMemo:
-    """The prefix hashes of the last prompt seen, keyed on its contents."""
-
-    config: StageConfig
-    token_start: int
-    namespace: str | None
-    tokens: TokenArray
-    """A private copy: the caller may reuse or mutate its own array."""
-    hashes: dict[int, str]
-
-    def matches(
-        self, config: StageConfig, token_start: int, namespace: str | None, tokens: TokenArray
-    ) -> bool:
-        return (
-            self.token_start == token_start
-            and self.namespace == namespace
-            and self.tokens.size == tokens.size
-            and (self.config is config or self.config == config)
-            and bool(np.array_equal(self.tokens, tokens))
-        )
-
-
-def _readonly(array: TokenArray) -> TokenArray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
 @attrs.define(eq=False)
 class KvStageIntegration:
     """A stage's activation cache with the upstream's restore and record rules.
@@ -293,7 +140,11 @@ class KvStageIntegration:
     ``evicted`` or ``rejected``); None after a hit. Set by both index modes (the cache actor
     logs it on ``activation_missed``)."""
 
-    _memo: _HashMemo | None = attrs.field(default=None, init=False, repr=False)
+    _last_prompt: Prompt | None = attrs.field(default=None, init=False, repr=False)
+    _ladder: LadderIndex = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._ladder = LadderIndex(self.cache_config, self.policy, store=self.cache)
 
     @classmethod
     def from_config(
@@ -345,7 +196,6 @@ class KvStageIntegration:
                 max_entries=cache_config.max_entries,
                 max_bytes=cache_config.max_bytes,
                 min_tokens=cache_config.min_tokens,
-                key_index=activation_key_slot,
             ),
         )
 
@@ -451,72 +301,11 @@ class KvStageIntegration:
         width = _check_width(activation_width)
         if not self.should_lookup() or array.size == 0:
             return None
-        n = int(array.size)
-        policy = self.policy
-        total = policy.candidate_count(n)
-        # Only candidates with a resident key of their (start, width, count) can hit; the others
-        # are accounted as the misses they would be without hashing them (same clock, same
-        # counters, same recency as probing every candidate).
-        if not self.probe_all and self.cache.key_index is activation_key_slot:
-            resident = self.cache.indexed_counts((str(token_start), f"w{width}"))
-            if len(resident) < total:
-                is_candidate = policy.is_candidate
-                probes = sorted((c for c in resident if is_candidate(n, c)), reverse=True)
-            else:  # the grid is descending: keep its order
-                probes = [c for c in policy.candidate_token_counts(n) if c in resident]
-            probes = self._filter_probes(base, token_start, width, array, probes)
-        else:  # a cache built without our index: probe every candidate
-            probes = policy.candidate_token_counts(n)
-        if not probes:
-            self.cache.count_misses(total)
-            return None
-        wanted = list(probes)
-        if self.should_record():
-            # The record of this prompt comes next: hash its lengths in the same pass.
-            wanted += self.policy.record_candidate_token_counts(n)
-        hashes = self._hashes(
-            config,
-            base,
-            token_start,
-            array,
-            wanted,
-            more=lambda: self._restore_extra_counts(
-                base, token_start, width, array, policy.candidate_token_counts(n)
-            ),
-        )
-        # Walk the probes longest first; every candidate between two probes is a miss, counted
-        # by its position in the grid rather than by listing the grid.
-        position = 0  # grid index of the next candidate not yet accounted for
-        for count in probes:
-            index = policy.candidate_index(n, count)
-            if index > position:
-                self.cache.count_misses(index - position)
-            position = index + 1
-            pid = page_id(config, token_start, count, hashes[count])
-            key = activation_page_id(pid, width)
-            hit = self.cache.lookup(key)
-            if hit is not None:
-                frame = hit.frame
-                if (
-                    hit.token_count == count
-                    and frame.desc.token_count == count
-                    and frame.desc.payload_bytes == hit.byte_size
-                    and frame.payload.size == hit.byte_size
-                ):
-                    identity = self._identity(
-                        config, base, token_start, array, count, hashes[count]
-                    )
-                    return ResidentActivationRestore(
-                        identity=identity,
-                        page_id=key,
-                        token_count=count,
-                        payload_bytes=hit.byte_size,
-                        entries=hit.entries,
-                        frame=frame,
-                    )
-        if total > position:
-            self.cache.count_misses(total - position)
-        return None
+        ladder = self._ladder
+        ladder.probe_all = self.probe_all
+        found = ladder.restore(self._prompt(config, base, int(token_start), array, width))
+        self.last_miss_reason = ladder.last_miss_reason
+        return found
 
     def record_resident_activation(
         self,
@@ -554,44 +343,24 @@ class KvStageIntegration:
         if not isinstance(frame, ActivationFrame):
             msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
             raise FrameError(msg)
-        n = int(array.size)
-        if not self.should_record() or n == 0:
+        if not self.should_record() or array.size == 0:
             return []
-        if n < self.policy.min_tokens or frame.payload.size == 0:
-            return []
-        if frame.desc.token_count != n or frame.desc.payload_bytes != frame.payload.size:
-            return []
-        counts = self.policy.record_candidate_token_counts(n)
-        hashes = self._hashes(config, base, token_start, array, counts)
-        records: list[ResidentActivationRecord] = []
-        for count in counts:
-            if frame.prefix_error(count) is not None:
-                continue
-            candidate = frame._cut(count)
-            key = activation_page_id(page_id(config, token_start, count, hashes[count]), width)
-            outcome = self.cache.record(key, count, candidate.payload.size, candidate)
-            records.append(
-                ResidentActivationRecord(
-                    page_id=key,
-                    token_count=count,
-                    payload_bytes=candidate.payload.size,
-                    evicted_entries=outcome.evicted_entries,
-                    evicted_bytes=outcome.evicted_bytes,
-                    entries=len(self.cache),
-                    resident_bytes=self.cache.resident_bytes,
-                    evicted=outcome.evicted,
-                )
-            )
-        return records
+        return self._ladder.record(
+            self._prompt(config, base, int(token_start), array, width), frame
+        )
 
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every cached frame; returns them with reason ``"cleared"``."""
-        self._memo = None
-        return self.cache.clear()
+        self._last_prompt = None
+        return self._ladder.clear()
 
     def stats(self) -> ResidentCacheStats:
         """The cache's counters."""
         return self.cache.stats()
+
+    def accounting(self) -> CacheAccounting:
+        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes."""
+        return self._ladder.accounting()
 
     # ----------------------------------------------------------------------------------------
     # helpers
@@ -617,35 +386,32 @@ class KvStageIntegration:
             raise ConfigError(msg)
         return as_token_array(tokens)
 
-    def accounting(self) -> CacheAccounting:
-        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes.
-
-        Integrations built by :meth:`from_config` (both index modes) implement it.
-
-        Raises:
-            NotImplementedError: on a bare ``KvStageIntegration`` built by hand.
-        """
-        msg = "accounting() needs an integration built by KvStageIntegration.from_config"
-        raise NotImplementedError(msg)
-
-    def _filter_probes(
-        self, base: MessageBase, token_start: int, width: int, array: TokenArray, probes: list[int]
-    ) -> list[int]:
-        """Drop probe lengths whose key cannot be resident (descending order kept).
-
-        Subclasses that know more about the resident keys than their slots may rule out more;
-        a dropped probe is counted as the miss it would be. None are dropped here.
-        """
-        return probes
-
-    def _restore_extra_counts(
-        self, base: MessageBase, token_start: int, width: int, array: TokenArray, counts: list[int]
-    ) -> list[int]:
-        """More lengths (among the lookup ``counts``) a restore should hash in its single pass.
-
-        For subclasses that look at candidate keys after a restore; none here.
-        """
-        return []
+    def _prompt(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        array: TokenArray,
+        width: int,
+    ) -> Prompt:
+        """The prompt of a call: the previous call's when it has the same keys and tokens (a
+        restore then the record of one prompt hash it once)."""
+        last = self._last_prompt
+        if (
+            last is not None
+            and last.same_request(config, base, token_start, width)
+            and (
+                last.tokens is array
+                or (last.n == array.size and bool(np.array_equal(last.tokens, array)))
+            )
+        ):
+            if last.base is not base:
+                last = Prompt(config, base, token_start, last.tokens, width, hashes=last.hashes)
+                self._last_prompt = last
+            return last
+        prompt = Prompt(config, base, token_start, owned_tokens(array), width)
+        self._last_prompt = prompt
+        return prompt
 
     def _hashes(
         self,
@@ -654,57 +420,11 @@ class KvStageIntegration:
         token_start: int,
         array: TokenArray,
         counts: list[int],
-        *,
-        more: Callable[[], list[int]] | None = None,
     ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6).
-
-        ``more`` names lengths worth adding to a hashing pass if one is needed anyway (they are
-        not computed, nor hashed, when the memo already holds every one of ``counts``).
-        """
-        hashes = self._unsalted_hashes(config, base, token_start, array, counts, more)
-        if base.cache_salt is None:
-            return hashes
-        return salted_prefix_hashes({c: hashes[c] for c in counts}, base.cache_salt)
-
-    def _unsalted_hashes(
-        self,
-        config: StageConfig,
-        base: MessageBase,
-        token_start: int,
-        array: TokenArray,
-        counts: list[int],
-        more: Callable[[], list[int]] | None = None,
-    ) -> dict[int, str]:
-        """Prefix hashes for ``counts``, reusing those of the previous prompt when it matches.
-
-        The memo is keyed on the token contents (compared against a private copy), so a caller
-        mutating its array between calls gets fresh hashes. Missing counts of a matching prompt
-        are added by one more pass.
-        """
-        namespace = base.chat_template_id
-        memo = self._memo
-        if memo is not None and memo.matches(config, token_start, namespace, array):
-            known = memo.hashes
-            missing = [count for count in counts if count not in known]
-            if missing:
-                if more is not None:
-                    missing += [count for count in more() if count not in known]
-                known.update(prefix_hashes(config, token_start, array, missing, namespace))
-            return known
-        if more is not None:
-            counts = counts + more()
-        hashes = prefix_hashes(config, token_start, array, counts, namespace)
-        private = array.copy()
-        private.flags.writeable = False  # never changes: subclasses may keep it
-        self._memo = _HashMemo(
-            config=config,
-            token_start=token_start,
-            namespace=namespace,
-            tokens=private,
-            hashes=hashes,
-        )
-        return hashes
+        """Prefix hashes for ``counts``, bound to ``base.cache_salt`` when it is set (issue 6)."""
+        prompt = self._prompt(config, base, int(token_start), array, 0)
+        hashes = prompt.hash_counts(counts)
+        return {c: hashes[c] for c in counts}
 
     def _identity(
         self,
@@ -715,47 +435,7 @@ class KvStageIntegration:
         count: int,
         hash_: str,
     ) -> PrefillKvIdentity:
-        namespace = base.chat_template_id
-        identity = PageIdentity(
-            model_id=config.model_id,
-            topology_id=config.topology_id,
-            stage_id=config.stage_id,
-            stage_index=config.stage_index,
-            layer_start=config.layer_start,
-            layer_end=config.layer_end,
-            prefix_hash=hash_,
-            session_id=base.session_id,
-            token_start=token_start,
-            token_count=count,
-            tokenizer_id=base.tokenizer_id if base.tokenizer_id is not None else config.model_id,
-            chat_template_id=namespace or "",
-            position_config_hash=f"ctx:{config.ctx_size}",
-        )
-        return PrefillKvIdentity(
-            identity=identity,
-            page_id=page_id(config, token_start, count, hash_),
-            namespace=prefix_namespace_hash(config, token_start, namespace),
-            token_ids=_readonly(array[:count]),
-        )
-
-
-def activation_key_slot(key: str) -> tuple[tuple[str, str], int] | None:
-    """``((token_start, "w{width}"), token_count)`` of an ``act:`` key, or None for other keys.
-
-    The cache's :data:`~stage_runtime.cache.KeyIndex` for activation keys
-    ``act:{stage}:{start}:{count}:{layer_start}:{digest}:w{width}`` (the stage id may itself
-    contain colons, so the key is split from the right).
-    """
-    if not key.startswith("act:"):
-        return None
-    parts = key.rsplit(":", 5)
-    if len(parts) != 6 or not parts[5].startswith("w"):
-        return None
-    try:
-        count = int(parts[2])
-    except ValueError:
-        return None
-    return (parts[1], parts[5]), count
+        return prefill_kv_identity(config, base, token_start, array, count, hash_)
 
 
 def _check_width(width: object) -> int:

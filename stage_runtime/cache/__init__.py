@@ -8,14 +8,12 @@ from stage_runtime.cache.resident import (
     CacheRecordOutcome,
     EvictedEntry,
     EvictionReason,
-    KeyIndex,
     ResidentActivationCache,
     ResidentCacheStats,
 )
 
 __all__ = [
     "CacheLookup",
-    "KeyIndex",
     "CacheRecordOutcome",
     "EvictedEntry",
     "EvictionReason",

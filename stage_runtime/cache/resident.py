@@ -9,7 +9,6 @@ most recently used, so finding the victim is O(1) and equals the upstream's "sma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable
 from typing import Final, Literal
 
 import attrs
@@ -19,7 +18,6 @@ from stage_runtime.frames import ActivationFrame
 
 __all__ = [
     "CacheLookup",
-    "KeyIndex",
     "CacheRecordOutcome",
     "EvictedEntry",
     "EvictionReason",
@@ -31,14 +29,6 @@ _U64_MAX: Final = 2**64 - 1
 
 EvictionReason = Literal["max_entries", "max_bytes", "cleared"]
 """Why an entry left the cache: the entry bound, the byte bound, or :meth:`clear`."""
-
-KeyIndex = Callable[[str], "tuple[Hashable, int] | None"]
-"""Maps a key to ``(group, count)`` for the cache's count index, or None to leave it out.
-
-The integration passes one that reads ``(token_start, width)`` and the token count out of an
-``act:`` key, so a restore can tell which candidate lengths cannot possibly hit without hashing
-them (see :meth:`ResidentActivationCache.indexed_counts`).
-"""
 
 
 @attrs.frozen(kw_only=True)
@@ -128,13 +118,20 @@ class ResidentCacheStats:
     """Bytes those evictions freed."""
 
 
-@attrs.define(eq=False)
 class _Entry:
-    token_count: int
-    byte_size: int
-    last_used: int
-    frame: ActivationFrame
-    slot: tuple[Hashable, int] | None
+    __slots__ = ("byte_size", "frame", "last_used", "token_count")
+
+    def __init__(
+        self, token_count: int, byte_size: int, last_used: int, frame: ActivationFrame
+    ) -> None:
+        self.token_count = token_count
+        self.byte_size = byte_size
+        self.last_used = last_used
+        self.frame = frame
+
+
+_REFUSED: Final = CacheRecordOutcome()
+_STORED: Final = CacheRecordOutcome(stored=True)
 
 
 def _bound(name: str, value: object, low: int) -> int:
@@ -156,8 +153,6 @@ class ResidentActivationCache:
         max_bytes: Bytes kept; 0 means no byte bound. An entry larger than this is still stored,
             after evicting everything else (as upstream).
         min_tokens: Records of fewer tokens are refused.
-        key_index: Optional :data:`KeyIndex`; when given, the cache keeps, per group, the counts
-            of the resident keys (:meth:`indexed_counts`).
 
     Raises:
         ConfigError: a bound is negative, or ``max_entries`` is 0.
@@ -174,22 +169,16 @@ class ResidentActivationCache:
     _records: int
     _evictions: int
     _evicted_bytes: int
-    key_index: KeyIndex | None
-    _index: dict[Hashable, dict[int, int]]
 
     def __init__(
         self,
         max_entries: int = 64,
         max_bytes: int = 0,
         min_tokens: int = 0,
-        *,
-        key_index: KeyIndex | None = None,
     ) -> None:
         self.max_entries = _bound("max_entries", max_entries, 1)
         self.max_bytes = _bound("max_bytes", max_bytes, 0)
         self.min_tokens = _bound("min_tokens", min_tokens, 0)
-        self.key_index = key_index
-        self._index = {}
         self._entries = {}
         self._clock = 0
         self._resident_bytes = 0
@@ -213,6 +202,11 @@ class ResidentActivationCache:
     def hits(self) -> int:
         """Lookups that found their key so far (``stats().hits`` without the snapshot)."""
         return self._hits
+
+    @property
+    def records(self) -> int:
+        """Records that stored an entry so far (``stats().records`` without the snapshot)."""
+        return self._records
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -277,47 +271,48 @@ class ResidentActivationCache:
             raise FrameError(msg)
         if token_count < self.min_tokens or byte_size == 0:
             return CacheRecordOutcome()
-        slot = None if self.key_index is None else self.key_index(key)  # before any change
+        return self._store(key, token_count, byte_size, frame)
+
+    def _store(
+        self, key: str, token_count: int, byte_size: int, frame: ActivationFrame
+    ) -> CacheRecordOutcome:
+        """:meth:`record` of checked arguments (for the ladder index, which builds them)."""
+        if token_count < self.min_tokens or byte_size == 0:
+            return _REFUSED
         self._clock += 1
-        previous = self._entries.pop(key, None)
+        entries = self._entries
+        previous = entries.pop(key, None)
         if previous is not None:
             self._resident_bytes -= previous.byte_size
-            self._unindex(previous)
         evicted: list[EvictedEntry] = []
-        while self._entries:
-            if len(self._entries) + 1 > self.max_entries:
+        evicted_bytes = 0
+        max_entries, max_bytes = self.max_entries, self.max_bytes
+        while entries:
+            if len(entries) + 1 > max_entries:
                 reason: EvictionReason = "max_entries"
-            elif self.max_bytes > 0 and self._resident_bytes + byte_size > self.max_bytes:
+            elif max_bytes > 0 and self._resident_bytes + byte_size > max_bytes:
                 reason = "max_bytes"
             else:
                 break
-            victim_key = next(iter(self._entries))
-            victim = self._entries.pop(victim_key)
+            victim_key = next(iter(entries))
+            victim = entries.pop(victim_key)
             self._resident_bytes -= victim.byte_size
-            self._unindex(victim)
+            evicted_bytes += victim.byte_size
             evicted.append(
                 EvictedEntry(
                     key=victim_key,
                     token_count=victim.token_count,
                     payload_bytes=victim.byte_size,
                     reason=reason,
-                    entries_after=len(self._entries),
+                    entries_after=len(entries),
                     resident_bytes_after=self._resident_bytes,
                 )
             )
-        if slot is not None:
-            counts = self._index.setdefault(slot[0], {})
-            counts[slot[1]] = counts.get(slot[1], 0) + 1
-        self._entries[key] = _Entry(
-            token_count=token_count,
-            byte_size=byte_size,
-            last_used=self._clock,
-            frame=frame,
-            slot=slot,
-        )
+        entries[key] = _Entry(token_count, byte_size, self._clock, frame)
         self._resident_bytes += byte_size
         self._records += 1
-        evicted_bytes = sum(e.payload_bytes for e in evicted)
+        if not evicted:
+            return _STORED
         self._evictions += len(evicted)
         self._evicted_bytes += evicted_bytes
         return CacheRecordOutcome(
@@ -348,7 +343,6 @@ class ResidentActivationCache:
                 )
             )
         self._entries.clear()
-        self._index.clear()
         self._resident_bytes = 0
         return tuple(cleared)
 
@@ -363,33 +357,6 @@ class ResidentActivationCache:
         _bound("count", count, 0)
         self._clock += count
         self._lookups += count
-
-    def indexed_counts(self, group: Hashable) -> Collection[int]:
-        """Counts of the resident keys in ``group`` under the cache's ``key_index``.
-
-        A key whose ``(group, count)`` is not listed here is not resident. Empty when the cache
-        has no ``key_index``. Does not touch recency or counters.
-        """
-        return self._index.get(group, {}).keys()
-
-    def indexed_count(self, group: Hashable, count: int) -> int:
-        """Resident keys of ``(group, count)`` under the cache's ``key_index`` (0 without one).
-
-        Does not touch recency or counters.
-        """
-        return self._index.get(group, {}).get(count, 0)
-
-    def _unindex(self, entry: _Entry) -> None:
-        if entry.slot is None:
-            return
-        group, count = entry.slot
-        counts = self._index[group]
-        if counts[count] == 1:
-            del counts[count]
-            if not counts:
-                del self._index[group]
-        else:
-            counts[count] -= 1
 
     def stats(self) -> ResidentCacheStats:
         """Current counters."""

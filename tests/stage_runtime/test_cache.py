@@ -19,7 +19,6 @@ from stage_runtime import (
     ResidentActivationCache,
     ResidentCacheStats,
 )
-from stage_runtime.integration import activation_key_slot
 
 from ._seed import cache_state
 
@@ -252,9 +251,7 @@ class CacheMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 3),
     )
     def create(self, max_entries: int, max_bytes: int, min_tokens: int) -> None:
-        self.cache = ResidentActivationCache(
-            max_entries, max_bytes, min_tokens, key_index=activation_key_slot
-        )
+        self.cache = ResidentActivationCache(max_entries, max_bytes, min_tokens)
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
 
     @precondition(lambda self: self.cache is not None)
@@ -345,10 +342,6 @@ class CacheMachine(RuleBasedStateMachine):
             self.evicted_bytes,
         )
         assert stats.entries <= self.max_entries
-        slots = [activation_key_slot(key) for key in self.model]
-        expected_counts = sorted(count for slot in slots if slot for _, count in [slot])
-        indexed = self.cache.indexed_counts(("0", "w4"))
-        assert sorted(set(expected_counts)) == sorted(indexed)
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -368,15 +361,3 @@ def test_count_misses_acts_like_missed_lookups() -> None:
     assert a.stats() == b.stats()
     with pytest.raises(ConfigError, match="count must be >= 0, got -1"):
         b.count_misses(-1)
-
-
-def test_indexed_counts_follow_records_evictions_and_clear() -> None:
-    """The count index lists resident act: keys per (start, width) group."""
-    cache = ResidentActivationCache(max_entries=2, key_index=activation_key_slot)
-    cache.record("act:s:0:300:0:aa:w8", 300, 16, frame())
-    cache.record("act:s:0:256:0:bb:w8", 256, 16, frame())
-    cache.record("plain", 4, 16, frame())  # evicts the 300 key; not indexed itself
-    assert sorted(cache.indexed_counts(("0", "w8"))) == [256]
-    assert list(cache.indexed_counts(("5", "w8"))) == []
-    cache.clear()
-    assert list(cache.indexed_counts(("0", "w8"))) == []

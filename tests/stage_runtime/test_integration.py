@@ -30,8 +30,7 @@ from stage_runtime import (
     prefix_namespace_hash,
     summarize_records,
 )
-from stage_runtime import integration as integration_module
-from stage_runtime.integration import activation_key_slot
+from stage_runtime.cache import prompt as prompt_module
 
 from ._seed import activation_frame, cache_state, seed_base, seed_config, seed_integration
 
@@ -551,13 +550,13 @@ def test_virtual_frames_record_and_restore_without_memory() -> None:
 def test_restore_then_record_hashes_the_tokens_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """record reuses the hashes restore computed for the same tokens."""
     calls: list[int] = []
-    real = integration_module.prefix_hashes  # type: ignore[attr-defined]
+    real = prompt_module._hash_counts  # type: ignore[attr-defined]
 
     def counting(*args: Any, **kwargs: Any) -> dict[int, str]:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(integration_module, "prefix_hashes", counting)
+    monkeypatch.setattr(prompt_module, "_hash_counts", counting)
     config = seed_config()
     kv = seed_integration(config)
     tokens = np.arange(2214, dtype=np.int32)
@@ -704,13 +703,13 @@ def test_memo_answers_equal_fresh_answers(n: int) -> None:
 def test_record_only_cache_hashes_only_record_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
     """In record mode only the record candidates are hashed; later queries still agree."""
     asked: list[set[int]] = []
-    real = integration_module.prefix_hashes  # type: ignore[attr-defined]
+    real = prompt_module._hash_counts  # type: ignore[attr-defined]
 
-    def spy(config: Any, start: Any, tokens: Any, counts: Any, *args: Any) -> dict[int, str]:
+    def spy(h: Any, data: Any, counts: Any) -> dict[int, str]:
         asked.append(set(counts))
-        return real(config, start, tokens, counts, *args)
+        return real(h, data, counts)
 
-    monkeypatch.setattr(integration_module, "prefix_hashes", spy)
+    monkeypatch.setattr(prompt_module, "_hash_counts", spy)
     config = with_cache(mode=CacheMode.RECORD)
     kv = seed_integration(config)
     tokens = list(range(2214))
@@ -762,17 +761,6 @@ def test_restored_rows_always_belong_to_the_query_prefix(prompts: list[list[int]
             np.testing.assert_array_equal(restored.identity.token_ids, tokens[:k])
         frame = ActivationFrame.from_array(rows, layer_end=4)
         kv.record_resident_activation(config, base, 0, tokens, 4, frame)
-
-
-def test_activation_key_slot_parses_from_the_right() -> None:
-    """Stage ids may contain colons; non-activation keys are not indexed."""
-    assert activation_key_slot("act:pipe:stage:0:7:2176:0:0123456789abcdef:w4096") == (
-        ("7", "w4096"),
-        2176,
-    )
-    assert activation_key_slot("other") is None
-    assert activation_key_slot("act:x:y") is None
-    assert activation_key_slot("act:s:0:many:0:ab:w4") is None
 
 
 def reference_restore(

@@ -1,0 +1,421 @@
+"""The ladder index: the upstream's resident LRU and record ladder (spec §2, §4, §5), plus the
+accounting both indexes report.
+
+A restore probes the lookup grid longest first; a record stores the record ladder's lengths, each
+as its own entry of a :class:`~stage_runtime.cache.resident.ResidentActivationCache`. The store's
+clock and counters advance exactly as if every grid length were hashed and looked up, but only
+lengths that can hit are hashed: those whose grid fingerprint
+(:class:`~stage_runtime.cache.prompt.GridFingerprints`) is the fingerprint of a resident entry
+recorded here. The fingerprints of evicted entries are kept with their tombstones, so a miss
+looks up the tombstones of only the lengths that may have one, to say whether it is
+``never_seen`` or ``evicted``.
+
+Entries written into the store behind the index's back (the seed-parity API allows it) have no
+fingerprint: from the first one on, the index probes and checks every grid length, as the spec
+reads literally. Results are the same either way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Final
+
+from stage_runtime.accounting import CacheAccounting, MissReason, PrefixFootprint
+from stage_runtime.cache.prompt import Prompt
+from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, ResidentCacheStats
+from stage_runtime.cache.results import (
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+    prefill_kv_identity,
+)
+from stage_runtime.config import KvCacheConfig
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.identity import TokenArray
+from stage_runtime.paged import PageChain, page_chain
+from stage_runtime.policy import CandidatePolicy
+from stage_runtime.tenancy import paged_namespace
+
+__all__ = ["LadderIndex"]
+
+TOMBSTONES: Final = 65536
+"""Evicted keys remembered to tell ``evicted`` misses from ``never_seen`` ones."""
+
+_Group = tuple[int, int, str | None, str | None]
+_Print = tuple[_Group, int] | None
+"""Where an entry's key lives (its prompt's group) and its grid fingerprint; None when the entry
+was written behind the index's back."""
+
+
+class _PendingPrompt:
+    """A recorded prompt whose page chain (for the footprint) is computed only when asked."""
+
+    __slots__ = ("_chain", "namespace", "page_tokens", "tokens")
+
+    def __init__(self, namespace: bytes, tokens: TokenArray, page_tokens: int) -> None:
+        self.namespace = namespace
+        self.tokens = tokens
+        self.page_tokens = page_tokens
+        self._chain: PageChain | None = None
+
+    def chain(self) -> PageChain:
+        if self._chain is None:
+            self._chain = page_chain(self.namespace, self.tokens, page_tokens=self.page_tokens)
+        return self._chain
+
+
+class LadderIndex:
+    """The ladder index of one stage cache. Single owner, synchronous.
+
+    Args:
+        cache_config: The cache settings (bounds, minimum length, footprint page size).
+        policy: The lookup grid and record ladder.
+        store: The store to keep the entries in; one built from ``cache_config`` when None.
+    """
+
+    kind: Final = "ladder"
+
+    def __init__(
+        self,
+        cache_config: KvCacheConfig,
+        policy: CandidatePolicy,
+        *,
+        store: ResidentActivationCache | None = None,
+    ) -> None:
+        self.policy = policy
+        if store is None:
+            store = ResidentActivationCache(
+                max_entries=cache_config.max_entries,
+                max_bytes=cache_config.max_bytes,
+                min_tokens=cache_config.min_tokens,
+            )
+        self.store = store
+        """The entries (the upstream's resident cache)."""
+        self.probe_all = False
+        """Hash and look up every grid length on restore, as the spec reads literally (same
+        results, clock and counters; only slower)."""
+        self.last_miss_reason: MissReason | None = None
+        self._page_tokens = cache_config.effective_page_tokens
+        self._prints: dict[str, _Print] = {}
+        """Fingerprint of each resident entry recorded here."""
+        self._resident_prints: dict[_Group, dict[int, int]] = {}
+        """Per group, how many resident entries recorded here have each fingerprint."""
+        self._records = 0
+        """Entries this index stored: the store's count differs once someone else stores."""
+        self._foreign = False
+        """Whether the store has ever held an entry recorded behind the index's back."""
+        self._tombstones: OrderedDict[str, _Print] = OrderedDict()
+        self._tombstone_prints: dict[_Group, dict[int, int]] = {}
+        self._lookups = 0
+        self._hits = 0
+        self._restored_tokens = 0
+        self._misses: dict[MissReason, int] = {"never_seen": 0, "evicted": 0, "rejected": 0}
+        self._footprint = PrefixFootprint()
+        self._pending: dict[str, tuple[_PendingPrompt, int, int]] = {}
+        """Resident entries not yet added to the footprint: (prompt, token count, bytes per
+        token). Cutting a prompt into pages for the footprint costs another pass over its
+        tokens, needed only when :meth:`accounting` is read and only for entries resident then."""
+        self._namespace_bpt: dict[bytes, int] = {}
+        """Bytes per token first recorded under each footprint namespace."""
+        self._eager_footprint = False
+        """Set once a namespace sees a second bytes-per-token: the footprint's per-group width
+        then depends on the order of adds and removes, so entries are added as recorded."""
+        self._namespaces: dict[tuple[int, _Group], bytes] = {}
+        self._key_maker: _KeyMaker | None = None
+
+    def lookup_candidates(self, token_count: int) -> int:
+        """Lookups a restore of ``token_count`` tokens counts: every length of the grid."""
+        return self.policy.candidate_count(token_count)
+
+    # ------------------------------------------------------------------------------ restore
+
+    def restore(self, prompt: Prompt) -> ResidentActivationRestore | None:
+        """The longest cached, validated prefix of the prompt, or None (spec §5.1).
+
+        Grid lengths are probed longest first. A hit is used only if its recorded token count,
+        its frame's token count, its frame's payload size and its recorded byte size agree with
+        the length; otherwise the next shorter length is tried (the failed hit still counts as
+        a use of that entry). The prompt must have tokens.
+        """
+        store = self.store
+        grid = prompt.grid(self.policy)
+        counts = grid.counts
+        total = len(counts)
+        slow = self._slow()
+        if slow or self.probe_all:
+            probes = counts
+        else:
+            resident = self._resident_prints.get(prompt.group)
+            probes = sorted(grid.among(resident), reverse=True) if resident else []
+        if slow:
+            suspects = counts if self._tombstones else []
+        else:
+            buried = self._tombstone_prints.get(prompt.group)
+            suspects = grid.held_by(buried) if buried else []
+        hits_before = store.hits
+        hashes: dict[int, str] = {}
+        if probes or suspects:
+            # The record of this prompt comes next: its lengths join the same pass.
+            wanted = [*probes, *suspects, *self.policy.record_candidate_token_counts(prompt.n)]
+            hashes = prompt.hash_counts(wanted)
+        position = 0  # grid index of the next length not yet accounted for
+        key_of = self._keys(prompt)
+        for count in probes:
+            index = grid.position[count]
+            if index > position:
+                store.count_misses(index - position)
+            position = index + 1
+            key = key_of(count, hashes[count])
+            hit = store.lookup(key)
+            if hit is None:
+                continue
+            frame = hit.frame
+            if (
+                hit.token_count == count
+                and frame.desc.token_count == count
+                and frame.desc.payload_bytes == hit.byte_size
+                and frame.payload.size == hit.byte_size
+            ):
+                self._lookups += 1
+                self._hits += 1
+                self._restored_tokens += count
+                self.last_miss_reason = None
+                return ResidentActivationRestore(
+                    identity=prefill_kv_identity(
+                        prompt.config,
+                        prompt.base,
+                        prompt.token_start,
+                        prompt.tokens,
+                        count,
+                        hashes[count],
+                    ),
+                    page_id=key,
+                    token_count=count,
+                    payload_bytes=hit.byte_size,
+                    entries=hit.entries,
+                    frame=frame,
+                )
+        if total > position:
+            store.count_misses(total - position)
+        reason: MissReason
+        if store.hits > hits_before:
+            reason = "rejected"
+        elif any(key_of(c, hashes[c]) in self._tombstones for c in suspects):
+            reason = "evicted"
+        else:
+            reason = "never_seen"
+        self._lookups += 1
+        self._misses[reason] += 1
+        self.last_miss_reason = reason
+        return None
+
+    def _keys(self, prompt: Prompt) -> _KeyMaker:
+        maker = self._key_maker
+        if maker is None or maker.prompt is not prompt:
+            maker = self._key_maker = _KeyMaker(prompt)
+        return maker
+
+    def _slow(self) -> bool:
+        """Whether entries were written behind the index's back: their keys have no
+        fingerprint, so every grid length must be hashed and checked."""
+        if not self._foreign:
+            store = self.store
+            self._foreign = store.records != self._records or len(store) != len(self._prints)
+        return self._foreign
+
+    # ------------------------------------------------------------------------------- record
+
+    def record(self, prompt: Prompt, frame: ActivationFrame) -> list[ResidentActivationRecord]:
+        """Store ``frame`` under each length of the record ladder (spec §5.2).
+
+        Nothing is stored for fewer than ``min_tokens`` tokens, an empty payload, or a frame
+        whose counts disagree with the prompt or its payload. Each length stores a zero-copy
+        prefix view of ``frame``; a length the frame cannot be cut at (opaque layout, side-band
+        flags, ragged rows) is skipped alone.
+
+        Returns:
+            One record per stored length, longest first, with the evictions it caused.
+        """
+        n = prompt.n
+        if n < self.policy.min_tokens or frame.payload.size == 0:
+            return []
+        if frame.desc.token_count != n or frame.desc.payload_bytes != frame.payload.size:
+            return []
+        counts = self.policy.record_candidate_token_counts(n)
+        hashes = prompt.hash_counts(counts)
+        store = self.store
+        key_of = self._keys(prompt)
+        records: list[ResidentActivationRecord] = []
+        for count in counts:
+            if frame.prefix_error(count) is not None:
+                continue
+            candidate = frame._cut(count)
+            key = key_of(count, hashes[count])
+            size = candidate.payload.size
+            outcome = store._store(key, count, size, candidate)
+            if outcome.stored:
+                self._records += 1
+            records.append(
+                ResidentActivationRecord(
+                    page_id=key,
+                    token_count=count,
+                    payload_bytes=size,
+                    evicted_entries=outcome.evicted_entries,
+                    evicted_bytes=outcome.evicted_bytes,
+                    entries=len(store),
+                    resident_bytes=store.resident_bytes,
+                    evicted=outcome.evicted,
+                )
+            )
+        if records:
+            self._recorded(prompt, records)
+        return records
+
+    def _recorded(self, prompt: Prompt, records: list[ResidentActivationRecord]) -> None:
+        """Bookkeeping of a record call, once every length is stored: evictions, fingerprints,
+        tombstones and the footprint."""
+        store = self.store
+        group = prompt.group
+        grid = prompt.grid(self.policy)
+        pending: _PendingPrompt | None = None
+        for record in records:
+            self._evicted(record.evicted)
+            key = record.page_id
+            if key not in store:
+                continue
+            if key not in self._prints:
+                fingerprint = grid.prints[grid.position[record.token_count]]
+                self._prints[key] = (group, fingerprint)
+                _count_in(self._resident_prints, group, fingerprint)
+            self._unbury(key)
+            bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
+            if pending is None:
+                pending = _PendingPrompt(self._namespace(prompt), prompt.tokens, self._page_tokens)
+            if (
+                not self._eager_footprint
+                and self._namespace_bpt.setdefault(pending.namespace, bpt) != bpt
+            ):
+                self._flush_footprint()
+                self._eager_footprint = True
+            if self._eager_footprint:
+                self._footprint.add(key, pending.chain().segments(record.token_count), bpt)
+            elif key not in self._pending:
+                self._pending[key] = (pending, record.token_count, bpt)
+
+    def _namespace(self, prompt: Prompt) -> bytes:
+        memo_key = (id(prompt.config), prompt.group)
+        namespace = self._namespaces.get(memo_key)
+        if namespace is None:
+            if len(self._namespaces) >= 64:
+                self._namespaces.clear()
+            namespace = paged_namespace(
+                prompt.config, prompt.token_start, prompt.base, prompt.width
+            )
+            self._namespaces[memo_key] = namespace
+        return namespace
+
+    def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
+        """Entries left the store: forget their footprint and fingerprint, and bury the ones
+        the bounds evicted (``cleared`` ones leave no tombstone)."""
+        tombstones = self._tombstones
+        for entry in entries:
+            key = entry.key
+            if self._pending.pop(key, None) is None:
+                self._footprint.remove(key)
+            where = self._prints.pop(key, None)
+            if where is not None:
+                _uncount_in(self._resident_prints, *where)
+            if entry.reason == "cleared":
+                continue
+            if key in tombstones:
+                self._unbury(key)
+            tombstones[key] = where
+            if where is not None:
+                _count_in(self._tombstone_prints, *where)
+            while len(tombstones) > TOMBSTONES:
+                _, oldest = tombstones.popitem(last=False)
+                if oldest is not None:
+                    _uncount_in(self._tombstone_prints, *oldest)
+
+    def _unbury(self, key: str) -> None:
+        """``key`` is resident again: forget its tombstone."""
+        if key in self._tombstones:
+            where = self._tombstones.pop(key)
+            if where is not None:
+                _uncount_in(self._tombstone_prints, *where)
+
+    # -------------------------------------------------------------------------- housekeeping
+
+    def clear(self) -> tuple[EvictedEntry, ...]:
+        """Drop every entry; returns them with reason ``"cleared"``."""
+        cleared = self.store.clear()
+        self._evicted(cleared)
+        return cleared
+
+    def statistics(self) -> ResidentCacheStats:
+        """The store's counters (``lookups``, ``hits`` and ``misses`` count grid probes)."""
+        return self.store.stats()
+
+    def accounting(self) -> CacheAccounting:
+        """Hits, misses by reason, restored tokens and resident vs unique-prefix bytes."""
+        self._flush_footprint()
+        stats = self.store.stats()
+        return CacheAccounting(
+            index="ladder",
+            lookups=self._lookups,
+            hits=self._hits,
+            misses_never_seen=self._misses["never_seen"],
+            misses_evicted=self._misses["evicted"],
+            misses_rejected=self._misses["rejected"],
+            restored_tokens=self._restored_tokens,
+            entries=stats.entries,
+            resident_bytes=stats.resident_bytes,
+            unique_prefix_bytes=self._footprint.unique_bytes(),
+            evictions=stats.evictions,
+            evicted_bytes=stats.evicted_bytes,
+        )
+
+    def _flush_footprint(self) -> None:
+        """Add the queued resident entries to the footprint, in the order they were recorded."""
+        footprint = self._footprint
+        store = self.store
+        for key, (prompt, count, bpt) in self._pending.items():
+            if key in store:  # (an entry dropped behind the index's back is not)
+                footprint.add(key, prompt.chain().segments(count), bpt)
+        self._pending.clear()
+
+
+class _KeyMaker:
+    """Builds the ``act:`` keys of one prompt's lengths (spec §1.3)."""
+
+    __slots__ = ("_head", "_middle", "_tail", "prompt")
+
+    def __init__(self, prompt: Prompt) -> None:
+        self.prompt = prompt
+        config = prompt.config
+        self._head = f"act:{config.stage_id}:{prompt.token_start}:"
+        self._middle = f":{config.layer_start}:"
+        self._tail = f":w{max(prompt.width, 0)}"
+
+    def __call__(self, count: int, prefix_hash: str) -> str:
+        # page_id() then activation_page_id(), for a "blake3:" hash.
+        return f"{self._head}{count}{self._middle}{prefix_hash[7:23]}{self._tail}"
+
+
+def _count_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:
+    inner = counts.get(group)
+    if inner is None:
+        counts[group] = {fingerprint: 1}
+    else:
+        inner[fingerprint] = inner.get(fingerprint, 0) + 1
+
+
+def _uncount_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:
+    inner = counts[group]
+    left = inner[fingerprint] - 1
+    if left:
+        inner[fingerprint] = left
+    else:
+        del inner[fingerprint]
+        if not inner:
+            del counts[group]

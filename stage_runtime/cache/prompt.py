@@ -1,0 +1,226 @@
+"""One request as a stage cache sees it: validated once, hashed at most once.
+
+A stage restores and then records the same prompt. A :class:`Prompt` carries what both need
+(the stage, the envelope, the tokens, the width) and what they compute (the BLAKE3 prefix hashes,
+the grid fingerprints), so the record reuses the restore's work. The tokens are a read-only array
+nobody can change: the caller's own when it is read-only and owns its memory (what the pipeline
+hands every stage), a private copy otherwise.
+
+Grid fingerprints (:class:`GridFingerprints`) are cheap digests of the prefixes at the lookup
+grid's lengths: a linear hash of the tokens with random odd weights, one vectorised pass.
+They depend on the tokens and the grid only, so every stage of a pipeline shares one set per
+request (:func:`grid_fingerprints` remembers the last few). They are a filter, never a key: equal
+prefixes have equal fingerprints, so a prefix whose fingerprint is not among the resident ones
+cannot be resident; a match is confirmed by the prefix's BLAKE3 key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Container, Iterable
+from typing import Final
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.identity import TokenArray, _hash_counts, _prelude
+from stage_runtime.policy import CandidatePolicy
+from stage_runtime.tenancy import salted_prefix_hash
+
+__all__ = ["GridFingerprints", "Prompt", "grid_fingerprints", "owned_tokens"]
+
+
+def owned_tokens(array: TokenArray) -> TokenArray:
+    """``array`` itself when nobody can change it (read-only, owning its memory), else a
+    read-only private copy."""
+    if array.flags.writeable or array.base is not None:
+        array = array.copy()
+        array.flags.writeable = False
+    return array
+
+
+class Prompt:
+    """One prompt on one stage: its envelope, tokens and width, and the hashes computed so far.
+
+    ``tokens`` never changes (see :func:`owned_tokens`). ``hashes`` maps prefix lengths to their
+    ``"blake3:"`` prefix hashes, bound to the envelope's ``cache_salt`` when it has one.
+    """
+
+    __slots__ = (
+        "_grid",
+        "base",
+        "config",
+        "group",
+        "hashes",
+        "n",
+        "token_start",
+        "tokens",
+        "width",
+    )
+
+    def __init__(
+        self,
+        config: StageConfig,
+        base: MessageBase,
+        token_start: int,
+        tokens: TokenArray,
+        width: int,
+        *,
+        hashes: dict[int, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.base = base
+        self.token_start = token_start
+        self.tokens = tokens
+        self.width = width
+        self.n = int(tokens.size)
+        self.group = (token_start, width, base.chat_template_id, base.cache_salt)
+        """What besides the tokens tells two prompts' keys apart on one stage."""
+        self.hashes: dict[int, str] = {} if hashes is None else hashes
+        self._grid: GridFingerprints | None = None
+
+    def same_request(
+        self, config: StageConfig, base: MessageBase, token_start: int, width: int
+    ) -> bool:
+        """Whether a call with these arguments (and this prompt's tokens) has the same keys."""
+        return (
+            self.token_start == token_start
+            and self.width == width
+            and (self.config is config or self.config == config)
+            and (
+                self.base is base
+                or (
+                    self.base.chat_template_id == base.chat_template_id
+                    and self.base.cache_salt == base.cache_salt
+                )
+            )
+        )
+
+    def hash_counts(self, counts: Iterable[int]) -> dict[int, str]:
+        """The prefix hashes of ``counts`` (every one of them in ``hashes`` afterwards); the
+        missing ones cost one pass over the tokens up to the longest."""
+        known = self.hashes
+        missing = sorted({c for c in counts if c not in known})
+        if missing:
+            h = _namespace_hasher(self.config, self.token_start, self.base.chat_template_id)
+            fresh = _hash_counts(h, self.tokens.data.cast("B"), missing)
+            salt = self.base.cache_salt
+            if salt is not None:
+                fresh = {c: salted_prefix_hash(v, salt) for c, v in fresh.items()}
+            known.update(fresh)
+        return known
+
+    def grid(self, policy: CandidatePolicy) -> GridFingerprints:
+        """The lookup grid of this prompt under ``policy`` with its fingerprints."""
+        grid = self._grid
+        if grid is None or grid.grid_key != (policy.min_tokens, policy.effective_stride):
+            grid = self._grid = grid_fingerprints(self.tokens, policy)
+        return grid
+
+
+class GridFingerprints:
+    """The lookup candidates of one prompt (longest first) and a fingerprint of each prefix."""
+
+    __slots__ = ("by_print", "counts", "grid_key", "position", "prints", "tokens")
+
+    def __init__(self, tokens: TokenArray, policy: CandidatePolicy) -> None:
+        self.tokens = tokens
+        self.grid_key = (policy.min_tokens, policy.effective_stride)
+        """What the grid depends on besides the tokens."""
+        counts = policy.candidate_token_counts(int(tokens.size))
+        self.counts: list[int] = counts
+        """``policy.candidate_token_counts(len(tokens))``: the grid, longest first."""
+        self.position: dict[int, int] = {c: i for i, c in enumerate(counts)}
+        """Each candidate's index in ``counts``."""
+        self.prints: list[int] = _prefix_fingerprints(tokens, counts, policy.effective_stride)
+        """The fingerprint of each prefix of ``counts``, in the same order."""
+        self.by_print: dict[int, int] = dict(zip(self.prints, counts, strict=True))
+        """Fingerprint -> candidate length."""
+
+    def among(self, prints: Collection[int]) -> list[int]:
+        """The candidate lengths whose fingerprint is one of ``prints`` (few: each is looked up
+        in the grid), in no particular order."""
+        by_print = self.by_print
+        return [by_print[f] for f in by_print.keys() & prints]
+
+    def held_by(self, container: Container[int]) -> list[int]:
+        """The candidate lengths whose fingerprint ``container`` holds (however many it holds:
+        each candidate is looked up in it), longest first."""
+        by_print = self.by_print
+        return [by_print[f] for f in filter(container.__contains__, self.prints)]
+
+
+_weights_rng = np.random.default_rng(0x5EED_CAFE_F00D)
+_weights: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
+
+
+def _weights_for(n: int) -> npt.NDArray[np.int32]:
+    """Random odd 32-bit weights, one per token position: grown on demand by appending, so a
+    position's weight never changes (fingerprints stay comparable for the life of the process)."""
+    global _weights
+    if _weights.size < n:
+        more = max(n, 2 * _weights.size, 4096) - _weights.size
+        fresh = _weights_rng.integers(-(2**31), 2**31, size=more, dtype=np.int32) | np.int32(1)
+        _weights = np.concatenate((_weights, fresh))
+    return _weights[:n]
+
+
+def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
+    """``sum(tokens[i] * weight[i] for i < c)`` (products wrapping at 32 bits, sums exact) for
+    each ``c`` in ``counts``: summed by blocks of ``stride`` tokens, then across blocks."""
+    if not counts:
+        return []
+    top = max(counts)
+    products = tokens[:top] * _weights_for(top)
+    blocks = top // stride
+    ends = np.cumsum(
+        np.add.reduce(products[: blocks * stride].reshape(blocks, stride), axis=1, dtype=np.int64)
+    ).tolist()
+    out = []
+    for count in counts:
+        whole, part = divmod(count, stride)
+        value = ends[whole - 1] if whole else 0
+        if part:
+            value += int(products[whole * stride : count].sum(dtype=np.int64))
+        out.append(value)
+    return out
+
+
+_PRELUDES: Final = 64
+_preludes: dict[tuple[int, int, str | None], tuple[StageConfig, blake3.blake3]] = {}
+
+
+def _namespace_hasher(
+    config: StageConfig, token_start: int, namespace: str | None
+) -> blake3.blake3:
+    """A copy of the hasher fed everything but the tokens (``identity._prelude``), remembered
+    per stage object: the identity module's own memo hashes the whole configuration per call."""
+    key = (id(config), token_start, namespace)
+    known = _preludes.get(key)
+    if known is None or known[0] is not config:
+        if len(_preludes) >= _PRELUDES:
+            _preludes.clear()
+        known = (config, _prelude(config, token_start, namespace, None))
+        _preludes[key] = known
+    return known[1].copy()
+
+
+_RECENT_GRIDS: Final = 16
+_recent: dict[tuple[int, int, int], GridFingerprints] = {}
+
+
+def grid_fingerprints(tokens: TokenArray, policy: CandidatePolicy) -> GridFingerprints:
+    """The grid fingerprints of ``tokens`` (read-only: see :func:`owned_tokens`) under
+    ``policy``, shared with whoever asked lately for the same array and the same grid (the
+    other stages of the pipeline)."""
+    grid_key = (policy.min_tokens, policy.effective_stride)
+    key = (id(tokens), *grid_key)
+    grid = _recent.get(key)
+    if grid is not None and grid.tokens is tokens:
+        return grid
+    grid = GridFingerprints(tokens, policy)
+    _recent[key] = grid
+    if len(_recent) > _RECENT_GRIDS:
+        del _recent[next(iter(_recent))]
+    return grid

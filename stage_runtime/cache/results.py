@@ -1,0 +1,198 @@
+"""What a stage cache hands back: identities, restores and records (spec §1.1, §5, §9.3).
+
+Both indexes reply with these types, so the cache actor, the stage and the pipeline never know
+which index they talk to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from stage_runtime.cache.resident import EvictedEntry
+from stage_runtime.config import MessageBase, StageConfig
+from stage_runtime.frames import ActivationFrame
+from stage_runtime.identity import (
+    RUNTIME_ABI_VERSION,
+    TokenArray,
+    page_id,
+    prefix_namespace_hash,
+)
+
+__all__ = [
+    "ActivationRecordSummary",
+    "PageIdentity",
+    "PrefillKvIdentity",
+    "ResidentActivationRecord",
+    "ResidentActivationRestore",
+    "prefill_kv_identity",
+    "summarize_records",
+]
+
+
+@attrs.frozen(kw_only=True)
+class PageIdentity:
+    """Metadata describing a cached page (spec §1.1); only ``prefix_hash`` is a hash."""
+
+    model_id: str
+    model_revision: str = "unknown"
+    runtime_abi_version: str = RUNTIME_ABI_VERSION
+    topology_id: str
+    stage_id: str
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    prefix_hash: str
+    """``"blake3:"`` + 64 hex digits over the identity stream and the prefix tokens."""
+    session_id: str
+    """The requesting session: metadata only, never hashed (prefixes are shared)."""
+    token_start: int
+    token_count: int
+    """Length of the prefix."""
+    generation: int = 1
+    layout: str = "layer-contiguous"
+    codec: str = "fp16"
+    tokenizer_id: str
+    """``MessageBase.tokenizer_id``, or the model id when absent."""
+    chat_template_id: str
+    """``MessageBase.chat_template_id`` or ``""``."""
+    position_config_hash: str
+    """``"ctx:{ctx_size}"``."""
+    kv_dtype: str = "ggml-native-kv"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PrefillKvIdentity:
+    """The identity of one prefix of a prompt on one stage."""
+
+    identity: PageIdentity
+    """Descriptive metadata, including the prefix hash and token count."""
+
+    page_id: str
+    """``"{stage}:{start}:{count}:{layer_start}:{digest16}"``."""
+
+    namespace: str
+    """:func:`~stage_runtime.identity.prefix_namespace_hash` of the stage and cache namespace."""
+
+    token_ids: TokenArray
+    """The prefix's tokens: a read-only view, not a copy."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ResidentActivationRestore:
+    """A validated hit: the longest cached prefix of the prompt."""
+
+    identity: PrefillKvIdentity
+    """Identity of the restored prefix."""
+
+    page_id: str
+    """The cache key that hit (``"act:...:w{width}"``)."""
+
+    token_count: int
+    """Tokens restored."""
+
+    payload_bytes: int
+    """Bytes of the restored frame."""
+
+    entries: int
+    """Entries resident at lookup time."""
+
+    frame: ActivationFrame
+    """The restored frame (shared with the cache, read-only)."""
+
+
+@attrs.frozen(kw_only=True)
+class ResidentActivationRecord:
+    """One prefix length stored by a record call."""
+
+    page_id: str
+    """The cache key (``"act:...:w{width}"``)."""
+
+    token_count: int
+    """Tokens of this prefix."""
+
+    payload_bytes: int
+    """Bytes of this prefix's frame."""
+
+    evicted_entries: int
+    """Entries this store evicted."""
+
+    evicted_bytes: int
+    """Bytes this store evicted."""
+
+    entries: int
+    """Entries resident after this store."""
+
+    resident_bytes: int
+    """Bytes resident after this store."""
+
+    evicted: Sequence[EvictedEntry] = ()
+    """The entries this store evicted, least recently used first (a tuple from the ladder; from the
+    paged index, an ``EvictedPages`` that builds each record when read, which ``attrs.asdict``
+    leaves as it is: ``tuple(record.evicted)`` gives a plain tuple)."""
+
+
+@attrs.frozen(kw_only=True)
+class ActivationRecordSummary:
+    """Totals over the records of one record call (the upstream's reply statistics)."""
+
+    recorded_frames: int
+    recorded_bytes: int
+    evicted_entries: int
+    evicted_bytes: int
+
+
+def summarize_records(records: Iterable[ResidentActivationRecord]) -> ActivationRecordSummary:
+    """Sum frames, bytes and evictions over records (binary transport statistics, spec §9.3)."""
+    frames = recorded = entries = evicted = 0
+    for record in records:
+        frames += 1
+        recorded += record.payload_bytes
+        entries += record.evicted_entries
+        evicted += record.evicted_bytes
+    return ActivationRecordSummary(
+        recorded_frames=frames,
+        recorded_bytes=recorded,
+        evicted_entries=entries,
+        evicted_bytes=evicted,
+    )
+
+
+def _readonly(array: TokenArray) -> TokenArray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def prefill_kv_identity(
+    config: StageConfig,
+    base: MessageBase,
+    token_start: int,
+    tokens: TokenArray,
+    count: int,
+    hash_: str,
+) -> PrefillKvIdentity:
+    """The identity of ``tokens[:count]`` on ``config``'s stage, whose prefix hash is ``hash_``."""
+    namespace = base.chat_template_id
+    identity = PageIdentity(
+        model_id=config.model_id,
+        topology_id=config.topology_id,
+        stage_id=config.stage_id,
+        stage_index=config.stage_index,
+        layer_start=config.layer_start,
+        layer_end=config.layer_end,
+        prefix_hash=hash_,
+        session_id=base.session_id,
+        token_start=token_start,
+        token_count=count,
+        tokenizer_id=base.tokenizer_id if base.tokenizer_id is not None else config.model_id,
+        chat_template_id=namespace or "",
+        position_config_hash=f"ctx:{config.ctx_size}",
+    )
+    return PrefillKvIdentity(
+        identity=identity,
+        page_id=page_id(config, token_start, count, hash_),
+        namespace=prefix_namespace_hash(config, token_start, namespace),
+        token_ids=_readonly(tokens[:count]),
+    )
