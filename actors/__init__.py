@@ -9,7 +9,15 @@ One task owns an actor's state and handles one message at a time, so the state n
 
 from __future__ import annotations
 
-from actors.actor import Actor, ActorRef, ActorStatistics, Asks, open_actor, spawn
+from actors.actor import (
+    Actor,
+    ActorRef,
+    ActorStatistics,
+    Asks,
+    PendingReply,
+    open_actor,
+    spawn,
+)
 from actors.errors import ActorError, ActorStoppedError, RestartLimitError
 from actors.supervision import RestartPolicy
 
@@ -20,6 +28,7 @@ __all__ = [
     "ActorStatistics",
     "ActorStoppedError",
     "Asks",
+    "PendingReply",
     "RestartLimitError",
     "RestartPolicy",
     "open_actor",

@@ -33,6 +33,7 @@ __all__ = [
     "ActorRef",
     "Asks",
     "ActorStatistics",
+    "PendingReply",
     "open_actor",
     "spawn",
 ]
@@ -398,6 +399,25 @@ class _Cell:
         log.info("actor_stopped", processed=self.processed, drained=self.drained, dropped=dropped)
 
 
+class PendingReply(Generic[ReplyT_co]):
+    """The reply to an :meth:`ActorRef.ask_later`, collected with :meth:`result`."""
+
+    __slots__ = ("_reply",)
+
+    def __init__(self, reply: Reply) -> None:
+        self._reply = reply
+
+    @property
+    def done(self) -> bool:
+        """Whether the actor has replied (or failed, or stopped before replying)."""
+        return self._reply.done
+
+    async def result(self) -> ReplyT_co:
+        """Wait for the reply and return it; raise what ``handle`` raised for the message, or
+        :class:`ActorStoppedError` when the actor stopped before handling it. Collect it once."""
+        return cast(ReplyT_co, await self._reply.wait())
+
+
 def _log_hook_failure(hook: str, exc: Exception) -> None:
     """Log a crash of the factory, ``on_start`` or ``on_stop`` once, with its traceback."""
     log.error(
@@ -552,6 +572,38 @@ class ActorRef(Generic[MessageT, ReplyT]):
             return cast(ReplyT, await reply.wait())
         finally:
             cell.asks_waiting -= 1
+
+    @overload
+    async def ask_later(self, message: Asks[AnswerT]) -> PendingReply[AnswerT]: ...
+
+    @overload
+    async def ask_later(self, message: MessageT) -> PendingReply[ReplyT]: ...
+
+    async def ask_later(self, message: Any) -> PendingReply[Any]:
+        """Send ``message`` as :meth:`ask` does, but return once it is queued: the reply is
+        collected later with ``await pending.result()``, so the caller can do other work (send
+        its frame on) while the actor handles the message.
+
+        Cancelling the caller before the message is queued sends nothing; cancelling
+        ``result()`` drops the late reply, as with :meth:`ask`. A reply nobody collects is
+        dropped with its handle.
+
+        Raises:
+            ActorStoppedError: The actor has stopped (nothing is sent).
+            RuntimeError: Called from the actor's own task, or from another thread or trio run.
+        """
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
+        reply = Reply()
+        envelope = (message, reply)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._send_now(envelope):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await self._send_later(envelope)
+        return PendingReply(reply)
 
     async def tell(self, message: MessageT) -> None:
         """Send ``message`` without waiting for it to be handled.

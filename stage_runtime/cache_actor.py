@@ -211,6 +211,11 @@ class CacheActor(Actor[CacheMessage, Any]):
     def __init__(self, config: StageConfig, *, environ: Mapping[str, str] | None = None) -> None:
         self._config = config
         self._integration = KvStageIntegration.from_config(config, environ=environ)
+        # Bound once (not per event), with the levels it lets through: an event whose level
+        # is filtered out is not even built.
+        self._log = log.bind()
+        self._debug = _enabled(self._log, logging.DEBUG)
+        self._info = _enabled(self._log, logging.INFO)
 
     @property
     def should_lookup(self) -> bool:
@@ -256,9 +261,11 @@ class CacheActor(Actor[CacheMessage, Any]):
             restore = integration.restore_resident_activation(
                 self._config, message.base, start, tokens, width
             )
+        if not self._debug:
+            return restore
         requested = int(tokens.size)
         if restore is None:
-            log.debug(
+            self._log.debug(
                 "activation_missed",
                 **_request_of(message.base),
                 requested_tokens=requested,
@@ -267,7 +274,7 @@ class CacheActor(Actor[CacheMessage, Any]):
                 reason=integration.last_miss_reason or "never_seen",
             )
             return None
-        log.debug(
+        self._log.debug(
             "activation_restored",
             **_request_of(message.base),
             page_id=restore.page_id,
@@ -303,10 +310,15 @@ class CacheActor(Actor[CacheMessage, Any]):
             width,
             frame,
         )
+        if not (self._info or self._debug):
+            return records
         request = _request_of(message.base)
         for record in records:
-            _log_evictions(record.evicted, request)
-            log.debug(
+            if self._info:
+                _log_evictions(self._log, record.evicted, request)
+            if not self._debug:
+                continue
+            self._log.debug(
                 "activation_recorded",
                 **request,
                 page_id=record.page_id,
@@ -328,7 +340,8 @@ class CacheActor(Actor[CacheMessage, Any]):
         if self._integration is None:
             return ()
         evicted = self._integration.clear()
-        _log_evictions(evicted)
+        if self._info:
+            _log_evictions(self._log, evicted)
         return evicted
 
 
@@ -338,8 +351,14 @@ def _request_of(base: MessageBase) -> dict[str, str]:
     return {"request_id": base.request_id} if base.request_id else {}
 
 
+def _enabled(logger: Any, level: int) -> bool:
+    """Whether ``logger`` lets events of ``level`` through (True when it cannot say)."""
+    enabled = getattr(logger, "is_enabled_for", None)
+    return enabled is None or bool(enabled(level))
+
+
 def _log_evictions(
-    evicted: Sequence[EvictedEntry], request: Mapping[str, str] | None = None
+    logger: Any, evicted: Sequence[EvictedEntry], request: Mapping[str, str] | None = None
 ) -> None:
     """One ``activation_evicted`` event per entry, with the cache's size right after it left
     (and the ``request_id`` of the record that caused it, when there is one).
@@ -347,16 +366,9 @@ def _log_evictions(
     The size comes from the index itself (``entries_after``/``resident_bytes_after``): one paged
     record stores several pages and (under ``reuse`` eviction) may evict between them, so it
     cannot be reconstructed from the sizes before and after the call. A paged record may evict
-    hundreds of pages: the logger is resolved once, and nothing is built when it drops info
-    events anyway.
+    hundreds of pages: the caller checks first that ``logger`` lets info events through.
     """
-    if not evicted:
-        return
-    bound = log.bind()
-    enabled = getattr(bound, "is_enabled_for", None)
-    if enabled is not None and not enabled(logging.INFO):
-        return
-    info = bound.info
+    info = logger.info
     for entry in evicted:
         info(
             "activation_evicted",

@@ -28,6 +28,7 @@ Failure and cancellation, per request:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVarTuple
 
@@ -37,7 +38,7 @@ import numpy.typing as npt
 import structlog
 import trio
 
-from actors import ActorRef, ActorStatistics, spawn
+from actors import ActorRef, ActorStatistics, PendingReply, spawn
 from actors.errors import being_cancelled, stray_cancelled_error
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry
@@ -123,6 +124,10 @@ def _owned(output: ActivationFrame, borrowed: ActivationFrame) -> ActivationFram
     return ActivationFrame(desc=output.desc, payload=output.payload.copy())
 
 
+def _stage_index(report: StagePrefillReport) -> int:
+    return report.stage_index
+
+
 def _evicted_by(records: Sequence[ResidentActivationRecord]) -> Sequence[EvictedEntry]:
     """The entries ``records`` evicted, in order (a single record's own sequence, as is)."""
     if len(records) == 1:
@@ -188,6 +193,13 @@ class PrefillRequest:
 
     cache_salt: str | None = None
     """Tenant salt for the cache keys (see ``MessageBase.cache_salt``); None shares."""
+
+    outstanding: int = 0
+    """Stages that passed the request on and still wait for their record's outcome."""
+
+    reached_end: bool = False
+    """Whether the last stage has handled the request (it settles once nothing is
+    outstanding)."""
 
     _scope: trio.CancelScope | None = None
 
@@ -375,16 +387,25 @@ class Stage:
             if not failed and (output is not None or scope.cancel_called):
                 self._counts["skipped"] += 1  # abandoned while this stage worked on it
             return  # no record, nothing forwarded
-        records: tuple[ResidentActivationRecord, ...] = ()
+        pending: PendingReply[list[ResidentActivationRecord]] | None = None
         if base is not None and self._record:
             if self.borrowed_inputs and request.frame is not None:
                 output = _owned(output, request.frame)
-            records = tuple(
-                await cache.ask(
-                    RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)
-                )
+            pending = await cache.ask_later(
+                RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)
             )
-        request.reports.append(
+        request.frame = output
+        self._counts["completed"] += 1
+        if self.outbox is not None:
+            # The next stage starts on the frame while the cache actor records it; the record's
+            # outcome joins the request's reports before the request is settled.
+            request.outstanding += 1
+            await self.outbox.send(request)
+        # A failed record crashes the stage (a cache actor's error is not one request's fault);
+        # the pipeline then fails the requests in flight.
+        records = () if pending is None else tuple(await pending.result())
+        bisect.insort(
+            request.reports,
             StagePrefillReport(
                 stage_id=config.stage_id,
                 stage_index=config.stage_index,
@@ -394,14 +415,15 @@ class Stage:
                 evicted=_evicted_by(records),
                 started_s=started,
                 finished_s=trio.current_time(),
-            )
+            ),
+            key=_stage_index,
         )
-        request.frame = output
-        self._counts["completed"] += 1
-        if self.outbox is None:
-            request.succeed()
+        if self.outbox is not None:
+            request.outstanding -= 1
         else:
-            await self.outbox.send(request)
+            request.reached_end = True
+        if request.reached_end and request.outstanding == 0:
+            request.succeed()
 
     def _model_failed(
         self, request: PrefillRequest, scope: trio.CancelScope, exc: Exception

@@ -865,3 +865,44 @@ async def test_a_message_deriving_from_asks_types_its_reply() -> None:
         description = await ref.ask(Describe(), timeout=1)
         assert_type(description, str)
     assert (total, description) == (5, "total 5")
+
+
+async def test_ask_later_returns_once_queued_and_the_reply_comes_later() -> None:
+    """ask_later hands back before the actor handles the message; result() gives the reply."""
+    gate = Gate()
+    async with open_actor(gate, name="gate") as ref:
+        pending = await ref.ask_later("first")
+        assert not pending.done
+        assert gate.received == []
+        gate.release.set()
+        assert await pending.result() == "first"
+        assert pending.done
+        assert gate.received == ["first"]
+
+
+async def test_ask_later_raises_the_handlers_error_from_result() -> None:
+    """A failing handler's exception comes out of result(); the actor runs on."""
+    async with open_actor(Counter, name="counter") as ref:
+        pending = await ref.ask_later(Boom())
+        with pytest.raises(KeyError, match="boom"):
+            await pending.result()
+        assert await ref.ask(Add(4)) == 4
+
+
+async def test_ask_later_reply_of_a_stopped_actor_is_an_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A message the actor drops when stopping without drain fails its result(); the one it
+    was handling finishes."""
+    gate = Gate()
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, gate, name="gate")
+        first = await ref.ask_later("first")
+        queued = await ref.ask_later("second")
+        await trio.sleep(1)
+        nursery.start_soon(ref.stop, False)
+        await trio.sleep(1)
+        gate.release.set()
+        with pytest.raises(ActorStoppedError):
+            await queued.result()
+        assert await first.result() == "first"
