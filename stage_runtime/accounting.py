@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Literal, Protocol
 
 import attrs
@@ -196,15 +196,20 @@ class PrefixFootprint:
     def add(
         self,
         owner: Hashable,
-        segments: list[tuple[bytes, npt.NDArray[np.int32]]],
+        segments: Sequence[tuple[bytes, npt.NDArray[np.int32] | bytes]],
         bytes_per_token: int,
     ) -> None:
-        """Count ``owner``'s segments ``(parent key, tokens)``; re-adding an owner is a no-op."""
+        """Count ``owner``'s segments ``(parent key, tokens)`` (tokens as int32 ids or their
+        little-endian bytes); re-adding an owner is a no-op."""
         if owner in self._owners:
             return
         held: list[tuple[bytes, bytes]] = []
         for parent, tokens in segments:
-            data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+            data = (
+                tokens
+                if isinstance(tokens, bytes)
+                else np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+            )
             group = self._groups.get(parent)
             if group is None:
                 group = _Group(bytes_per_token=bytes_per_token)

@@ -67,16 +67,51 @@ Payload = npt.NDArray[np.uint8]
 
 
 def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
-    """Validated int32 tokens the caller cannot change under us (a read-only private copy).
+    """Validated int32 tokens the caller cannot change under us: the caller's own array when
+    it is read-only and owns its memory (the pipeline's, shared by every stage), else a
+    read-only private copy.
 
     A chain is remembered between a restore and the record of the same prompt; if it viewed the
     caller's buffer, reusing that buffer for the next prompt would silently change it.
     """
     ids = as_token_array(tokens)
     if isinstance(tokens, np.ndarray) and np.may_share_memory(ids, tokens):
+        if not tokens.flags.writeable and tokens.base is None and ids is tokens:
+            return ids
         ids = ids.copy()
     ids.flags.writeable = False
     return ids
+
+
+_SHARED_SEGMENTS = 4096
+"""Token segments :func:`_shared_segment` remembers: the stages of a pipeline record the same
+prompts one after the other, so a short memory lets them all keep one copy of each segment."""
+_recent_segments: dict[bytes, bytes] = {}
+
+
+def _shared_segment(data: bytes) -> bytes:
+    """``data``, or an equal bytes object recorded lately (one copy for all the stages)."""
+    known = _recent_segments.get(data)
+    if known is not None:
+        return known
+    _recent_segments[data] = data
+    if len(_recent_segments) > _SHARED_SEGMENTS:
+        del _recent_segments[next(iter(_recent_segments))]
+    return data
+
+
+def _footprint_segments(chain: PageChain, entry: _Entry) -> list[tuple[bytes, bytes]]:
+    """``(parent key, token bytes)`` of each segment of ``entry``'s token rows: one for a page or
+    a tail, every page of the prompt for an exact entry. The bytes, not views of the prompt: a
+    view would keep the whole prompt alive as long as the entry."""
+    tokens = chain.tokens
+    if entry.kind == "exact":
+        return [
+            (parent, _shared_segment(part.tobytes()))
+            for parent, part in chain.segments(entry.token_count)
+        ]
+    start = entry.token_start
+    return [(entry.group, _shared_segment(tokens[start : start + entry.token_count].tobytes()))]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -536,10 +571,12 @@ class PagedActivationIndex:
     """:meth:`_pinned`'s last sum: (protected entry, entries and bytes of its chain)."""
     _unpushed: _Entry | None = attrs.field(default=None, init=False)
     """The entry the running record stored last, not yet in the leaf heap."""
-    _unfootprinted: dict[bytes, tuple[PageChain, _Entry]] = attrs.field(factory=dict, init=False)
-    """Resident entries not yet added to the footprint, in the order they were stored: the
-    footprint copies each page's tokens, which only :meth:`unique_prefix_bytes` needs, so entries
-    evicted before it is read never pay for it."""
+    _unfootprinted: dict[bytes, tuple[list[tuple[bytes, bytes]], _Entry]] = attrs.field(
+        factory=dict, init=False
+    )
+    """Resident entries not yet added to the footprint, in the order they were stored, with
+    their token segments (:func:`_footprint_segments`): the footprint's token tries are built
+    only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it."""
     _recent_chains: dict[bytes, PageChain] = attrs.field(factory=dict, init=False)
     """Chains :meth:`chain` computed lately, by first page key, oldest first."""
     _lookups: int = attrs.field(default=0, init=False)
@@ -772,7 +809,7 @@ class PagedActivationIndex:
                 existing.meta = meta
                 existing.bytes_per_token = bpt
                 self._uncount_footprint(key)
-                self._unfootprinted[key] = (chain, existing)
+                self._unfootprinted[key] = (_footprint_segments(chain, existing), existing)
             self._touch(existing, hit=False)
             stored[2] += 1
             return existing
@@ -809,7 +846,7 @@ class PagedActivationIndex:
                 self._push_if_leaf(previous)
             self._unpushed = entry
         self._misses.cached(key)
-        self._unfootprinted[key] = (chain, entry)
+        self._unfootprinted[key] = (_footprint_segments(chain, entry), entry)
         self._records += 1
         stored[0] += 1
         stored[1] += int(segment.size)
@@ -905,7 +942,7 @@ class PagedActivationIndex:
                     self._push_if_leaf(unpushed)
                 unpushed = entry
             cached(key)
-            unfootprinted[key] = (chain, entry)
+            unfootprinted[key] = (_footprint_segments(chain, entry), entry)
             parent = entry
             group = key
         self._unpushed = unpushed
@@ -920,13 +957,8 @@ class PagedActivationIndex:
         if self._unfootprinted.pop(key, None) is None:
             self._footprint.remove(key)
 
-    def _count_footprint(self, chain: PageChain, entry: _Entry) -> None:
-        """Add ``entry``'s token rows to the unique-prefix footprint."""
-        if entry.kind == "exact":
-            segments = chain.segments(entry.token_count)
-        else:
-            start = entry.token_start
-            segments = [(entry.group, chain.tokens[start : start + entry.token_count])]
+    def _count_footprint(self, segments: list[tuple[bytes, bytes]], entry: _Entry) -> None:
+        """Add ``entry``'s token rows (its :func:`_footprint_segments`) to the footprint."""
         size = entry.nbytes
         bpt = entry.bytes_per_token or max(size // entry.token_count, 1)
         self._footprint.add(entry.key, segments, bpt)
@@ -1267,8 +1299,8 @@ class PagedActivationIndex:
         Tails that are a prefix of a cached page (or of another tail) count once. Computed
         lazily from what changed since the last call.
         """
-        for chain, entry in self._unfootprinted.values():
-            self._count_footprint(chain, entry)
+        for segments, entry in self._unfootprinted.values():
+            self._count_footprint(segments, entry)
         self._unfootprinted.clear()
         return self._footprint.unique_bytes()
 
