@@ -161,7 +161,7 @@ class LadderIndex:
         position = 0  # grid index of the next length not yet accounted for
         key_of = self._keys(prompt)
         for count in probes:
-            index = grid.position[count]
+            index = grid.position(count)
             if index > position:
                 store.count_misses(index - position)
             position = index + 1
@@ -284,7 +284,7 @@ class LadderIndex:
             if key not in store:
                 continue
             if key not in self._prints:
-                fingerprint = grid.prints[grid.position[record.token_count]]
+                fingerprint = grid.prints[grid.position(record.token_count)]
                 self._prints[key] = (group, fingerprint)
                 _count_in(self._resident_prints, group, fingerprint)
             self._unbury(key)

@@ -122,21 +122,31 @@ class Prompt:
 class GridFingerprints:
     """The lookup candidates of one prompt (longest first) and a fingerprint of each prefix."""
 
-    __slots__ = ("by_print", "counts", "grid_key", "position", "prints", "tokens")
+    __slots__ = ("_stride", "by_print", "counts", "grid_key", "prints", "tokens")
 
     def __init__(self, tokens: TokenArray, policy: CandidatePolicy) -> None:
         self.tokens = tokens
-        self.grid_key = (policy.min_tokens, policy.effective_stride)
+        stride = self._stride = policy.effective_stride
+        self.grid_key = (policy.min_tokens, stride)
         """What the grid depends on besides the tokens."""
         counts = policy.candidate_token_counts(int(tokens.size))
         self.counts: list[int] = counts
         """``policy.candidate_token_counts(len(tokens))``: the grid, longest first."""
-        self.position: dict[int, int] = {c: i for i, c in enumerate(counts)}
-        """Each candidate's index in ``counts``."""
-        self.prints: list[int] = _prefix_fingerprints(tokens, counts, policy.effective_stride)
+        self.prints: list[int] = _prefix_fingerprints(tokens, counts, stride)
         """The fingerprint of each prefix of ``counts``, in the same order."""
         self.by_print: dict[int, int] = dict(zip(self.prints, counts, strict=True))
         """Fingerprint -> candidate length."""
+
+    def position(self, count: int) -> int:
+        """The index of candidate length ``count`` in :attr:`counts` (a candidate: unchecked).
+
+        The grid is ``N``, then lines ``stride`` apart, then ``min_tokens``."""
+        counts = self.counts
+        if count == counts[0]:
+            return 0
+        if count == counts[-1]:
+            return len(counts) - 1
+        return 1 + (counts[1] - count) // self._stride
 
     def among(self, prints: Collection[int]) -> list[int]:
         """The candidate lengths whose fingerprint is one of ``prints`` (few: each is looked up
@@ -166,25 +176,35 @@ def _weights_for(n: int) -> npt.NDArray[np.int32]:
     return _weights[:n]
 
 
+_add = np.add.reduce
+
+
 def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
     """``sum(tokens[i] * weight[i] for i < c)`` (products wrapping at 32 bits, sums exact) for
-    each ``c`` in ``counts``: summed by blocks of ``stride`` tokens, then across blocks."""
+    each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length): summed
+    by blocks of ``stride`` tokens, then across blocks."""
     if not counts:
         return []
-    top = max(counts)
+    top = counts[0]
     products = tokens[:top] * _weights_for(top)
     blocks = top // stride
     ends = np.cumsum(
-        np.add.reduce(products[: blocks * stride].reshape(blocks, stride), axis=1, dtype=np.int64)
-    ).tolist()
-    out = []
-    for count in counts:
+        _add(products[: blocks * stride].reshape(blocks, stride), axis=1, dtype=np.int64)
+    )
+
+    def one(count: int) -> int:
         whole, part = divmod(count, stride)
-        value = ends[whole - 1] if whole else 0
+        value = int(ends[whole - 1]) if whole else 0
         if part:
-            value += int(products[whole * stride : count].sum(dtype=np.int64))
-        out.append(value)
-    return out
+            value += int(_add(products[whole * stride : count], dtype=np.int64))
+        return value
+
+    if len(counts) < 3:
+        return [one(c) for c in counts]
+    # The lines between the first and the last length are consecutive multiples of the stride.
+    high, low = counts[1] // stride, counts[-2] // stride
+    lines: list[int] = ends[low - 1 : high][::-1].tolist()
+    return [one(counts[0]), *lines, one(counts[-1])]
 
 
 _PRELUDES: Final = 64

@@ -1,0 +1,68 @@
+"""Grid fingerprints and the prompt's hash memo (stage_runtime.cache.prompt)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stage_runtime.cache.prompt import GridFingerprints, _weights_for, grid_fingerprints
+from stage_runtime.policy import CandidatePolicy
+
+
+def _definition(tokens: np.ndarray, count: int) -> int:
+    """``sum(tokens[i] * weight[i] for i < count)``, each product wrapped to a signed 32-bit
+    integer, summed exactly."""
+    weights = _weights_for(count).astype(np.int64)
+    products = tokens[:count].astype(np.int64) * weights
+    wrapped = ((products + 2**31) % 2**32) - 2**31
+    return int(wrapped.sum())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    min_tokens=st.integers(0, 150),
+    stride=st.integers(0, 150),
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=700),
+)
+def test_grid_fingerprints_follow_their_definition(
+    min_tokens: int, stride: int, tokens: list[int]
+) -> None:
+    """Each candidate length's fingerprint is the linear hash of its prefix, and position()
+    is its index in the grid, whatever the grid's shape."""
+    policy = CandidatePolicy(
+        min_tokens=min_tokens, stride_tokens=stride, page_size_tokens=max(min_tokens, 1)
+    )
+    array = np.asarray(tokens, dtype=np.int32)
+    grid = GridFingerprints(array, policy)
+    assert grid.counts == policy.candidate_token_counts(len(tokens))
+    for index, count in enumerate(grid.counts):
+        assert grid.prints[index] == _definition(array, count)
+        assert grid.position(count) == index
+        assert grid.by_print[grid.prints[index]] in grid.counts
+
+
+def test_equal_prefixes_have_equal_fingerprints_across_prompts() -> None:
+    """Two prompts sharing their first 300 tokens agree on every grid length within them and
+    (almost surely) differ past it: the filter never hides a resident prefix."""
+    policy = CandidatePolicy(min_tokens=64, stride_tokens=64)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 50_000, size=300, dtype=np.int32)
+    one = np.concatenate([shared, rng.integers(0, 50_000, size=200, dtype=np.int32)])
+    two = np.concatenate([shared, rng.integers(0, 50_000, size=100, dtype=np.int32)])
+    first, second = GridFingerprints(one, policy), GridFingerprints(two, policy)
+    mine = dict(zip(first.counts, first.prints, strict=True))
+    theirs = dict(zip(second.counts, second.prints, strict=True))
+    for count in set(mine) & set(theirs):
+        assert (mine[count] == theirs[count]) == (count <= 300)
+
+
+def test_stages_share_one_grid_per_prompt_array() -> None:
+    """The same read-only array and grid give the same object; another array a new one."""
+    policy = CandidatePolicy(min_tokens=8, stride_tokens=8)
+    other_policy = CandidatePolicy(min_tokens=8, stride_tokens=8, record_limit=1)
+    tokens = np.arange(100, dtype=np.int32)
+    tokens.flags.writeable = False
+    grid = grid_fingerprints(tokens, policy)
+    assert grid_fingerprints(tokens, other_policy) is grid  # same grid, other ladder
+    assert grid_fingerprints(tokens.copy(), policy) is not grid
