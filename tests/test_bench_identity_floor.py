@@ -38,5 +38,6 @@ def test_floor_of_the_identity_goal_sizes() -> None:
     policy = bench.CandidatePolicy.from_cache_config(config.kv_cache)
     floors = [bench.snapshot_bound(policy.candidate_token_counts(n)) for n in bench.SIZES]
     assert floors == sorted(floors)
-    # Whatever the header length, 131,072 tokens cannot reach the issue's 1.5.
-    assert floors[-1] > bench.IDENTITY_GOAL
+    # Whatever the header length, no exact BLAKE3 gets all of 131,072 tokens' candidates
+    # under 1.5x one hash.
+    assert floors[-1] > 1.5

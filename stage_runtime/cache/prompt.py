@@ -152,7 +152,9 @@ class GridFingerprints:
         """The candidate lengths whose fingerprint is one of ``prints`` (few: each is looked up
         in the grid), in no particular order."""
         by_print = self.by_print
-        return [by_print[f] for f in by_print.keys() & prints]
+        if len(prints) <= len(by_print):
+            return [by_print[f] for f in prints if f in by_print]
+        return [by_print[f] for f in filter(prints.__contains__, by_print)]
 
     def held_by(self, container: Container[int]) -> list[int]:
         """The candidate lengths whose fingerprint ``container`` holds (however many it holds:
