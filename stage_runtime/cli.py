@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
+from stage_runtime import limits
 from stage_runtime._cli_support import (
     configure_logging,
     int_at_least,
@@ -56,13 +57,9 @@ class _FileError(Exception):
     """A file the command must read or write is unusable (exit code 1)."""
 
 
-_MAX_COST_S = 3600.0
-"""The simulation's largest cost per token or per byte (``sim.MAX_COST_S``)."""
-
-
 def _cost_at_most(scale: float) -> Callable[[str], float]:
     """An argparse type: a cost in ``1/scale`` seconds, ``>= 0`` and at most an hour."""
-    limit = _MAX_COST_S * scale
+    limit = limits.MAX_COST_S * scale
 
     def parse(text: str) -> float:
         value = non_negative_float(text)
@@ -103,33 +100,24 @@ def _capacities(text: str) -> list[int]:
 
 _POSITIVE = int_at_least(1)
 _NON_NEGATIVE = int_at_least(0)
-# Kept in step with stage_runtime.sim.driver's MAX_BLOCK_SIZE and MAX_BYTES_PER_TOKEN (the sim
-# package is imported lazily, so that --help and usage errors stay fast); a test checks they agree.
-_MIN_BLOCK_SIZE = 4
-_MAX_BLOCK_SIZE = 1 << 20
-_MAX_STAGES = 256
-_MAX_BYTES_PER_TOKEN = 1 << 24
-_MAX_CACHE_BYTES = 2**64 - 1
-_MAX_ENTRIES = 2**64 - 1
-"""KvCacheConfig's bound on max_entries (a u64 upstream)."""
+# The sim package is imported lazily, so that --help and usage errors stay fast: the limits
+# come from stage_runtime.limits, as the simulator's do.
 _DEMO_BLOCK_SIZE = 512
 """Tokens per hash id in the bundled excerpt (as in every Mooncake trace)."""
-_CTX_SIZE = 262_144
-"""The simulated stages' context (SimConfig's ctx_size): no synthetic prompt may be longer."""
 
 
 def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline = parser.add_argument_group("pipeline and cache")
     pipeline.add_argument(
         "--stages",
-        type=int_between(1, _MAX_STAGES),
+        type=int_between(1, limits.MAX_STAGES),
         metavar="N",
         default=4,
-        help=f"pipeline stages (4; at most {_MAX_STAGES})",
+        help=f"pipeline stages (4; at most {limits.MAX_STAGES})",
     )
     pipeline.add_argument(
         "--block-size",
-        type=int_between(_MIN_BLOCK_SIZE, _MAX_BLOCK_SIZE),
+        type=int_between(limits.MIN_BLOCK_SIZE, limits.MAX_BLOCK_SIZE),
         metavar="N",
         default=512,
         help="tokens per block: per trace hash id, or per block of a synthetic prompt (512)",
@@ -157,7 +145,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--max-entries",
-        type=int_between(1, _MAX_ENTRIES),
+        type=int_between(1, limits.U64_MAX),
         metavar="N",
         default=None,
         help="entries per stage cache (64 with --index ladder; with --index paged every page "
@@ -194,7 +182,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--bytes-per-token",
-        type=int_between(1, _MAX_BYTES_PER_TOKEN),
+        type=int_between(1, limits.MAX_BYTES_PER_TOKEN),
         metavar="N",
         default=8192,
         help="activation bytes per token (8192: 4096-wide bf16)",
@@ -496,12 +484,12 @@ def _check_usage(args: argparse.Namespace) -> None:
         msg = "--capacity-tokens and --sweep-capacity are exclusive; use one"
         raise _UsageError(msg)
     for capacity in args.sweep_capacity or [args.capacity_tokens or 0]:
-        if capacity * args.bytes_per_token > _MAX_CACHE_BYTES:
+        if capacity * args.bytes_per_token > limits.MAX_CACHE_BYTES:
             flag = "--sweep-capacity" if args.sweep_capacity else "--capacity-tokens"
             msg = (
                 f"{flag} {capacity:,} x --bytes-per-token {args.bytes_per_token:,} is "
                 f"{capacity * args.bytes_per_token:,} bytes, more than a cache's byte bound "
-                f"allows ({_MAX_CACHE_BYTES:,})"
+                f"allows ({limits.MAX_CACHE_BYTES:,})"
             )
             raise _UsageError(msg)
     stride = args.block_size if args.stride is None else args.stride
@@ -575,17 +563,17 @@ def _placement(args: argparse.Namespace) -> Placement | None:
 
 def _check_prompt_lengths(args: argparse.Namespace) -> None:
     """Refuse synthetic prompts longer than the simulated stages' context."""
-    if args.groups and args.system_prompt_tokens + args.question_tokens > _CTX_SIZE:
+    if args.groups and args.system_prompt_tokens + args.question_tokens > limits.SIM_CTX_SIZE:
         msg = (
             f"--system-prompt-tokens {args.system_prompt_tokens:,} + --question-tokens "
             f"{args.question_tokens:,} make prompts longer than the stages' context "
-            f"({_CTX_SIZE:,} tokens)"
+            f"({limits.SIM_CTX_SIZE:,} tokens)"
         )
         raise _UsageError(msg)
-    if args.conversations and args.turns * args.tokens_per_turn > _CTX_SIZE:
+    if args.conversations and args.turns * args.tokens_per_turn > limits.SIM_CTX_SIZE:
         msg = (
             f"--turns {args.turns:,} x --tokens-per-turn {args.tokens_per_turn:,} make the last "
-            f"turn longer than the stages' context ({_CTX_SIZE:,} tokens)"
+            f"turn longer than the stages' context ({limits.SIM_CTX_SIZE:,} tokens)"
         )
         raise _UsageError(msg)
 

@@ -19,6 +19,9 @@ from typing import Any, Final, NoReturn, TypeVar
 import attrs
 
 from stage_runtime.errors import ConfigError, shown
+from stage_runtime.limits import I32_MAX as _I32_MAX
+from stage_runtime.limits import I32_MIN as _I32_MIN
+from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -38,9 +41,6 @@ SCHEMA_VERSION: Final = 1
 """Version of the stage message schema carried in :attr:`MessageBase.schema_version`."""
 
 _U32_MAX: Final = 2**32 - 1
-_U64_MAX: Final = 2**64 - 1
-_I32_MIN: Final = -(2**31)
-_I32_MAX: Final = 2**31 - 1
 
 
 class CacheMode(enum.StrEnum):

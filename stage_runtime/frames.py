@@ -18,6 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.errors import FrameError
+from stage_runtime.limits import I32_MAX as _I32_MAX
+from stage_runtime.limits import I32_MIN as _I32_MIN
+from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
     "ActivationDType",
@@ -27,9 +30,6 @@ __all__ = [
 ]
 
 _U32_MAX: Final = 2**32 - 1
-_U64_MAX: Final = 2**64 - 1
-_I32_MIN: Final = -(2**31)
-_I32_MAX: Final = 2**31 - 1
 
 
 class ActivationDType(enum.IntEnum):

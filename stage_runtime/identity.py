@@ -28,6 +28,9 @@ import numpy.typing as npt
 
 from stage_runtime.config import FlashAttention, LoadMode, StageConfig
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import I32_MAX as _I32_MAX
+from stage_runtime.limits import I32_MIN as _I32_MIN
+from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
     "RUNTIME_ABI_VERSION",
@@ -48,9 +51,6 @@ _HASH_PREFIX: Final = "blake3:"
 _LAYOUT_CONSTANT: Final = 4  # the upstream's layer-contiguous page layout, hashed as i32
 _KV_DTYPE: Final = "ggml-native-kv"
 _TOKEN_DTYPE: Final = np.dtype("<i4")
-_I32_MIN: Final = -(2**31)
-_I32_MAX: Final = 2**31 - 1
-_U64_MAX: Final = 2**64 - 1
 
 TokenArray = npt.NDArray[np.int32]
 """A 1-D array of little-endian int32 token ids, as returned by :func:`as_token_array`."""

@@ -58,6 +58,8 @@ from stage_runtime.identity import (
     TokenArray,
     as_token_array,
 )
+from stage_runtime.limits import I32_MAX as _I32_MAX
+from stage_runtime.limits import U64_MAX as _U64_MAX
 from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
 
 __all__ = [
@@ -71,8 +73,6 @@ __all__ = [
     "summarize_records",
 ]
 
-_I32_MAX: Final = 2**31 - 1
-_U64_MAX: Final = 2**64 - 1
 
 # Substrings of model ids whose architectures keep recurrent state (spec §6 fallback table).
 _RECURRENT_MARKERS: Final = (

@@ -9,20 +9,19 @@ extended prompt will find), and, for limits above 2, rungs spaced geometrically 
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from typing import Any
 
 import attrs
 
 from stage_runtime.config import KvCacheConfig
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
     "CandidatePolicy",
     "derive_max_resident_tokens",
     "round_half_away_from_zero",
 ]
-
-_U64_MAX: Final = 2**64 - 1
 
 
 def _count(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -15,6 +15,7 @@ import attrs
 
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
+from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
     "CacheLookup",
@@ -25,7 +26,6 @@ __all__ = [
     "ResidentCacheStats",
 ]
 
-_U64_MAX: Final = 2**64 - 1
 
 EvictionReason = Literal["max_entries", "max_bytes", "cleared"]
 """Why an entry left the cache: the entry bound, the byte bound, or :meth:`clear`."""

@@ -8,12 +8,9 @@ import attrs
 import numpy as np
 
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import MAX_COST_S
 
 __all__ = ["MAX_COST_S", "CostModel", "Percentiles", "percentiles", "pipeline_finish_times"]
-
-MAX_COST_S = 3600.0
-"""Largest cost per token or per byte: an hour. Larger values (``1e308``) would overflow the
-virtual clock to infinity."""
 
 
 def _non_negative_float(instance: object, attribute: attrs.Attribute[float], value: float) -> None:

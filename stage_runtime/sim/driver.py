@@ -40,6 +40,15 @@ import trio
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import (
+    MAX_ARRIVAL_SPAN_S,
+    MAX_BLOCK_SIZE,
+    MAX_BYTES_PER_TOKEN,
+    MAX_CACHE_BYTES,
+    MAX_STAGES,
+    MIN_BLOCK_SIZE,
+    SIM_CTX_SIZE,
+)
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
 from stage_runtime.policy import CandidatePolicy
 from stage_runtime.sim.blocks import BlockTokenizer
@@ -74,28 +83,6 @@ __all__ = [
     "validate_requests",
 ]
 
-MIN_BLOCK_SIZE = 4
-"""Smallest ``block_size``: blocks of fewer tokens cannot keep every two hash ids apart (see
-:class:`~stage_runtime.sim.blocks.BlockTokenizer`), so the replay would share prefixes the
-trace does not."""
-
-MAX_STAGES = 256
-"""Most pipeline stages in a simulation (each is a trio task with its own cache actor)."""
-
-MAX_BLOCK_SIZE = 1 << 20
-"""Largest ``block_size``: a million tokens per hash id (the Mooncake traces use 512). Token
-blocks are generated at this size, so an absurd value would exhaust memory, not fail."""
-
-MAX_BYTES_PER_TOKEN = 1 << 24
-"""Largest ``bytes_per_token``: 16 MiB, an 8-million-wide bf16 activation (a 4,096-wide model
-needs 8,192). Frames must keep their width within int32."""
-
-MAX_CACHE_BYTES = 2**64 - 1
-"""Largest per-stage byte bound (``capacity_tokens * bytes_per_token``) a cache accepts."""
-
-MAX_ARRIVAL_SPAN_S = 1e9
-"""Longest span of arrival times a replay accepts (seconds, about 31 years): the virtual clock
-counts from the first arrival in floating point, which still resolves microseconds there."""
 
 ProgressCallback = Callable[[int], None]
 """Called with the number of finished requests after each one finishes (over every replay of a
@@ -190,7 +177,7 @@ class SimConfig:
     layers_per_stage: int = attrs.field(default=8, validator=_at_least(1))
     """Layers each simulated stage holds (identity only)."""
 
-    ctx_size: int = attrs.field(default=262_144, validator=_at_least(1))
+    ctx_size: int = attrs.field(default=SIM_CTX_SIZE, validator=_at_least(1))
     """Context size of every stage (identity, and the ladder's token budget when limit > 2)."""
 
     model_id: str = "sim/model"

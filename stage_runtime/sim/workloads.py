@@ -11,25 +11,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import Final
 
 import attrs
 import numpy as np
 
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import MAX_BLOCKS, MAX_PROMPT_TOKENS, MAX_REQUESTS
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["MAX_BLOCKS", "MAX_PROMPT_TOKENS", "MAX_REQUESTS", "WorkloadSpec", "synthetic_workload"]
-
-MAX_REQUESTS: Final = 200_000
-"""Most requests a synthetic workload may have (100,000 take about 100 MB and 1 s to build)."""
-
-MAX_PROMPT_TOKENS: Final = 1_000_000_000
-"""Most prompt tokens, summed over the requests, a synthetic workload may have."""
-
-MAX_BLOCKS: Final = 20_000_000
-"""Most blocks, summed over the requests' prompts, a synthetic workload may hold: what its
-memory grows with (a small ``block_size`` makes many)."""
 
 
 def _at_least(minimum: int) -> attrs._ValidatorType[int]:

@@ -480,17 +480,14 @@ def test_sweep_capacities_are_run_once_each_in_the_reports_order() -> None:
     assert args.sweep_capacity == [65536, 262144, 0]
 
 
-def test_cli_limits_agree_with_the_simulation() -> None:
-    """The CLI's copies of the simulation's limits (kept to import it lazily) are the same."""
-    from stage_runtime import cli, sim
+def test_cli_limits_are_the_simulations() -> None:
+    """The CLI and the simulation read one copy of each limit (stage_runtime.limits)."""
+    from stage_runtime import limits, sim
 
-    assert cli._MAX_BLOCK_SIZE == sim.MAX_BLOCK_SIZE
-    assert cli._MIN_BLOCK_SIZE == sim.MIN_BLOCK_SIZE
-    assert cli._MAX_STAGES == sim.MAX_STAGES
-    assert cli._MAX_COST_S == sim.MAX_COST_S
-    assert cli._MAX_BYTES_PER_TOKEN == sim.MAX_BYTES_PER_TOKEN
-    assert cli._MAX_CACHE_BYTES == sim.MAX_CACHE_BYTES
-    assert sim.SimConfig().ctx_size == cli._CTX_SIZE
+    assert sim.MAX_BLOCK_SIZE is limits.MAX_BLOCK_SIZE
+    assert sim.MAX_COST_S is limits.MAX_COST_S
+    assert sim.workloads.MAX_REQUESTS is limits.MAX_REQUESTS
+    assert sim.SimConfig().ctx_size == limits.SIM_CTX_SIZE
 
 
 @pytest.mark.parametrize(
