@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -9,6 +10,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog
+
+
+@pytest.fixture(autouse=True)
+def _logging_left_as_found() -> Iterator[None]:
+    """Each test leaves structlog's and the root logger's configuration as it found them: a
+    command run in-process configures them to print to its (captured, then closed) stderr,
+    which a later test's events would hit."""
+    saved = dict(structlog.get_config())
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    structlog.configure(**saved)
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
