@@ -238,7 +238,7 @@ def _restore_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
         assert hit.token_count == n
 
     def restore_cold() -> None:
-        kv._last_prompt = None  # force the identity pass, as for a prompt seen for the first time
+        kv.stage_cache.forget_prompt()  # force the identity pass, as for a new prompt
         restore()
 
     warm = _median_seconds(restore, repeat)
@@ -282,7 +282,7 @@ def _prefill_row(config: StageConfig, n: int, repeat: int) -> dict[str, Any]:
         kv = KvStageIntegration.from_config(config, environ={})
         assert kv is not None
         kv.record_resident_activation(config, base, 0, earlier, 4096, frame_of[n - 17])
-        kv._last_prompt = None  # the prompt arrives later: this stage has not hashed it yet
+        kv.stage_cache.forget_prompt()  # the prompt arrives later: this stage has not hashed it yet
         return kv
 
     def prefill(kv: KvStageIntegration) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from stage_runtime.accounting import CacheAccounting, LadderAccounting, MissReason
+from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.cache import (
+    ActivationIndex,
+    ActivationRestore,
     CacheLookup,
     CacheRecordOutcome,
     EvictedEntry,
     EvictionReason,
+    LadderIndex,
+    PagedIndex,
     ResidentActivationCache,
     ResidentCacheStats,
+    StageCache,
+    build_index,
 )
 from stage_runtime.cache_actor import (
     CacheActor,
@@ -59,14 +65,12 @@ from stage_runtime.identity import (
     prefix_hashes,
     prefix_namespace_hash,
 )
-from stage_runtime.index_modes import (
-    LadderStageIntegration,
-    PagedActivationRestore,
-    PagedStageIntegration,
-)
 from stage_runtime.integration import (
     ActivationRecordSummary,
     KvStageIntegration,
+    LadderStageIntegration,
+    PagedActivationRestore,
+    PagedStageIntegration,
     PageIdentity,
     PrefillKvIdentity,
     ResidentActivationRecord,
@@ -113,6 +117,12 @@ from stage_runtime.stage import StagePrefillReport, StageStats
 from stage_runtime.tenancy import paged_namespace, salted_prefix_hash, salted_prefix_hashes
 
 __all__ = [
+    "ActivationIndex",
+    "ActivationRestore",
+    "LadderIndex",
+    "PagedIndex",
+    "StageCache",
+    "build_index",
     "CacheActor",
     "CacheMessage",
     "CacheStats",
@@ -196,7 +206,6 @@ __all__ = [
     "PagedRecordOutcome",
     "PagedRestore",
     "page_chain",
-    "LadderAccounting",
     "LadderStageIntegration",
     "PagedActivationRestore",
     "PagedStageIntegration",

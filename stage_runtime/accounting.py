@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Literal, Protocol
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Literal
 
 import attrs
 import numpy as np
@@ -23,7 +23,6 @@ import numpy.typing as npt
 # MissTracker and PrefixFootprint are building blocks of the two indexes, not public API.
 __all__ = [
     "CacheAccounting",
-    "LadderAccounting",
     "MissReason",
 ]
 
@@ -272,90 +271,3 @@ class PrefixFootprint:
             self._clean_tokens_bytes -= group.unique_tokens * group.bytes_per_token
             group.unique_tokens = None
             self._dirty.add(parent)
-
-
-class _Evicted(Protocol):
-    @property
-    def key(self) -> str: ...
-
-    @property
-    def reason(self) -> str: ...
-
-
-@attrs.define(eq=False)
-class LadderAccounting:
-    """Hit, miss-reason and footprint bookkeeping for the ladder index (the upstream's cache).
-
-    The ladder's cache keeps plain counters; this adds what the paged index reports too: why
-    each miss happened, how many tokens hits restored, and the unique-prefix footprint of the
-    resident entries.
-    """
-
-    tombstones: int = 65536
-    """Evicted keys remembered to classify misses."""
-    footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint)
-    _misses: MissTracker = attrs.field(init=False)
-    lookups: int = attrs.field(default=0, init=False)
-    hits: int = attrs.field(default=0, init=False)
-    restored_tokens: int = attrs.field(default=0, init=False)
-    miss_counts: dict[str, int] = attrs.field(
-        factory=lambda: {"never_seen": 0, "evicted": 0, "rejected": 0}, init=False
-    )
-
-    def __attrs_post_init__(self) -> None:
-        self._misses = MissTracker(capacity=self.tombstones)
-
-    def hit(self, token_count: int) -> None:
-        """Count a restore that returned ``token_count`` tokens."""
-        self.lookups += 1
-        self.hits += 1
-        self.restored_tokens += token_count
-
-    def miss(self, probed: Iterable[str], *, rejected: bool) -> MissReason:
-        """Count a restore that returned nothing and say why.
-
-        Args:
-            probed: keys of every candidate probed.
-            rejected: whether some probed entry was found but refused by validation.
-        """
-        reason: MissReason
-        if rejected:
-            reason = "rejected"
-        elif any(self._misses.was_evicted(key) for key in probed):
-            reason = "evicted"
-        else:
-            reason = "never_seen"
-        self.lookups += 1
-        self.miss_counts[reason] += 1
-        return reason
-
-    def resident(self, key: str) -> None:
-        """``key`` is resident again: forget its tombstone (the footprint is updated separately)."""
-        self._misses.cached(key)
-
-    def stored(
-        self,
-        key: str,
-        segments: list[tuple[bytes, npt.NDArray[np.int32]]],
-        bytes_per_token: int,
-    ) -> None:
-        """An entry is resident under ``key`` holding the prefix made of ``segments``."""
-        self._misses.cached(key)
-        self.footprint.add(key, segments, bytes_per_token)
-
-    def evicted(
-        self,
-        entries: Iterable[_Evicted],
-        notes: Mapping[str, tuple[Hashable, ...]] | None = None,
-    ) -> None:
-        """Entries left the cache (``cleared`` ones leave no tombstone); ``notes`` by key go on
-        their tombstones (see :class:`MissTracker`)."""
-        for entry in entries:
-            self.footprint.remove(entry.key)
-            if entry.reason != "cleared":
-                self._misses.evicted(entry.key, notes.get(entry.key, ()) if notes else ())
-
-    @property
-    def tombstone_notes(self) -> Mapping[Hashable, int]:
-        """The notes of the kept tombstones (:attr:`MissTracker.notes`)."""
-        return self._misses.notes

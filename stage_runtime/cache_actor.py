@@ -1,12 +1,12 @@
 """The cache actor: the one task that owns a stage's activation cache.
 
-A :class:`CacheActor` holds one :class:`~stage_runtime.integration.KvStageIntegration` (and the
-:class:`~stage_runtime.config.StageConfig` it was built from); nothing else references them.
+A :class:`CacheActor` holds one :class:`~stage_runtime.cache.StageCache` (built from the
+stage's :class:`~stage_runtime.config.StageConfig`); nothing else references it.
 Every access is a message handled one at a time, so no lock is needed:
 
 - :class:`RestoreActivation`: ``ResidentActivationRestore | None`` (longest validated prefix);
-- :class:`RestoreActivationPages`: the same, but page by page with a paged index
-  (``PagedActivationRestore``);
+- :class:`RestoreActivationPages`: the same hit page by page, nothing joined
+  (``ActivationRestore | None``, whatever the index: what a stage asks);
 - :class:`RecordActivation`: ``list[ResidentActivationRecord]`` (one per ladder rung recorded);
 - :class:`CacheStatsRequest`: :class:`CacheStats` ``| None`` (None when caching is disabled);
 - :class:`ClearCache`: ``tuple[EvictedEntry, ...]`` (reason ``"cleared"``).
@@ -41,16 +41,16 @@ import structlog
 from actors import Actor, Asks
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
+from stage_runtime.cache.results import (
+    ActivationRestore,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+)
+from stage_runtime.cache.stage_cache import StageCache
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
-from stage_runtime.index_modes import PagedActivationRestore, PagedStageIntegration
-from stage_runtime.integration import (
-    KvStageIntegration,
-    ResidentActivationRecord,
-    ResidentActivationRestore,
-)
 
 __all__ = [
     "CacheActor",
@@ -117,13 +117,10 @@ class RestoreActivation(_RestoreFields, Asks[ResidentActivationRestore | None]):
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RestoreActivationPages(
-    _RestoreFields, Asks[PagedActivationRestore | ResidentActivationRestore | None]
-):
-    """:class:`RestoreActivation`, but a paged index replies with the hit page by page (a
-    :class:`~stage_runtime.index_modes.PagedActivationRestore`: views of the cached rows,
-    nothing joined), so the caller can join them off the event loop. The ladder replies as to
-    :class:`RestoreActivation`."""
+class RestoreActivationPages(_RestoreFields, Asks[ActivationRestore | None]):
+    """:class:`RestoreActivation`, but the hit comes page by page (an
+    :class:`~stage_runtime.cache.ActivationRestore`: views of the cached rows, nothing joined),
+    so the caller can join them off the event loop; what a stage asks, whatever its index."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -203,14 +200,14 @@ class CacheActor(Actor[CacheMessage, Any]):
 
     Args:
         config: The stage's configuration; the cache is built from it
-            (:meth:`KvStageIntegration.from_config`), and it is part of every cache key.
+            (:meth:`StageCache.from_config`), and it is part of every cache key.
         environ: Environment consulted when ``config.kv_cache`` is None (spec §6.1); the process
             environment when None.
     """
 
     def __init__(self, config: StageConfig, *, environ: Mapping[str, str] | None = None) -> None:
         self._config = config
-        self._integration = KvStageIntegration.from_config(config, environ=environ)
+        self._cache = StageCache.from_config(config, environ=environ)
         # Bound once (not per event), with the levels it lets through: an event whose level
         # is filtered out is not even built.
         self._log = log.bind()
@@ -220,12 +217,12 @@ class CacheActor(Actor[CacheMessage, Any]):
     @property
     def should_lookup(self) -> bool:
         """Whether restores can ever hit (the mode looks up); fixed for the actor's life."""
-        return self._integration is not None and self._integration.should_lookup()
+        return self._cache is not None and self._cache.should_lookup()
 
     @property
     def should_record(self) -> bool:
         """Whether records can ever store anything; fixed for the actor's life."""
-        return self._integration is not None and self._integration.should_record()
+        return self._cache is not None and self._cache.should_record()
 
     def handle(self, message: CacheMessage) -> Any:
         """Apply one message to the cache and return its reply."""
@@ -245,45 +242,41 @@ class CacheActor(Actor[CacheMessage, Any]):
 
     def _restore(
         self, message: _RestoreFields
-    ) -> ResidentActivationRestore | PagedActivationRestore | None:
+    ) -> ResidentActivationRestore | ActivationRestore | None:
         tokens, start, width = _check_common(message)
-        integration = self._integration
-        if integration is None or not integration.should_lookup() or tokens.size == 0:
+        cache = self._cache
+        if cache is None or not cache.should_lookup() or tokens.size == 0:
             return None
-        restore: ResidentActivationRestore | PagedActivationRestore | None
-        if isinstance(message, RestoreActivationPages) and isinstance(
-            integration, PagedStageIntegration
-        ):
-            restore = integration.restore_resident_pages(
-                self._config, message.base, start, tokens, width
-            )
-        else:
-            restore = integration.restore_resident_activation(
-                self._config, message.base, start, tokens, width
-            )
-        if not self._debug:
+        restore = cache.restore(message.base, tokens, width, token_start=start)
+        if self._debug:
+            self._log_restore(message.base, int(tokens.size), restore)
+        if restore is None or isinstance(message, RestoreActivationPages):
             return restore
-        requested = int(tokens.size)
+        return restore.to_restore()
+
+    def _log_restore(
+        self, base: MessageBase, requested: int, restore: ActivationRestore | None
+    ) -> None:
+        assert self._cache is not None
         if restore is None:
             self._log.debug(
                 "activation_missed",
-                **_request_of(message.base),
+                **_request_of(base),
                 requested_tokens=requested,
-                candidates_tried=integration.lookup_candidates(requested),
+                candidates_tried=self._cache.lookup_candidates(requested),
                 decision=DECISION_MISS,
-                reason=integration.last_miss_reason or "never_seen",
+                reason=self._cache.last_miss_reason or "never_seen",
             )
-            return None
+            return
         self._log.debug(
             "activation_restored",
-            **_request_of(message.base),
+            **_request_of(base),
             page_id=restore.page_id,
             token_count=restore.token_count,
             requested_tokens=requested,
             payload_bytes=restore.payload_bytes,
             decision=DECISION_HIT if restore.token_count >= requested else DECISION_PREFIX_SHORT,
         )
-        return restore
 
     def _record(self, message: RecordActivation) -> list[ResidentActivationRecord]:
         tokens, start, width = _check_common(message)
@@ -299,17 +292,10 @@ class CacheActor(Actor[CacheMessage, Any]):
         # (The core, like the upstream's, does not look: the seed's own tests record 1-wide
         # rows under width 4,096.)
         frame.check_row_width(width, what="frame")
-        integration = self._integration
-        if integration is None or not integration.should_record():
+        cache = self._cache
+        if cache is None or not cache.should_record():
             return []
-        records = integration.record_resident_activation(
-            self._config,
-            message.base,
-            start,
-            tokens,
-            width,
-            frame,
-        )
+        records = cache.record(message.base, tokens, width, frame, token_start=start)
         if not (self._info or self._debug):
             return records
         request = _request_of(message.base)
@@ -331,15 +317,15 @@ class CacheActor(Actor[CacheMessage, Any]):
         return records
 
     def _stats(self) -> CacheStats | None:
-        if self._integration is None:
+        if self._cache is None:
             return None
-        counters = attrs.asdict(self._integration.stats(), recurse=False)
-        return CacheStats(**counters, accounting=self._integration.accounting())
+        counters = attrs.asdict(self._cache.statistics(), recurse=False)
+        return CacheStats(**counters, accounting=self._cache.accounting())
 
     def _clear(self) -> tuple[EvictedEntry, ...]:
-        if self._integration is None:
+        if self._cache is None:
             return ()
-        evicted = self._integration.clear()
+        evicted = self._cache.clear()
         if self._info:
             _log_evictions(self._log, evicted)
         return evicted

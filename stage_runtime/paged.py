@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
-from stage_runtime.cache import EvictedEntry, EvictionReason
+from stage_runtime.cache.resident import EvictedEntry, EvictionReason
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.identity import TokenArray, as_token_array
 

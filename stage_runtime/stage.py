@@ -54,7 +54,6 @@ from stage_runtime.cache_actor import (
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import FrameError, StageFailedError, sole_exception
 from stage_runtime.frames import ActivationFrame
-from stage_runtime.index_modes import PagedActivationRestore
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
@@ -353,10 +352,8 @@ class Stage:
                 hit = await cache.ask(
                     RestoreActivationPages(base=base, tokens=tokens, activation_width=width)
                 )
-                if isinstance(hit, PagedActivationRestore):  # pages: join them (maybe a copy)
-                    restored = await _copying(hit.frame, nbytes=hit.source.copy_bytes())
-                elif hit is not None:
-                    restored = hit.frame  # a view of the cached frame
+                if hit is not None:  # join the pages (a view of one; maybe a copy of many)
+                    restored = await _copying(hit.frame, nbytes=hit.copy_bytes())
             k = 0 if restored is None else restored.token_count
             # A model error is that caller's error. Raised in a group with a Cancelled (the
             # model's own nursery interrupted), the Cancelled goes on to its cancel scope.

@@ -25,8 +25,8 @@ from stage_runtime.accounting import CacheAccounting, MissReason, PrefixFootprin
 from stage_runtime.cache.prompt import Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, ResidentCacheStats
 from stage_runtime.cache.results import (
+    ActivationRestore,
     ResidentActivationRecord,
-    ResidentActivationRestore,
     prefill_kv_identity,
 )
 from stage_runtime.config import KvCacheConfig
@@ -73,7 +73,7 @@ class LadderIndex:
         store: The store to keep the entries in; one built from ``cache_config`` when None.
     """
 
-    kind: Final = "ladder"
+    kind = "ladder"
 
     def __init__(
         self,
@@ -129,7 +129,7 @@ class LadderIndex:
 
     # ------------------------------------------------------------------------------ restore
 
-    def restore(self, prompt: Prompt) -> ResidentActivationRestore | None:
+    def restore(self, prompt: Prompt) -> ActivationRestore | None:
         """The longest cached, validated prefix of the prompt, or None (spec §5.1).
 
         Grid lengths are probed longest first. A hit is used only if its recorded token count,
@@ -180,7 +180,7 @@ class LadderIndex:
                 self._hits += 1
                 self._restored_tokens += count
                 self.last_miss_reason = None
-                return ResidentActivationRestore(
+                return ActivationRestore(
                     identity=prefill_kv_identity(
                         prompt.config,
                         prompt.base,
@@ -193,7 +193,8 @@ class LadderIndex:
                     token_count=count,
                     payload_bytes=hit.byte_size,
                     entries=hit.entries,
-                    frame=frame,
+                    desc=frame.desc,
+                    whole=frame,
                 )
         if total > position:
             store.count_misses(total - position)

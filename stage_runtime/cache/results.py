@@ -7,12 +7,15 @@ which index they talk to.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from stage_runtime.cache.resident import EvictedEntry
 from stage_runtime.config import MessageBase, StageConfig
-from stage_runtime.frames import ActivationFrame
+from stage_runtime.frames import ActivationDesc, ActivationFrame
 from stage_runtime.identity import (
     RUNTIME_ABI_VERSION,
     TokenArray,
@@ -22,6 +25,8 @@ from stage_runtime.identity import (
 
 __all__ = [
     "ActivationRecordSummary",
+    "ActivationRestore",
+    "PageSource",
     "PageIdentity",
     "PrefillKvIdentity",
     "ResidentActivationRecord",
@@ -131,6 +136,89 @@ class ResidentActivationRecord:
     """The entries this store evicted, least recently used first (a tuple from the ladder; from the
     paged index, an ``EvictedPages`` that builds each record when read, which ``attrs.asdict``
     leaves as it is: ``tuple(record.evicted)`` gives a plain tuple)."""
+
+
+class PageSource(Protocol):
+    """What a paged hit hands over: its pages' payloads, and their join on demand."""
+
+    @property
+    def pages(self) -> tuple[npt.NDArray[np.uint8], ...]:
+        """Read-only payload views, in token order."""
+        ...
+
+    @property
+    def page_token_counts(self) -> tuple[int, ...]:
+        """Tokens in each page."""
+        ...
+
+    def payload(self) -> npt.NDArray[np.uint8]:
+        """The pages joined (at most one copy)."""
+        ...
+
+    def copy_bytes(self) -> int:
+        """Bytes :meth:`payload` copies."""
+        ...
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ActivationRestore:
+    """A hit of either index: the restored prefix, as its pages or as one frame on demand.
+
+    The ladder restores one cached frame (``whole``); the paged index a run of pages
+    (``source``), joined only when :meth:`frame` is called. Nothing is copied until then.
+    """
+
+    identity: PrefillKvIdentity
+    """Identity of the restored prefix (a paged hit's prefix hash is its chained page key)."""
+    page_id: str
+    """The cache key that hit (the ladder), or the name of the last page used (paged)."""
+    token_count: int
+    """Tokens restored."""
+    payload_bytes: int
+    """Bytes of the restored prefix."""
+    entries: int
+    """Entries resident at restore time."""
+    desc: ActivationDesc
+    """Descriptor of the whole restored prefix."""
+    source: PageSource | None = None
+    """A paged hit's pages; None for a ladder hit."""
+    whole: ActivationFrame | None = None
+    """A ladder hit's cached frame (shared with the cache, read-only); None for a paged hit."""
+
+    def pages(self) -> tuple[ActivationFrame, ...]:
+        """The pages in token order, one frame each, viewing the cached rows (never copied)."""
+        if self.source is None:
+            assert self.whole is not None
+            return (self.whole,)
+        return tuple(
+            ActivationFrame(
+                desc=attrs.evolve(self.desc, token_count=count, payload_bytes=int(payload.size)),
+                payload=payload,
+            )
+            for count, payload in zip(self.source.page_token_counts, self.source.pages, strict=True)
+        )
+
+    def copy_bytes(self) -> int:
+        """Bytes :meth:`frame` copies: none for a ladder hit, one page, or virtual rows."""
+        return 0 if self.source is None else self.source.copy_bytes()
+
+    def frame(self) -> ActivationFrame:
+        """The whole prefix as one frame: at most one copy (see :meth:`copy_bytes`)."""
+        if self.source is None:
+            assert self.whole is not None
+            return self.whole
+        return ActivationFrame(desc=self.desc, payload=self.source.payload())
+
+    def to_restore(self) -> ResidentActivationRestore:
+        """The same hit as the seed-parity API's result (the frame assembled)."""
+        return ResidentActivationRestore(
+            identity=self.identity,
+            page_id=self.page_id,
+            token_count=self.token_count,
+            payload_bytes=self.payload_bytes,
+            entries=self.entries,
+            frame=self.frame(),
+        )
 
 
 @attrs.frozen(kw_only=True)

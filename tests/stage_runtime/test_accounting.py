@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.accounting import CacheAccounting, LadderAccounting, MissTracker, PrefixFootprint
+from stage_runtime.accounting import CacheAccounting, MissTracker, PrefixFootprint
 
 
 def tokens(*values: int) -> npt.NDArray[np.int32]:
@@ -68,24 +68,6 @@ def test_footprint_separates_parents() -> None:
     footprint.add("x", [(b"p1", tokens(5, 6))], 1)
     footprint.add("y", [(b"p2", tokens(5, 6))], 1)
     assert footprint.unique_bytes() == 4
-
-
-def test_ladder_accounting_classifies_misses() -> None:
-    """Rejected beats evicted beats never seen; hits add restored tokens."""
-    acc = LadderAccounting()
-    acc.stored("k", [(b"root", tokens(1, 2))], 4)
-    acc.hit(2)
-
-    class Gone:
-        key = "k"
-        reason = "max_entries"
-
-    acc.evicted([Gone()])
-    assert acc.miss(["k"], rejected=False) == "evicted"
-    assert acc.miss(["other"], rejected=False) == "never_seen"
-    assert acc.miss(["k"], rejected=True) == "rejected"
-    assert (acc.lookups, acc.hits, acc.restored_tokens) == (4, 1, 2)
-    assert acc.footprint.unique_bytes() == 0
 
 
 def test_residency_ratio_of_an_empty_cache_is_zero() -> None:

@@ -17,7 +17,7 @@ import trio
 
 from actors import ActorRef, open_actor
 from actors.testing import LogEvent, capture_actor_logs, events_named
-from stage_runtime.cache import EvictedEntry, ResidentCacheStats
+from stage_runtime.cache import EvictedEntry, LadderIndex, ResidentCacheStats
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
@@ -38,8 +38,11 @@ from stage_runtime.config import (
 )
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame, ActivationLayout
-from stage_runtime.index_modes import PagedActivationRestore
-from stage_runtime.integration import ResidentActivationRecord, ResidentActivationRestore
+from stage_runtime.integration import (
+    PagedActivationRestore,
+    ResidentActivationRecord,
+    ResidentActivationRestore,
+)
 
 BASE = MessageBase(session_id="session", chat_template_id="template")
 WIDTH = 4096
@@ -363,7 +366,9 @@ async def test_ladder_miss_on_a_refused_entry_is_rejected(logs: list[LogEvent]) 
         async with open_actor(actor, name="cache") as ref:
             await ref.ask(record(tokens(300), seed_frame(300, 1200)))
             # Corrupt both rungs behind the actor's back: each now holds a 299-token frame.
-            cache = actor._integration.cache  # type: ignore[union-attr]
+            index = actor._cache.index if actor._cache is not None else None
+            assert isinstance(index, LadderIndex)
+            cache = index.store
             bad = seed_frame(299, 1196)
             for key in list(cache.keys()):
                 cache.record(key, 299, bad.payload.size, bad)
@@ -584,14 +589,20 @@ async def test_a_paged_restore_can_be_asked_for_page_by_page() -> None:
 
 
 async def test_the_ladder_answers_a_page_by_page_restore_with_one_frame() -> None:
+    """Both indexes reply to RestoreActivationPages with the same type; a ladder hit is one
+    page, its cached frame, joined without a copy."""
     config = seed_config()
+    frame = seed_frame(300, 1200)
     async with cache_actor(config) as ref:
-        await ref.ask(record(tokens(300), seed_frame(300, 1200)))
+        await ref.ask(record(tokens(300), frame))
         hit = await ref.ask(
             RestoreActivationPages(base=BASE, tokens=tokens(300), activation_width=WIDTH)
         )
-    assert isinstance(hit, ResidentActivationRestore)
+    assert isinstance(hit, PagedActivationRestore)
     assert hit.token_count == 300
+    assert hit.copy_bytes() == 0
+    assert hit.pages() == (hit.frame(),)
+    assert hit.frame() is frame
 
 
 async def test_each_message_declares_its_reply_type() -> None:
@@ -605,7 +616,7 @@ async def test_each_message_declares_its_reply_type() -> None:
         paged = await ref.ask(
             RestoreActivationPages(base=BASE, tokens=tokens(300), activation_width=WIDTH)
         )
-        assert_type(paged, PagedActivationRestore | ResidentActivationRestore | None)
+        assert_type(paged, PagedActivationRestore | None)
         stats = await ref.ask(CacheStatsRequest())
         assert_type(stats, CacheStats | None)
         cleared = await ref.ask(ClearCache())

@@ -850,12 +850,11 @@ def test_cache_without_key_index_is_probed_fully() -> None:
     """An integration built by hand around a plain cache still finds its entries."""
     config = seed_config()
     built = seed_integration(config)
-    kv = KvStageIntegration(
-        mode=built.mode,
-        payload=built.payload,
-        cache_config=built.cache_config,
-        policy=built.policy,
-        cache=ResidentActivationCache(max_entries=8, min_tokens=256),
+    kv = KvStageIntegration.around(
+        config,
+        built.cache_config,
+        built.policy,
+        ResidentActivationCache(max_entries=8, min_tokens=256),
     )
     tokens = list(range(2214))
     kv.record_resident_activation(

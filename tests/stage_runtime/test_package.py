@@ -18,7 +18,6 @@ CORE_MODULES = [
     "errors",
     "frames",
     "identity",
-    "index_modes",
     "integration",
     "models",
     "paged",

@@ -219,22 +219,22 @@ def test_a_ladder_restore_does_no_more_work_when_another_tenant_holds_the_same_t
     """Whether tenant b recorded the same prompt must not change what tenant a's (missing)
     restore computes, or its latency would tell: the ladder used to hash and probe the lengths
     where b's key had the same token fingerprint."""
-    from stage_runtime.index_modes import LadderStageIntegration
+    from stage_runtime.cache import prompt as prompt_module
 
     tokens = list(range(1, 13))
     hashed: list[list[int]] = []
-    real = LadderStageIntegration._hashes
+    real = prompt_module._hash_counts  # type: ignore[attr-defined]
 
-    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
-        hashed.append(list(args[4]))  # the lengths asked for
-        return real(self, *args, **kwargs)
+    def spy(*args: Any) -> Any:
+        hashed.append(list(args[2]))  # the lengths asked for
+        return real(*args)
 
     for b_sent in (False, True):
         kv, config = integration("ladder")
         if b_sent:
             record(kv, config, tokens, cache_salt="tenant-b")
         with monkeypatch.context() as patch:
-            patch.setattr(LadderStageIntegration, "_hashes", spy)
+            patch.setattr(prompt_module, "_hash_counts", spy)
             assert restored(kv, config, tokens, cache_salt="tenant-a") == 0
         assert kv.last_miss_reason == "never_seen"
     assert hashed == []  # neither restore hashed anything
