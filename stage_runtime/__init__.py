@@ -17,6 +17,19 @@ from stage_runtime.cache import (
     StageCache,
     build_index,
 )
+from stage_runtime.cache.paged import (
+    EntryKind,
+    EvictedPage,
+    EvictedPages,
+    EvictionPolicy,
+    PageChain,
+    PagedActivationIndex,
+    PagedIndexStats,
+    PagedLookup,
+    PagedRecordOutcome,
+    PagedRestore,
+    page_chain,
+)
 from stage_runtime.cache_actor import (
     CacheActor,
     CacheMessage,
@@ -85,19 +98,6 @@ from stage_runtime.models import (
     VirtualStageModel,
     reference_model_factory,
     virtual_model_factory,
-)
-from stage_runtime.paged import (
-    EntryKind,
-    EvictedPage,
-    EvictedPages,
-    EvictionPolicy,
-    PageChain,
-    PagedActivationIndex,
-    PagedIndexStats,
-    PagedLookup,
-    PagedRecordOutcome,
-    PagedRestore,
-    page_chain,
 )
 from stage_runtime.pipeline import (
     Pipeline,

@@ -81,7 +81,7 @@ class FlashAttention(enum.StrEnum):
 
 
 class CacheIndex(enum.StrEnum):
-    """How a stage's activation cache keys what it stores (see :mod:`stage_runtime.paged`).
+    """How a stage's activation cache keys what it stores (see :mod:`stage_runtime.cache.paged`).
 
     ``LADDER`` is the upstream: one full copy per recorded prefix length, hits only at those
     lengths. ``PAGED`` stores pages of rows shared by every prompt with the same prefix.
@@ -95,7 +95,7 @@ class PageEviction(enum.StrEnum):
     """Which page the paged index evicts first (leaves only, in both policies).
 
     ``LRU``: the least recently used. ``REUSE``: the least valuable by reuse and recompute saved
-    (GreedyDual-style, see :class:`~stage_runtime.paged.PagedActivationIndex`).
+    (GreedyDual-style, see :class:`~stage_runtime.cache.paged.PagedActivationIndex`).
     """
 
     LRU = "lru"

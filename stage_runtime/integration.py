@@ -22,7 +22,8 @@ import numpy.typing as npt
 
 from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.cache.ladder import LadderIndex
-from stage_runtime.cache.paged_index import PagedIndex
+from stage_runtime.cache.paged.index import PagedActivationIndex
+from stage_runtime.cache.paged.stage_index import PagedIndex
 from stage_runtime.cache.prompt import Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, ResidentCacheStats
 from stage_runtime.cache.results import (
@@ -45,7 +46,6 @@ from stage_runtime.config import (
 )
 from stage_runtime.errors import ConfigError
 from stage_runtime.frames import ActivationFrame
-from stage_runtime.paged import PagedActivationIndex
 from stage_runtime.policy import CandidatePolicy
 
 __all__ = [
@@ -341,7 +341,7 @@ class LadderStageIntegration(KvStageIntegration):
 
 class PagedStageIntegration(KvStageIntegration):
     """The paged index: prompts that share a prefix share its pages (see
-    :mod:`stage_runtime.cache.paged_index`)."""
+    :mod:`stage_runtime.cache.paged`)."""
 
     __slots__ = ()
 

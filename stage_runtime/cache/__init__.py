@@ -11,7 +11,7 @@ Plain single-owner state: no locks, no trio. A cache actor owns one and is the o
 
 from stage_runtime.cache.index import ActivationIndex
 from stage_runtime.cache.ladder import LadderIndex
-from stage_runtime.cache.paged_index import PagedIndex
+from stage_runtime.cache.paged.stage_index import PagedIndex
 from stage_runtime.cache.resident import (
     CacheLookup,
     CacheRecordOutcome,

@@ -1,7 +1,7 @@
 """What a stage cache needs of an index: the :class:`ActivationIndex` protocol.
 
 Two indexes implement it: :class:`~stage_runtime.cache.ladder.LadderIndex` (the upstream's
-record ladder over a resident LRU) and :class:`~stage_runtime.cache.paged_index.PagedIndex`
+record ladder over a resident LRU) and :class:`~stage_runtime.cache.paged.PagedIndex`
 (pages shared across prompts). A :class:`~stage_runtime.cache.stage_cache.StageCache` owns one
 and validates every argument before it reaches the index, so an index never sees bad input.
 """

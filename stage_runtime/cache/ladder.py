@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from stage_runtime.accounting import CacheAccounting, MissReason, PrefixFootprint
+from stage_runtime.cache.paged.chains import PageChain, page_chain
 from stage_runtime.cache.prompt import Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, ResidentCacheStats
 from stage_runtime.cache.results import (
@@ -32,7 +33,6 @@ from stage_runtime.cache.results import (
 from stage_runtime.config import KvCacheConfig
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import TokenArray
-from stage_runtime.paged import PageChain, page_chain
 from stage_runtime.policy import CandidatePolicy
 from stage_runtime.tenancy import paged_namespace
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.cache.index import ActivationIndex
 from stage_runtime.cache.ladder import LadderIndex
-from stage_runtime.cache.paged_index import PagedIndex
+from stage_runtime.cache.paged.stage_index import PagedIndex
 from stage_runtime.cache.prompt import Prompt, owned_tokens
 from stage_runtime.cache.resident import EvictedEntry, ResidentCacheStats
 from stage_runtime.cache.results import ActivationRestore, ResidentActivationRecord

@@ -14,8 +14,8 @@ from stage_runtime import (
     StageConfig,
 )
 from stage_runtime.accounting import PrefixFootprint
+from stage_runtime.cache.paged.chains import page_chain
 from stage_runtime.identity import activation_page_id, page_id, prefix_hash
-from stage_runtime.paged import page_chain
 from stage_runtime.tenancy import paged_namespace
 
 WIDTH = 4

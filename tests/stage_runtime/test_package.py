@@ -20,7 +20,7 @@ CORE_MODULES = [
     "identity",
     "integration",
     "models",
-    "paged",
+    "cache.paged",
     "pipeline",
     "policy",
     "stage",

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from stage_runtime.cache.paged import PagedActivationIndex, page_chain
 from stage_runtime.errors import ConfigError, FrameError
-from stage_runtime.paged import PagedActivationIndex, page_chain
 
 BPT = 4  # bytes per token row in these tests
 

@@ -1,6 +1,6 @@
 """The paged index of a stage cache (issue 6): pages shared across prompts.
 
-A :class:`PagedIndex` holds a :class:`~stage_runtime.paged.PagedActivationIndex` and turns
+A :class:`PagedIndex` holds a :class:`~stage_runtime.cache.paged.PagedActivationIndex` and turns
 prompts and frames into its chains and payloads. Differences a caller can see from the ladder:
 
 - a restore returns the longest cached run of pages (any page boundary, not only grid lengths),
@@ -21,6 +21,8 @@ import attrs
 import numpy as np
 
 from stage_runtime.accounting import CacheAccounting, MissReason
+from stage_runtime.cache.paged.chains import PageChain
+from stage_runtime.cache.paged.index import PagedActivationIndex
 from stage_runtime.cache.prompt import Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentCacheStats
 from stage_runtime.cache.results import (
@@ -31,7 +33,6 @@ from stage_runtime.cache.results import (
 from stage_runtime.config import KvCacheConfig, PageEviction
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
-from stage_runtime.paged import PageChain, PagedActivationIndex
 from stage_runtime.tenancy import paged_namespace
 
 __all__ = ["PagedIndex"]

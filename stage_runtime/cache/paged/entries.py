@@ -1,0 +1,85 @@
+"""The paged index's resident entries, and the token bytes each keeps for the footprint."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import attrs
+import numpy as np
+
+from stage_runtime.cache.paged.chains import PageChain
+from stage_runtime.cache.paged.results import EntryKind, Payload, _entry_name, _is_virtual
+
+_SHARED_SEGMENTS = 4096
+"""Token segments :func:`_shared_segment` remembers: the stages of a pipeline record the same
+prompts one after the other, so a short memory lets them all keep one copy of each segment."""
+_recent_segments: dict[bytes, bytes] = {}
+
+
+def _shared_segment(data: bytes) -> bytes:
+    """``data``, or an equal bytes object recorded lately (one copy for all the stages)."""
+    known = _recent_segments.get(data)
+    if known is not None:
+        return known
+    _recent_segments[data] = data
+    if len(_recent_segments) > _SHARED_SEGMENTS:
+        del _recent_segments[next(iter(_recent_segments))]
+    return data
+
+
+def _footprint_segments(chain: PageChain, entry: _Entry) -> list[tuple[bytes, bytes]]:
+    """``(parent key, token bytes)`` of each segment of ``entry``'s token rows: one for a page or
+    a tail, every page of the prompt for an exact entry. The bytes, not views of the prompt: a
+    view would keep the whole prompt alive as long as the entry."""
+    tokens = chain.tokens
+    if entry.kind == "exact":
+        return [
+            (parent, _shared_segment(part.tobytes()))
+            for parent, part in chain.segments(entry.token_count)
+        ]
+    start = entry.token_start
+    return [(entry.group, _shared_segment(tokens[start : start + entry.token_count].tobytes()))]
+
+
+def _stored(segment: Payload) -> Payload:
+    """Own a segment's bytes (so a page never pins the frame it was cut from)."""
+    if _is_virtual(segment):
+        return segment
+    owned = np.array(segment, dtype=np.uint8, copy=True)
+    owned.flags.writeable = False
+    return owned
+
+
+@attrs.define(eq=False)
+class _Entry:
+    key: bytes
+    label: str
+    """The recording chain's label (the first part of :attr:`name`)."""
+    kind: EntryKind
+    parent: _Entry | None
+    group: bytes
+    """Key of the parent entry or of the namespace root."""
+    token_start: int
+    token_count: int
+    payload: Payload
+    nbytes: int
+    """``payload.size``."""
+    bytes_per_token: int
+    meta: Hashable
+    last_used: int
+    children: int = 0
+    """Cached entries whose parent this is (kept under ``reuse`` only, for its leaf heap)."""
+    hits: int = 0
+    """Restores that used this entry."""
+    priority: float = 0.0
+    """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+
+    @property
+    def name(self) -> str:
+        """Printable name (made on demand: most entries are never named)."""
+        return _entry_name(self.label, self.kind, self.token_start, self.token_count, self.key)
+
+
+def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:
+    """Heap item of a leaf: lowest priority first, then least recently used."""
+    return (entry.priority, entry.last_used, id(entry), entry)

@@ -1,0 +1,253 @@
+"""What the paged index hands back: restores, record outcomes, evicted pages, statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Literal, overload
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from stage_runtime.accounting import MissReason
+from stage_runtime.cache.resident import EvictedEntry, EvictionReason
+
+__all__ = [
+    "EntryKind",
+    "EvictedPage",
+    "EvictedPages",
+    "PagedIndexStats",
+    "PagedLookup",
+    "PagedRecordOutcome",
+    "PagedRestore",
+]
+
+Payload = npt.NDArray[np.uint8]
+
+EntryKind = Literal["page", "tail", "exact"]
+"""A full page, the exact-length tail of a prompt, or a whole frame that could not be paged."""
+
+
+@attrs.frozen(kw_only=True)
+class EvictedPage(EvictedEntry):
+    """One entry the index evicted: the ladder's ``EvictedEntry`` plus where it sat in its chain.
+
+    Being an ``EvictedEntry``, it goes into records and ``activation_evicted`` events as is; its
+    ``entries_after`` and ``resident_bytes_after`` are always set. Under ``lru`` a record makes
+    room for all its new pages before storing them, so these are the residency before any of them;
+    under ``reuse`` it makes room page by page, so they include the pages stored so far.
+    """
+
+    kind: EntryKind
+    token_start: int
+    """First token the entry covers."""
+
+
+_Eviction = tuple[str, EntryKind, int, int, bytes, int, EvictionReason, int, int]
+"""The parts of an :class:`EvictedPage`: chain label, kind, token start, token count, key,
+payload bytes, reason, entries after, resident bytes after."""
+
+
+def _entry_name(label: str, kind: str, token_start: int, token_count: int, key: bytes) -> str:
+    """Printable name of an entry (its ``EvictedPage.key``, its restore and record name)."""
+    return f"{label}:{kind}:{token_start}+{token_count}:{key[:8].hex()}"
+
+
+class EvictedPages(Sequence[EvictedPage]):
+    """The entries one call evicted, in eviction order, each an :class:`EvictedPage` built on
+    first use.
+
+    Under a tight bound one record evicts hundreds of pages, and most readers only count them
+    (``len``) or add up their bytes (:attr:`payload_bytes`): the records are made only when
+    something reads them. Immutable; equal to any sequence of the same records (a tuple too).
+    """
+
+    __slots__ = ("_pages", "_parts")
+
+    def __init__(self, parts: Sequence[_Eviction] = ()) -> None:
+        self._parts = tuple(parts)
+        self._pages: tuple[EvictedPage, ...] | None = None
+
+    @property
+    def pages(self) -> tuple[EvictedPage, ...]:
+        """The records as a tuple."""
+        if self._pages is None:
+            self._pages = tuple(
+                EvictedPage(
+                    key=_entry_name(label, kind, start, count, key),
+                    kind=kind,
+                    token_start=start,
+                    token_count=count,
+                    payload_bytes=size,
+                    reason=reason,
+                    entries_after=entries,
+                    resident_bytes_after=resident,
+                )
+                for label, kind, start, count, key, size, reason, entries, resident in self._parts
+            )
+        return self._pages
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of all the evicted entries."""
+        return sum(part[5] for part in self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    @overload
+    def __getitem__(self, index: int) -> EvictedPage: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[EvictedPage, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> EvictedPage | tuple[EvictedPage, ...]:
+        return self.pages[index]
+
+    def __iter__(self) -> Iterator[EvictedPage]:
+        return iter(self.pages)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EvictedPages):
+            return self._parts == other._parts
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return self.pages == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._parts)
+
+    def __repr__(self) -> str:
+        return f"EvictedPages({list(self.pages)!r})"
+
+
+@attrs.frozen(kw_only=True)
+class PagedRecordOutcome:
+    """What one :meth:`PagedActivationIndex.record` call did."""
+
+    stored_entries: int
+    """New entries stored (shared pages already cached are not stored again)."""
+    stored_bytes: int
+    """Payload bytes of those new entries."""
+    reused_entries: int
+    """Entries that were already cached (their recency was refreshed)."""
+    covered_tokens: int
+    """Prompt tokens now covered from the start by cached entries of this prompt."""
+    truncated: bool
+    """The bounds could not fit the whole chain; pages past ``covered_tokens`` were not stored."""
+    evicted: EvictedPages
+    """The entries this call evicted to make room, in order."""
+    last_key: bytes | None
+    """Key of the last entry covering ``covered_tokens`` (None when nothing is covered)."""
+    last_entry: str
+    """Printable name of that entry (``""`` when nothing is covered)."""
+    entries: int
+    """Resident entries after the call."""
+    resident_bytes: int
+    """Resident payload bytes after the call."""
+
+    @property
+    def evicted_bytes(self) -> int:
+        """Payload bytes evicted by this call."""
+        return self.evicted.payload_bytes
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PagedRestore:
+    """A restored prefix: the page views in order, assembled on demand."""
+
+    token_count: int
+    """Tokens restored (from token 0)."""
+    bytes_per_token: int
+    """Row size; 0 for an exact entry of a frame that is not token-major."""
+    meta: Hashable
+    """What the recorder passed as ``meta`` (the frame description minus token counts)."""
+    pages: tuple[Payload, ...]
+    """Read-only payload views, in token order; together exactly ``payload_bytes``."""
+    page_token_counts: tuple[int, ...]
+    """Tokens in each of ``pages``."""
+    keys: tuple[str, ...]
+    """Printable names of the entries used."""
+    last_key: bytes
+    """Key of the last entry used: the chained identity of the whole restored prefix."""
+    entries: int
+    """Resident entries at restore time."""
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the restored prefix."""
+        return sum(int(p.size) for p in self.pages)
+
+    def iter_pages(self) -> Iterator[tuple[int, Payload]]:
+        """Yield ``(token_start, payload view)`` per page, never copying."""
+        start = 0
+        for count, page in zip(self.page_token_counts, self.pages, strict=True):
+            yield start, page
+            start += count
+
+    def copy_bytes(self) -> int:
+        """Bytes :meth:`payload` copies: none for one page or for virtual pages of one fill
+        value, else the whole prefix."""
+        if len(self.pages) == 1 or self._virtual_fill():
+            return 0
+        return self.payload_bytes
+
+    def _virtual_fill(self) -> bool:
+        pages = self.pages
+        return all(_is_virtual(p) for p in pages) and len({int(p[0]) for p in pages}) == 1
+
+    def payload(self) -> Payload:
+        """The whole prefix as one read-only 1-D ``uint8`` array (at most one copy).
+
+        A single page is returned as is; virtual pages (zero-stride views) with one fill value
+        give a zero-stride view of the full size, allocating nothing.
+        """
+        if len(self.pages) == 1:
+            return self.pages[0]
+        total = self.payload_bytes
+        if self._virtual_fill():
+            out: Payload = np.broadcast_to(self.pages[0][:1], (total,))
+            return out
+        joined = np.concatenate(self.pages)
+        joined.flags.writeable = False
+        return joined
+
+
+@attrs.frozen(kw_only=True)
+class PagedLookup:
+    """Outcome of one restore: a prefix, or the reason for the miss."""
+
+    restore: PagedRestore | None
+    miss_reason: MissReason | None
+    """Set on a miss; ``None`` on a hit."""
+
+
+@attrs.frozen(kw_only=True)
+class PagedIndexStats:
+    """Counters and residency of a :class:`PagedActivationIndex`."""
+
+    entries: int
+    pages: int
+    tails: int
+    exact_entries: int
+    resident_bytes: int
+    lookups: int
+    hits: int
+    misses_never_seen: int
+    misses_evicted: int
+    misses_rejected: int
+    restored_tokens: int
+    records: int
+    """Entries stored (not counting re-records of cached ones)."""
+    evictions: int
+    """Entries evicted by the bounds (``clear`` not included)."""
+    evicted_bytes: int
+
+    @property
+    def misses(self) -> int:
+        """All misses."""
+        return self.misses_never_seen + self.misses_evicted + self.misses_rejected
+
+
+def _is_virtual(payload: Payload) -> bool:
+    return payload.size > 1 and payload.strides[0] == 0
