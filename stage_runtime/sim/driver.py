@@ -38,7 +38,14 @@ import numpy.typing as npt
 import trio
 
 from stage_runtime.accounting import CacheAccounting
-from stage_runtime.config import CacheIndex, CacheMode, CachePayload, KvCacheConfig, StageConfig
+from stage_runtime.config import (
+    CacheIndex,
+    CacheMode,
+    CachePayload,
+    KvCacheConfig,
+    PageEviction,
+    StageConfig,
+)
 from stage_runtime.errors import ConfigError
 from stage_runtime.limits import (
     MAX_ARRIVAL_SPAN_S,
@@ -132,10 +139,11 @@ def _to_index(value: object) -> CacheIndex:
         raise ConfigError(msg) from None
 
 
-def _eviction(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in ("lru", "reuse"):
-        msg = f"page_eviction must be 'lru' or 'reuse', got {value!r}"
-        raise ConfigError(msg)
+def _to_eviction(value: object) -> PageEviction:
+    if isinstance(value, str) and value in PageEviction.__members__.values():
+        return PageEviction(value)
+    msg = f"page_eviction must be 'lru' or 'reuse', got {value!r}"
+    raise ConfigError(msg)
 
 
 PAGED_MAX_ENTRIES: Final = 1_000_000
@@ -204,7 +212,7 @@ class SimConfig:
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
     """Tokens per page in paged mode; ``None``: the stride."""
 
-    page_eviction: str = attrs.field(default="lru", validator=_eviction)
+    page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_eviction)
     """Paged mode's eviction: ``lru`` or ``reuse``."""
 
     def __attrs_post_init__(self) -> None:

@@ -408,7 +408,7 @@ def test_reuse_eviction_keeps_a_popular_page_over_a_newer_one_off(
     eviction: str, survivor: list[int]
 ) -> None:
     """LRU evicts the older popular page; reuse-aware eviction evicts the newer one-off page."""
-    index = PagedActivationIndex(page_tokens=2, max_entries=2, eviction=eviction)  # type: ignore[arg-type]
+    index = PagedActivationIndex(page_tokens=2, max_entries=2, eviction=eviction)
     record(index, [1, 2])
     for _ in range(3):
         assert restored(index, [1, 2]) == 2
@@ -432,7 +432,7 @@ def test_reuse_eviction_ages_out_old_popularity() -> None:
 def test_unknown_eviction_policy_is_refused() -> None:
     """Only 'lru' and 'reuse' exist."""
     with pytest.raises(ConfigError, match="eviction must be 'lru' or 'reuse', got 'mru'"):
-        PagedActivationIndex(page_tokens=1, max_entries=1, eviction="mru")  # type: ignore[arg-type]
+        PagedActivationIndex(page_tokens=1, max_entries=1, eviction="mru")
 
 
 # ------------------------------------------------------------------ stateful model check
@@ -567,7 +567,7 @@ class PagedIndexMachine(RuleBasedStateMachine):
             max_entries=max_entries,
             max_bytes=max_bytes,
             min_tokens=min_tokens,
-            eviction=eviction,  # type: ignore[arg-type]
+            eviction=eviction,
         )
         self.ref = ReferenceIndex(page_tokens, max_entries, max_bytes, min_tokens, eviction)
 
@@ -639,3 +639,20 @@ def test_eviction_records_are_a_sequence_built_when_read() -> None:
     assert "EvictedPage(" in repr(evicted)
     empty = record(index, [5, 6])  # cached: nothing evicted
     assert empty.evicted == ()  # type: ignore[attr-defined]
+
+
+def test_evicted_pages_hash_as_the_tuple_they_equal() -> None:
+    """EvictedPages equals the tuple of its records, so it hashes as that tuple (a set or a dict
+    key holding one finds the other)."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=2)
+    namespace = b"ns"
+    for start in (0, 100):
+        tokens = list(range(start, start + 4))
+        chain = index.chain(namespace, tokens)
+        outcome = index.record(chain, np.zeros(4 * 8, dtype=np.uint8))
+    evicted = outcome.evicted
+    assert len(evicted) == 2
+    as_tuple = tuple(evicted)
+    assert evicted == as_tuple
+    assert hash(evicted) == hash(as_tuple)
+    assert {as_tuple: 1}[evicted] == 1  # type: ignore[index]

@@ -15,7 +15,7 @@ not plain token rows (opaque layout, side-band flags) are kept whole as an *exac
 """
 
 from stage_runtime.cache.paged.chains import PageChain, page_chain
-from stage_runtime.cache.paged.index import EvictionPolicy, PagedActivationIndex
+from stage_runtime.cache.paged.index import PagedActivationIndex
 from stage_runtime.cache.paged.results import (
     EntryKind,
     EvictedPage,
@@ -31,7 +31,6 @@ __all__ = [
     "EntryKind",
     "EvictedPage",
     "EvictedPages",
-    "EvictionPolicy",
     "PageChain",
     "PagedActivationIndex",
     "PagedIndex",

@@ -115,7 +115,8 @@ class EvictedPages(Sequence[EvictedPage]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._parts)
+        # Equal to the tuple of its records, so hashed as that tuple (x == y => same hash).
+        return hash(self.pages)
 
     def __repr__(self) -> str:
         return f"EvictedPages({list(self.pages)!r})"

@@ -30,7 +30,7 @@ from stage_runtime.cache.results import (
     ResidentActivationRecord,
     prefill_kv_identity,
 )
-from stage_runtime.config import KvCacheConfig, PageEviction
+from stage_runtime.config import KvCacheConfig
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
 from stage_runtime.tenancy import paged_namespace
@@ -65,7 +65,7 @@ class PagedIndex:
             max_entries=cache_config.max_entries,
             max_bytes=cache_config.max_bytes,
             min_tokens=cache_config.min_tokens,
-            eviction="reuse" if cache_config.page_eviction is PageEviction.REUSE else "lru",
+            eviction=cache_config.page_eviction,
         )
         """The pages, bounded by the config's ``max_entries`` and ``max_bytes``."""
         self.min_tokens = cache_config.min_tokens

@@ -1,0 +1,390 @@
+"""Which leaf the paged index evicts first: two strategies behind one interface.
+
+Both evict only *leaves* (entries with no cached entry after them in their chain), so a cached
+chain never has a gap, and both refuse to make room by evicting the running record's own chain.
+
+- :class:`LruEviction` (``"lru"``): the least recently used leaf. The index's entry dict is kept
+  in eviction order, oldest first, and every operation moves the chain it used to the newest end,
+  deepest entry first (:meth:`LruEviction.record_ended`), so each entry is newer than its cached
+  descendants: the oldest entry is always a leaf, and it is the victim. No heap, no child counts.
+- :class:`ReuseEviction` (``"reuse"``): GreedyDual-style, weighing reuse and recompute. Each
+  entry's value is ``L + prior + hits``, where ``hits`` counts the restores that used it, the
+  prior is 1 for a full page (it saves a page of recompute for any longer prompt) and 0 for
+  tails and exact entries (they save anything only when the very same prompt returns), and ``L``
+  rises to the value of each evicted entry, so old popularity ages out. Ties go to the least
+  recently used. Leaves wait in a heap by (value, last use); stale items are skipped.
+
+A strategy holds the index it serves and reads its entries and bounds; the index calls it at each
+event (an entry stored, touched, evicted; a record started and ended; room needed).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from stage_runtime.cache.paged.entries import _Entry, _leaf_item
+from stage_runtime.cache.paged.results import _Eviction
+from stage_runtime.cache.resident import EvictionReason
+from stage_runtime.config import PageEviction
+
+__all__ = ["EvictionHost", "EvictionStrategy", "LruEviction", "ReuseEviction", "eviction_for"]
+
+_Victims = list[tuple[_Entry, EvictionReason]]
+
+
+class EvictionHost(Protocol):
+    """What a strategy reads and calls of the index it serves
+    (:class:`~stage_runtime.cache.paged.index.PagedActivationIndex`)."""
+
+    max_entries: int
+    max_bytes: int
+    _entries: OrderedDict[bytes, _Entry]
+    _clock: int
+    _resident_bytes: int
+
+    def _evict_all(self, victims: _Victims, evicted: list[_Eviction]) -> None: ...
+
+
+class EvictionStrategy(Protocol):
+    """What the paged index asks of its eviction policy."""
+
+    name: PageEviction
+
+    def record_started(self) -> None:
+        """A record begins (entries it touches from now on are its own)."""
+
+    def record_ended(self, last: _Entry | None) -> None:
+        """A record used the chain ending at ``last``."""
+
+    def stored(self, entry: _Entry, parent: _Entry | None) -> None:
+        """``entry`` was stored after ``parent`` (None at a chain's root)."""
+
+    def touched(self, entry: _Entry) -> None:
+        """``entry`` was used now (its ``last_used`` and ``hits`` are updated)."""
+
+    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
+        """The order a restore touches the entries it used (given in token order)."""
+
+    def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
+        """``entry`` left the index."""
+
+    def make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[_Eviction],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        """Evict leaves (never ``protect`` with its chain, nor ``also``) until ``size`` more
+        bytes, and one more entry when ``new_entry``, fit the bounds; False when they cannot."""
+
+    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
+        """Before ``count`` new pages of ``size`` bytes are stored in a row: make what room
+        can be made at once and return how many of them may then be stored without
+        :meth:`page_room` (all of them, or the first that fit), or -1 when each page must ask
+        :meth:`page_room` itself."""
+
+    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
+        """Room for one more new page after ``parent``; False when there is none."""
+
+    def clear(self, evicted: list[_Eviction]) -> None:
+        """Evict everything (reason ``"cleared"``), leaves first."""
+
+
+def eviction_for(policy: PageEviction, index: EvictionHost) -> EvictionStrategy:
+    """The strategy ``policy`` names, for ``index``."""
+    if policy is PageEviction.REUSE:
+        return ReuseEviction(index)
+    return LruEviction(index)
+
+
+class LruEviction:
+    """The least recently used leaf goes first (see the module docstring)."""
+
+    name = PageEviction.LRU
+
+    def __init__(self, index: EvictionHost) -> None:
+        self._index = index
+        self._op_clock = 0
+        """The clock when the running record started: entries it touched have a later use."""
+
+    def record_started(self) -> None:
+        self._op_clock = self._index._clock
+
+    def record_ended(self, last: _Entry | None) -> None:
+        """The chain ending at ``last`` becomes the newest, deepest first, so each entry comes
+        after every cached entry below it. Among leaves the order is that of their last use, as
+        under plain LRU: an operation leaves at most one leaf among the entries it used."""
+        move = self._index._entries.move_to_end
+        while last is not None:
+            move(last.key)
+            last = last.parent
+
+    def stored(self, entry: _Entry, parent: _Entry | None) -> None:
+        pass
+
+    def touched(self, entry: _Entry) -> None:
+        # To the newest end at once: a record must not evict what it already touched.
+        self._index._entries.move_to_end(entry.key)
+
+    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
+        # Deepest first leaves the chain in the order record_ended gives.
+        return used[::-1]
+
+    def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
+        pass
+
+    def make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[_Eviction],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        victims, ok, _, _ = self._victims(size, also, int(new_entry))
+        if ok:  # when the room cannot be made, evicting would free it for nothing
+            self._index._evict_all(victims, evicted)
+        return ok
+
+    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
+        """The victims are the oldest entries whatever is stored meanwhile, so room for every
+        page is made at once (the same victims, in the same order, as page by page); when it
+        cannot be, the chain ends at the last page that fits. Each victim's reason is the first
+        bound the new pages, all together, would still exceed."""
+        index = self._index
+        victims, ok, remaining, remaining_bytes = self._victims(count * size, None, count)
+        fit = count
+        if not ok:
+            # Only the first pages can fit, even with every evictable entry gone: evict just
+            # what those need (nothing when none fits).
+            fit = min(count, index.max_entries - remaining)
+            if index.max_bytes:
+                fit = min(fit, (index.max_bytes - remaining_bytes) // size)
+            fit = max(fit, 0)
+            victims = self._victims(fit * size, None, fit)[0] if fit else []
+        index._evict_all(victims, evicted)
+        return fit
+
+    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
+        return True  # room_for_pages made it
+
+    def clear(self, evicted: list[_Eviction]) -> None:
+        index = self._index
+        index._evict_all([(entry, "cleared") for entry in index._entries.values()], evicted)
+
+    def _victims(
+        self, size: int, also: _Entry | None, new_entries: int
+    ) -> tuple[_Victims, bool, int, int]:
+        """The victims room for ``new_entries`` entries of ``size`` bytes in all would take,
+        whether that makes the room, and the entries and bytes that would remain. Evicts
+        nothing. Entries the running record touched are the newest (it moved them to the end),
+        so meeting one means that only this prompt's own chain is left; ``also`` (an entry being
+        re-recorded, not yet touched) is passed over."""
+        index = self._index
+        max_bytes = index.max_bytes
+        count = len(index._entries)
+        limit = index.max_entries - new_entries if new_entries else count
+        resident = index._resident_bytes
+        op_clock = self._op_clock
+        victims: _Victims = []
+        for victim in index._entries.values():  # oldest first
+            if count > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and resident + size > max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            if victim is also:
+                continue
+            if victim.last_used > op_clock:
+                break
+            victims.append((victim, reason))
+            count -= 1
+            resident -= victim.nbytes
+        ok = not (count > limit or (max_bytes and resident + size > max_bytes))
+        return victims, ok, count, resident
+
+
+class ReuseEviction:
+    """The least valuable leaf goes first, by reuse (see the module docstring)."""
+
+    name = PageEviction.REUSE
+
+    def __init__(self, index: EvictionHost) -> None:
+        self._index = index
+        self._leaves: list[tuple[float, int, int, _Entry]] = []
+        """A heap of leaves by (value, last use), with stale items skipped."""
+        self._inflation = 0.0
+        """``L``: the value of the latest evicted entry (it only rises)."""
+        self._unpushed: _Entry | None = None
+        """The entry the running record stored last, not yet in the leaf heap."""
+        self._pin_memo: tuple[_Entry, int, int] | None = None
+        """:meth:`_pinned`'s last sum: (protected entry, entries and bytes of its chain)."""
+
+    def record_started(self) -> None:
+        self._pin_memo = None
+
+    def record_ended(self, last: _Entry | None) -> None:
+        if self._unpushed is not None:
+            self._push_if_leaf(self._unpushed)
+            self._unpushed = None
+
+    def stored(self, entry: _Entry, parent: _Entry | None) -> None:
+        entry.priority = self._inflation + (1.0 if entry.kind == "page" else 0.0)
+        if parent is not None:
+            parent.children += 1
+        # A new entry joins the leaf heap only when the record ends: the next page of the chain
+        # makes it inner at once, and until then it is the protected parent of that page anyway.
+        previous = self._unpushed
+        if previous is not None and previous is not parent:
+            self._push_if_leaf(previous)
+        self._unpushed = entry
+
+    def touched(self, entry: _Entry) -> None:
+        prior = 1.0 if entry.kind == "page" else 0.0
+        entry.priority = self._inflation + prior + entry.hits
+        if entry.children == 0:
+            heapq.heappush(self._leaves, _leaf_item(entry))
+            if len(self._leaves) > 2 * len(self._index._entries) + 64:
+                self._compact()
+
+    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
+        return used
+
+    def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0 and self._index._entries.get(parent.key) is parent:
+                heapq.heappush(self._leaves, _leaf_item(parent))
+        if reason != "cleared" and entry.priority > self._inflation:
+            self._inflation = entry.priority
+
+    def make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[_Eviction],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        """Evicts leaf by leaf, lowest value first, skipping ``protect`` and ``also``."""
+        index = self._index
+        max_bytes = index.max_bytes
+        if max_bytes and size > max_bytes:
+            return False  # it can never fit: evicting would free room for nothing
+        entries = index._entries
+        leaves = self._leaves
+        limit = index.max_entries - 1 if new_entry else len(entries)  # entries that may stay
+        held: list[tuple[float, int, int, _Entry]] = []
+        ok = True
+        checked = False
+        while True:
+            if len(entries) > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and index._resident_bytes + size > max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            if not checked:
+                # Evicting is only worth it if it can make the room: what can never go (this
+                # prompt's chain so far and the entry being replaced) must leave enough.
+                checked = True
+                count, nbytes = self._pinned(protect, also)
+                if count > limit or (max_bytes and nbytes + size > max_bytes):
+                    return False
+            victim = None
+            while leaves:
+                item = heapq.heappop(leaves)
+                entry = item[3]
+                if self._is_current(item):
+                    if entry is protect or entry is also:
+                        held.append(item)
+                        continue
+                    victim = entry
+                    break
+            if victim is None:
+                ok = False
+                break
+            index._evict_all([(victim, reason)], evicted)
+        for item in held:
+            heapq.heappush(leaves, item)
+        return ok
+
+    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
+        return -1  # room is made page by page: each new page is the protected parent of the next
+
+    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
+        index = self._index
+        full = len(index._entries) >= index.max_entries or (
+            index.max_bytes and index._resident_bytes + size > index.max_bytes
+        )
+        return not full or self.make_room(size, parent, None, evicted, new_entry=True)
+
+    def clear(self, evicted: list[_Eviction]) -> None:
+        self._compact()
+        while (victim := self._pop_leaf()) is not None:
+            self._index._evict_all([(victim, "cleared")], evicted)
+        self._leaves.clear()
+
+    def _is_current(self, item: tuple[float, int, int, _Entry]) -> bool:
+        """Whether a heap item still describes a resident leaf."""
+        entry = item[3]
+        return (
+            entry.children == 0
+            and entry.last_used == item[1]
+            and entry.priority == item[0]
+            and self._index._entries.get(entry.key) is entry
+        )
+
+    def _pop_leaf(self) -> _Entry | None:
+        """The lowest resident leaf, removed from the heap."""
+        leaves = self._leaves
+        while leaves:
+            item = heapq.heappop(leaves)
+            if self._is_current(item):
+                return item[3]
+        return None
+
+    def _push_if_leaf(self, entry: _Entry) -> None:
+        if entry.children == 0 and self._index._entries.get(entry.key) is entry:
+            heapq.heappush(self._leaves, _leaf_item(entry))
+
+    def _compact(self) -> None:
+        self._leaves = [_leaf_item(e) for e in self._index._entries.values() if e.children == 0]
+        heapq.heapify(self._leaves)
+
+    def _pinned(self, protect: _Entry | None, also: _Entry | None) -> tuple[int, int]:
+        """Entries and bytes that :meth:`make_room` can never evict: ``protect`` with its
+        ancestors (a cached entry's parent is cached, and is never a leaf), and ``also``.
+
+        Pages of one record are protected in chain order, so the sum is carried over from the
+        previous call of the record (reset when a record starts) instead of walking the chain."""
+        memo = self._pin_memo
+        if protect is None:
+            count = nbytes = 0
+        elif memo is not None and memo[0] is protect:
+            _, count, nbytes = memo
+        elif memo is not None and protect.parent is memo[0]:
+            count, nbytes = memo[1] + 1, memo[2] + protect.nbytes
+        else:
+            count = nbytes = 0
+            entry: _Entry | None = protect
+            while entry is not None:
+                count += 1
+                nbytes += entry.nbytes
+                entry = entry.parent
+        if protect is not None:
+            self._pin_memo = (protect, count, nbytes)
+        if also is not None and also is not protect:
+            count += 1
+            nbytes += also.nbytes
+        return count, nbytes
