@@ -4,7 +4,7 @@ The program opens a real 4-stage pipeline of simulated stages (virtual activatio
 token, virtual compute time of 25 us per token per stage), and serves a synthetic workload the
 way a server would: each request is its own task, started at its arrival time. Alongside, a task
 of the program's own samples the stage-0 cache. At the end it prints what the cache bought, and
-each stage's hits and misses from ``Pipeline.stats()``.
+each stage's hits and misses from ``Pipeline.statistics()``.
 
 The stages sleep their simulated cost with ``trio.sleep``, so the ``__main__`` block runs the
 program on a virtual clock (``trio.testing.MockClock(autojump_threshold=0)``): simulated seconds
@@ -62,7 +62,7 @@ async def main() -> dict[str, float]:
         async def monitor() -> None:
             # The program keeps doing its own work while the pipeline serves.
             while True:
-                cache = (await pipeline.stats()).stages[0].cache
+                cache = (await pipeline.statistics()).stages[0].cache
                 samples.append(0 if cache is None else cache.resident_bytes)
                 await trio.sleep(0.05)
 
@@ -74,7 +74,7 @@ async def main() -> dict[str, float]:
                     await trio.sleep_until(start + request.arrival_s)
                     requests_nursery.start_soon(serve, request, trio.current_time())
             monitoring.cancel_scope.cancel()
-    stats = await pipeline.stats()  # the final figures, once the pipeline has drained
+    stats = await pipeline.statistics()  # the final figures, once the pipeline has drained
 
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     hit_ratio = restored / (restored + computed)

@@ -4,7 +4,8 @@ Each stage owns a small activation cache (6 entries). Prompts that share a prefi
 one restore that prefix's activations instead of recomputing them; the table shows how many
 tokens each stage restored and computed, and the log lines show every restore, miss, record and
 eviction as structlog renders them on a console. The last lines are the per-stage accounting
-from ``Pipeline.stats()``: restores, hits and misses (by reason), restored tokens and evictions.
+from ``Pipeline.statistics()``: restores, hits and misses (by reason), restored tokens and
+evictions.
 
 Run it with ``python examples/two_stage_pipeline.py``.
 """
@@ -98,7 +99,7 @@ async def main() -> None:
             )
             rows.append(f"{label:<15} {result.tokens:>6}  {cells}".rstrip())
             total += result.tokens
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     print()
     print(f"{'prompt':<15} {'tokens':>6}  {'stage-0 rest/comp':<17}  {'stage-1 rest/comp':<17}")
     print("\n".join(rows))

@@ -253,7 +253,7 @@ class Pipeline:
             stages=tuple(request.reports),
         )
 
-    async def stats(self) -> PipelineStats:
+    async def statistics(self) -> PipelineStats:
         """Per-stage cache statistics and cache-actor mailbox statistics (asks each actor).
 
         After the pipeline drained and stopped normally, the final statistics.
@@ -264,7 +264,7 @@ class Pipeline:
         """
         self._check_run()
         try:
-            return PipelineStats(stages=await self._stages.stage_stats())
+            return PipelineStats(stages=await self._stages.stage_statistics())
         except ActorStoppedError as exc:
             msg = f"pipeline has stopped without final statistics ({exc})"
             raise PipelineStoppedError(msg) from None

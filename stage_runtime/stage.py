@@ -309,7 +309,7 @@ class Stage:
                         counts["skipped"] += 1
             if self.outbox is not None:
                 await self.outbox.aclose()
-            self._final_stats = await self.stats()
+            self._final_stats = await self.statistics()
             await self._cache.stop(drain=True)
         log.info("stage_stopped", **self._counts)
 
@@ -321,7 +321,7 @@ class Stage:
         evicted: tuple[EvictedEntry, ...] = await self._cache.ask(ClearCache())
         return evicted
 
-    async def stats(self) -> StageStats:
+    async def statistics(self) -> StageStats:
         """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
         if self._final_stats is not None:
             return self._final_stats

@@ -339,7 +339,7 @@ class RunningStages(Protocol):
     async def submit(self, request: PrefillRequest) -> None:
         """Run ``request`` through every stage; return once it is settled (``request.done``)."""
 
-    async def stage_stats(self) -> tuple[StageStats, ...]:
+    async def stage_statistics(self) -> tuple[StageStats, ...]:
         """Each stage's statistics, in pipeline order."""
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:

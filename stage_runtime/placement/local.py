@@ -45,10 +45,10 @@ class LocalStages:
             raise PipelineStoppedError(msg) from None
         await request.done.wait()
 
-    async def stage_stats(self) -> tuple[StageStats, ...]:
+    async def stage_statistics(self) -> tuple[StageStats, ...]:
         """Each stage's statistics, in pipeline order (raises ``ActorStoppedError`` when a
         stage's cache actor is gone without final statistics)."""
-        return tuple([await stage.stats() for stage in self._stages])
+        return tuple([await stage.statistics() for stage in self._stages])
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
         """Empty every stage's cache; per stage, the entries evicted."""

@@ -352,14 +352,14 @@ class RayStages:
                     except Exception as exc:
                         log.debug("prefill_cancel_failed", error=str(exc))
 
-    async def stage_stats(self) -> tuple[StageStats, ...]:
+    async def stage_statistics(self) -> tuple[StageStats, ...]:
         """Each stage's statistics, asked of its process (the final ones once closed)."""
         if self._final is not None:
             return self._final
         stats = []
         for process in self._processes:
             try:
-                stage: StageStats = await await_ref(process.actor.stats.remote())
+                stage: StageStats = await await_ref(process.actor.statistics.remote())
             except (RayActorError, RayTaskError) as exc:
                 msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
                 raise PipelineStoppedError(msg) from None

@@ -122,7 +122,7 @@ class StageWorker:
                 self._started.set()
                 await self._stopped.wait()
                 send.close()  # the stage finishes its queue, then stops its cache actor
-            self._final = await stage.stats()
+            self._final = await stage.statistics()
 
     def _accept(
         self, key: int, request: PrefillRequest, reply: concurrent.futures.Future[Any]
@@ -242,12 +242,12 @@ class StageWorker:
             raise
         return result
 
-    async def stats(self) -> StageStats:
+    async def statistics(self) -> StageStats:
         """The stage's cache and mailbox statistics (the final ones once it has stopped)."""
         if self._final is not None:
             return self._final
         assert self._stage is not None
-        stats: StageStats = await self._call(self._run_async, self._stage.stats)
+        stats: StageStats = await self._call(self._run_async, self._stage.statistics)
         return stats
 
     async def clear_cache(self) -> tuple[EvictedEntry, ...]:

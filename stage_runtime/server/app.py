@@ -102,7 +102,7 @@ class ServedPipeline(Protocol):
         """Run one prompt through every stage."""
         ...
 
-    async def stats(self) -> PipelineStats:
+    async def statistics(self) -> PipelineStats:
         """Per-stage cache and mailbox statistics."""
         ...
 
@@ -648,7 +648,7 @@ class PipelineApp:
 
     async def stats_document(self) -> dict[str, Any]:
         """The ``GET /v1/stats`` document: per-stage cache and mailbox statistics, server state."""
-        stats = await self.pipeline.stats()
+        stats = await self.pipeline.statistics()
         stages = [
             {
                 "stage_id": stage.stage_id,
@@ -672,7 +672,7 @@ class PipelineApp:
 
     async def metrics_text(self) -> str:
         """The ``GET /metrics`` document in the Prometheus text format."""
-        stats = await self.pipeline.stats()
+        stats = await self.pipeline.statistics()
         return render_metrics(self._metric_families(stats))
 
     def _metric_families(self, stats: PipelineStats) -> list[MetricFamily]:

@@ -736,7 +736,7 @@ async def replay(
             await _replay_concurrently(
                 pipeline, tokenizer, ordered, config.concurrency, finish, paced=sleep
             )
-        final = await pipeline.stats()
+        final = await pipeline.statistics()
     wall_s = time.perf_counter() - wall_start
     stages = [
         tally.replay(stage.stage_id, stage.accounting)

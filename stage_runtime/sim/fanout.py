@@ -167,7 +167,7 @@ async def _replay_stage(
         nursery.start_soon(collect)
         nursery.start_soon(feed)
     # The stage has drained and stopped: these are its final statistics.
-    final = await stage.stats()
+    final = await stage.statistics()
     return tally.replay(final.stage_id, final.accounting)
 
 

@@ -91,7 +91,7 @@ def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:
     """The tail entry restores the exact prompt; an extension or a shorter prompt stops at pages."""
     index = PagedActivationIndex(page_tokens=2, max_entries=100)
     record(index, [1, 2, 3, 4, 5])
-    assert index.stats().tails == 1
+    assert index.statistics().tails == 1
     assert restored(index, [1, 2, 3, 4, 5]) == 5
     assert restored(index, [1, 2, 3, 4, 5, 6, 7]) == 4
     assert restored(index, [1, 2, 3]) == 2
@@ -269,7 +269,7 @@ def test_miss_reasons_never_seen_evicted_rejected() -> None:
     assert index.restore(index.chain(b"ns", [1, 2])).miss_reason == "evicted"
     # An exact entry whose size disagrees with its row count is refused.
     index.record(index.chain(b"ns", [5, 6]), np.zeros(3, dtype=np.uint8), token_major=False)
-    stats = index.stats()
+    stats = index.statistics()
     assert stats.lookups == 2
     assert (stats.misses_never_seen, stats.misses_evicted, stats.misses_rejected) == (1, 1, 0)
     assert stats.evictions == 2
@@ -285,7 +285,7 @@ def test_rejected_miss_reason() -> None:
     lookup = index.restore(index.chain(b"ns", [1, 2, 3, 4, 5]))
     assert lookup.restore is None
     assert lookup.miss_reason == "rejected"
-    assert index.stats().misses_rejected == 1
+    assert index.statistics().misses_rejected == 1
 
 
 def test_frames_that_cannot_be_paged_are_exact_length_entries() -> None:
@@ -294,7 +294,7 @@ def test_frames_that_cannot_be_paged_are_exact_length_entries() -> None:
     payload = np.arange(7, dtype=np.uint8)
     outcome = index.record(index.chain(b"ns", [1, 2, 3]), payload, token_major=False)
     assert outcome.stored_entries == 1
-    assert index.stats().exact_entries == 1
+    assert index.statistics().exact_entries == 1
     found = index.restore(index.chain(b"ns", [1, 2, 3])).restore
     assert found is not None
     assert found.token_count == 3
@@ -372,7 +372,7 @@ def test_clear_evicts_everything_as_cleared() -> None:
     assert {e.reason for e in gone} == {"cleared"}
     assert len(index) == 0
     assert index.resident_bytes == 0
-    assert index.stats().evictions == 0
+    assert index.statistics().evictions == 0
     assert index.unique_prefix_bytes() == 0
 
 

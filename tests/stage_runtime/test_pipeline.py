@@ -252,7 +252,7 @@ async def test_prompts_longer_than_the_stages_context_are_refused() -> None:
         ):
             await pipeline.prefill(prompt(501), session_id="s")
         result = await pipeline.prefill(prompt(500), session_id="s")
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     assert computed(result) == [500, 500]
     assert [s.cache.records if s.cache else None for s in stats.stages] == [2, 2]
 
@@ -314,7 +314,7 @@ async def test_bad_tokens_fail_only_that_caller() -> None:
         with pytest.raises(ConfigError, match="cache_salt must be a non-empty string or None"):
             await pipeline.prefill([1, 2], session_id="s", cache_salt="")  # the server's rule
         result = await pipeline.prefill([1, 2, 3], session_id="s")
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     assert result.tokens == 3
     # none of the refused prompts reached a stage: one restore per stage, for the good one
     assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
@@ -337,7 +337,7 @@ async def test_model_error_fails_only_that_request(logs: list[LogEvent]) -> None
         async with trio.open_nursery() as nursery:
             for i in (0, 4, 5, 30):
                 nursery.start_soon(one, pipeline, i)
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     (failed,) = events_named(logs, "prefill_failed")
     assert (failed["stage"], failed["error_type"]) == ("stage-0", "ValueError")
     assert isinstance(outcomes[5], ValueError)
@@ -381,7 +381,7 @@ async def test_output_rows_of_another_width_fail_the_request_and_are_not_recorde
             match=r"^model output rows must be activation_width 8 F32 values wide, got 4$",
         ):
             await pipeline.prefill(prompt(20), session_id="s")
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
         assert stats.stages[0].cache is not None
         assert stats.stages[0].cache.entries == 0
         first = await pipeline.prefill(prompt(20), session_id="s")
@@ -482,7 +482,7 @@ async def test_cancelled_caller_leaves_no_partial_state(
             await pipeline.prefill(prompt(100), session_id="s")
         assert scope.cancelled_caught
         await trio.testing.wait_all_tasks_blocked()
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
         assert [s.cache.entries if s.cache else None for s in stats.stages] == [2, 0]
         # the next caller sees stage 0's complete records and recomputes stage 1 from scratch
         start = trio.current_time()
@@ -655,7 +655,7 @@ async def test_caller_cancelled_while_waiting_to_enter_never_reaches_a_stage(
         assert scope.cancelled_caught
         gate.set()
     assert [m.calls for m in registry.models.values()] == [[(0, 10)], [(0, 10)]]
-    stats = await pipeline.stats()
+    stats = await pipeline.statistics()
     assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
 
@@ -698,7 +698,7 @@ async def test_leaving_the_context_drains_in_flight_requests(
         assert sorted(finished) == [0, 1, 2, 3, 4]
         with pytest.raises(trio.ClosedResourceError, match="draining"):
             await pipeline.prefill(prompt(10), session_id="s")
-    stats = await pipeline.stats()  # the final statistics survive the stop
+    stats = await pipeline.statistics()  # the final statistics survive the stop
     assert [s.cache.records if s.cache else None for s in stats.stages] == [10, 10]
     assert all(s.mailbox.queued == 0 for s in stats.stages)
     # every stage served all five, then its cache actor drained and stopped
@@ -777,7 +777,7 @@ async def test_a_prefill_from_another_trio_run_is_refused_and_harms_nothing() ->
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
         for call in (
             lambda: pipeline.prefill(prompt(10), session_id="t"),
-            pipeline.stats,
+            pipeline.statistics,
             pipeline.clear_caches,
         ):
 
@@ -787,7 +787,7 @@ async def test_a_prefill_from_another_trio_run_is_refused_and_harms_nothing() ->
 
             await trio.to_thread.run_sync(in_another_run)
         result = await pipeline.prefill(prompt(10), session_id="s")
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     assert result.tokens == 10
     assert [s.cache.accounting.lookups if s.cache else None for s in stats.stages] == [1, 1]
 
@@ -811,7 +811,7 @@ async def test_stats_report_cache_and_mailbox_per_stage() -> None:
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
         await pipeline.prefill(prompt(300), session_id="s")
         await pipeline.prefill(prompt(300), session_id="s")
-        stats = await pipeline.stats()
+        stats = await pipeline.statistics()
     assert [s.stage_id for s in stats.stages] == ["stage-0", "stage-1"]
     for stage in stats.stages:
         assert stage.cache is not None
@@ -1093,7 +1093,7 @@ async def test_a_stopped_pipeline_answers_with_pipeline_errors_not_actor_interna
     configs = stage_configs(2, min_tokens=8, stride=8)
     async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipeline:
         await pipeline.prefill(prompt(20), session_id="s")
-    final = await pipeline.stats()
+    final = await pipeline.statistics()
     assert [s.cache.records if s.cache else None for s in final.stages] == [2, 2]
     with pytest.raises(PipelineStoppedError, match="pipeline has stopped: no cache to clear"):
         await pipeline.clear_caches()
@@ -1102,7 +1102,7 @@ async def test_a_stopped_pipeline_answers_with_pipeline_errors_not_actor_interna
         async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as cancelled:
             await trio.sleep_forever()
     with pytest.raises(PipelineStoppedError, match="pipeline has stopped without final"):
-        await cancelled.stats()
+        await cancelled.statistics()
 
 
 @pytest.mark.parametrize("name", ["STAGE_RUNTIME_KV_CACHE", "STAGE_RUNTIME_PREFIX_CACHE"])

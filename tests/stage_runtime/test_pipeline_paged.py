@@ -201,7 +201,7 @@ async def test_each_evicted_page_is_an_activation_evicted_event(logs: list[LogEv
 async def test_pipeline_stats_carry_each_stages_accounting(
     logs: list[LogEvent], index: str
 ) -> None:
-    """pipeline.stats() gives every stage's misses by reason, restored tokens and footprint."""
+    """pipeline.statistics() gives every stage's misses by reason, restored tokens and footprint."""
     configs = stage_configs(2, max_entries=64)
     if index == "paged":
         configs = paged(configs)
@@ -209,8 +209,8 @@ async def test_pipeline_stats_carry_each_stages_accounting(
     async with open_pipeline(configs, mix_factory(width=4), environ=NO_ENV) as pipeline:
         await pipeline.prefill(first, session_id="a")
         await pipeline.prefill(first, session_id="b")
-        live = await pipeline.stats()
-    final = await pipeline.stats()  # after the pipeline stopped: the stages' last stats
+        live = await pipeline.statistics()
+    final = await pipeline.statistics()  # after the pipeline stopped: the stages' last stats
     for stats in (live, final):
         assert [stage.stage_id for stage in stats.stages] == ["stage-0", "stage-1"]
         for stage in stats.stages:

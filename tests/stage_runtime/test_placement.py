@@ -138,7 +138,7 @@ async def test_stats_and_clear_caches_reach_every_stage(placement: Placement) ->
             stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
         ) as pipeline:
             await pipeline.prefill(prompt(300), session_id="s")
-            stats = await pipeline.stats()
+            stats = await pipeline.statistics()
             assert [s.stage_id for s in stats.stages] == ["stage-0", "stage-1"]
             assert all(s.cache is not None and s.cache.entries == 2 for s in stats.stages)
             assert all(s.restarts == 0 for s in stats.stages)
@@ -146,7 +146,7 @@ async def test_stats_and_clear_caches_reach_every_stage(placement: Placement) ->
             assert [len(evicted) for evicted in cleared] == [2, 2]
             again = await pipeline.prefill(prompt(300), session_id="s")
             assert counts(again) == [(0, 300), (0, 300)]
-        final = await pipeline.stats()
+        final = await pipeline.statistics()
         assert all(s.cache is not None and s.cache.entries == 2 for s in final.stages)
 
 
@@ -319,7 +319,7 @@ async def test_sigkill_under_a_restart_policy_recreates_the_stage_empty(
                 break
             assert counts(result) == [(300, 0), (0, 300)]
             assert set(failed) <= {"stage-1"}
-            stats = await pipeline.stats()
+            stats = await pipeline.statistics()
             assert [s.restarts for s in stats.stages] == [0, 1]
             assert pipeline.stage_processes()[1].pid != victim
     restarted = events_named(logs, "stage_restarted")
@@ -344,7 +344,7 @@ async def test_cancelled_prefill_interrupts_the_remote_stage(ray_cluster: Any) -
                 await pipeline.prefill(prompt(SLOW_LENGTH), session_id="s")
             result = await pipeline.prefill(prompt(300), session_id="s")
             assert counts(result) == [(0, 300), (0, 300)]
-            stats = await pipeline.stats()
+            stats = await pipeline.statistics()
             # Stage 0 finished and recorded the cancelled prompt; stage 1 recorded nothing.
             entries = [s.cache.entries if s.cache else 0 for s in stats.stages]
             assert entries[1] == 2

@@ -160,9 +160,9 @@ class ObservedPipeline:
         """The real pipeline's stages."""
         return self.inner.stage_configs
 
-    async def stats(self) -> PipelineStats:
+    async def statistics(self) -> PipelineStats:
         """The real pipeline's statistics."""
-        return await self.inner.stats()
+        return await self.inner.statistics()
 
     async def prefill(
         self,
@@ -1750,7 +1750,7 @@ class BrokenStatsPipeline:
         """Never called by the test."""
         raise AssertionError
 
-    async def stats(self) -> PipelineStats:
+    async def statistics(self) -> PipelineStats:
         """Fail with a message a client must not see."""
         raise RuntimeError("secret internal detail")
 

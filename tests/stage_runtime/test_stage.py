@@ -54,7 +54,7 @@ async def test_last_stage_settles_the_request_and_stops_on_inbox_close(
     stopped = events_named(logs, "actor_stopped")
     assert [e["actor"] for e in stopped] == ["cache-stage-0"]
     assert events_named(logs, "stage_stopped")[0]["stage"] == "stage-0"
-    stats = await stage.stats()  # final statistics survive the stop
+    stats = await stage.statistics()  # final statistics survive the stop
     assert stats.cache is not None
     assert stats.cache.records == 2
 
@@ -110,7 +110,7 @@ async def test_malformed_model_output_fails_the_request_not_the_stage() -> None:
     for req in (first, second):
         assert isinstance(req.error, FrameError)
         assert "model output must be a frame of 10 tokens, got 11" in str(req.error)
-    assert (await stage.stats()).cache.entries == 0  # type: ignore[union-attr]
+    assert (await stage.statistics()).cache.entries == 0  # type: ignore[union-attr]
 
 
 async def test_abandoned_request_is_skipped() -> None:
@@ -128,6 +128,6 @@ async def test_abandoned_request_is_skipped() -> None:
         await send.aclose()
     assert not gone.done.is_set()
     assert gone.reports == []
-    stats = await stage.stats()
+    stats = await stage.statistics()
     assert stats.cache is not None
     assert stats.cache.records == 2

@@ -522,7 +522,7 @@ class PagedActivationIndex:
         self._unfootprinted.clear()
         return self._footprint.unique_bytes()
 
-    def stats(self) -> PagedIndexStats:
+    def statistics(self) -> PagedIndexStats:
         """Counters and residency now (cheap; see :meth:`unique_prefix_bytes` for the footprint)."""
         return PagedIndexStats(
             entries=len(self._entries),

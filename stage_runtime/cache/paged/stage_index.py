@@ -163,7 +163,7 @@ class PagedIndex:
 
     def statistics(self) -> ResidentCacheStats:
         """The index's counters in the ladder's shape (one lookup per restore call)."""
-        s = self.index.stats()
+        s = self.index.statistics()
         return ResidentCacheStats(
             entries=s.entries,
             resident_bytes=s.resident_bytes,
@@ -177,7 +177,7 @@ class PagedIndex:
 
     def accounting(self) -> CacheAccounting:
         """Hits, misses by reason, restored tokens and residency vs unique-prefix bytes."""
-        s = self.index.stats()
+        s = self.index.statistics()
         return CacheAccounting(
             index="paged",
             lookups=s.lookups,

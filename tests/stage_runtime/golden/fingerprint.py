@@ -476,9 +476,7 @@ def _replay(
                     request_id=f"request-{request.index}",
                 )
                 recorder.finished(request, result.stages)
-            # (.statistics() is the name the refactor of issue 20 moves towards.)
-            statistics = getattr(pipeline, "statistics", None) or pipeline.stats
-            final = await statistics()
+            final = await pipeline.statistics()
         return list(final.stages)
 
     with _events_to(recorder.event):
