@@ -82,6 +82,11 @@ def _parse_int(text: str) -> int | _OversizedInteger:
     return int(text)
 
 
+def _digits(value: int) -> int:
+    """Decimal digits of ``value`` (its sign not counted)."""
+    return len(str(abs(value)))
+
+
 def _reject_constant(name: str) -> float:
     msg = f"body must be valid JSON, got the non-standard constant {name}"
     raise InvalidRequestError(msg, field="body", error="malformed_json")
@@ -101,6 +106,8 @@ def _type_name(value: object) -> str:
         return "null"
     if isinstance(value, _OversizedInteger):
         return f"an integer of {value.digits} digits"
+    if type(value) is int and _digits(value) > MAX_INTEGER_DIGITS:
+        return f"an integer of {_digits(value)} digits"
     return {
         bool: "a boolean",
         int: "an integer",
@@ -111,7 +118,39 @@ def _type_name(value: object) -> str:
     }.get(type(value), type(value).__name__)
 
 
+def _loads(body: bytes) -> object:
+    """The body's JSON: integers parsed natively (one C pass) unless one is too long for
+    Python to convert, then again with each integer checked (:func:`_parse_int`), so that the
+    error names the token."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError | InvalidRequestError | _DuplicateKeyError):
+            raise
+    return json.loads(
+        body,
+        parse_constant=_reject_constant,
+        parse_int=_parse_int,
+        object_pairs_hook=_unique_keys,
+    )
+
+
 def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.int32]:
+    # The usual case, checked in bulk: every element a plain int within int32. Anything else
+    # goes through the loop below, which names the first bad token.
+    if (
+        isinstance(value, list)
+        and value
+        and len(value) <= (max_tokens or len(value))
+        and set(map(type, value)) == {int}
+    ):
+        array = np.asarray(value)
+        if (
+            array.dtype == np.int64
+            and int(array.min()) >= INT32_MIN
+            and int(array.max()) <= INT32_MAX
+        ):
+            return array.astype(np.int32)
     if not isinstance(value, list):
         _invalid("tokens", f"tokens must be an array of integers, got {_type_name(value)}")
     if not value:
@@ -128,7 +167,8 @@ def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.in
             msg = f"tokens[{index}] must be an integer, got {_type_name(token)}"
             _invalid("tokens", msg)
         if not INT32_MIN <= token <= INT32_MAX:
-            msg = f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), got {token}"
+            shown = _type_name(token) if _digits(token) > MAX_INTEGER_DIGITS else token
+            msg = f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), got {shown}"
             _invalid("tokens", msg)
     _check_length("tokens", len(value), max_tokens)
     return np.asarray(value, dtype=np.int32)
@@ -185,12 +225,7 @@ def parse_prefill_request(
         InvalidRequestError: the body is not a valid request; its ``field`` names the culprit.
     """
     try:
-        document = json.loads(
-            body,
-            parse_constant=_reject_constant,
-            parse_int=_parse_int,
-            object_pairs_hook=_unique_keys,
-        )
+        document = _loads(body)
     except _DuplicateKeyError as exc:
         # json.loads keeps the last one silently; the client may have meant the first.
         if exc.key in _FIELDS:

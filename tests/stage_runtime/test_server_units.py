@@ -175,6 +175,24 @@ def test_a_non_standard_constant_is_refused_in_one_message(constant: str) -> Non
             "invalid_field",
             "got an integer of 30 digits",
         ),
+        (
+            b'{"tokens": [1, -' + b"9" * 25 + b'], "session_id": "s"}',
+            "tokens",
+            "invalid_field",
+            r"tokens\[1\] must be within int32 .*got an integer of 25 digits",
+        ),
+        (
+            b'{"tokens": [1, 2147483648], "session_id": "s"}',
+            "tokens",
+            "invalid_field",
+            r"tokens\[1\] must be within int32 .*got 2147483648$",
+        ),
+        (
+            b'{"tokens": [1, true], "session_id": "s"}',
+            "tokens",
+            "invalid_field",
+            r"tokens\[1\] must be an integer, got a boolean",
+        ),
     ],
 )
 def test_parse_rejects_bad_bodies_naming_the_field(
