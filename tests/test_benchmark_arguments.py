@@ -15,7 +15,7 @@ from tests.benchmark_scripts import load_script
         (
             "run",
             ["--only", "bogus"],
-            "--only must name benchmarks among actors, cache, http, identity",
+            "--only must name benchmarks among actors, cache, clairvoyant, http, identity",
         ),
         ("run", ["--trace", "/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_replay", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
@@ -41,6 +41,8 @@ from tests.benchmark_scripts import load_script
             "--sections: must name sections among replay, hops, throughput, got 'bogus'",
         ),
         ("bench_placement", ["TRACE", "--capacities", "5,-1"], "--capacities: must be a comma"),
+        ("bench_clairvoyant", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
+        ("bench_clairvoyant", ["TRACE", "--capacities", "1,x"], "--capacities: must be a comma"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(

@@ -21,6 +21,7 @@ sweep) out to other processes; the results are identical::
 from __future__ import annotations
 
 from stage_runtime.sim.blocks import VOCAB_SIZE, BlockTokenizer
+from stage_runtime.sim.clairvoyant import ClairvoyantResult, clairvoyant_for
 from stage_runtime.sim.cost import (
     MAX_COST_S,
     CostModel,
@@ -75,6 +76,8 @@ from stage_runtime.sim.trace import (
 from stage_runtime.sim.workloads import WorkloadSpec, synthetic_workload
 
 __all__ = [
+    "ClairvoyantResult",
+    "clairvoyant_for",
     "MAX_BLOCK_SIZE",
     "MAX_BYTES_PER_TOKEN",
     "MAX_CACHE_BYTES",

@@ -59,6 +59,8 @@ from stage_runtime.limits import (
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
 from stage_runtime.policy import CandidatePolicy
 from stage_runtime.sim.blocks import BlockTokenizer
+from stage_runtime.sim.clairvoyant import ClairvoyantResult, capacity_pages, clairvoyant_hits
+from stage_runtime.sim.clairvoyant import plan as clairvoyant_plan
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.model import simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
@@ -436,6 +438,10 @@ class ReplayResult:
     """Tokens restored at stage 0."""
     theoretical: TheoreticalMax
     stages: tuple[StageSummary, ...]
+    clairvoyant: ClairvoyantResult | None = attrs.field(default=None, kw_only=True)
+    """What a clairvoyant (Belady) cache of this capacity would restore, with pages of the block
+    size (:mod:`stage_runtime.sim.clairvoyant`); None when the paged index's page size is not
+    the block size."""
     ttft_cached: Percentiles
     ttft_uncached: Percentiles
     wall_s: float
@@ -789,6 +795,17 @@ async def _replay_concurrently(
             await nursery.start(one, position, request)
 
 
+def _clairvoyant(
+    ordered: Sequence[SimRequest], config: SimConfig, capacity_tokens: int
+) -> ClairvoyantResult | None:
+    """The clairvoyant ceiling of a replay at its capacity, or None when the paged index's
+    page size differs from the block size (the ceiling's pages are blocks)."""
+    if config.effective_page_tokens != config.block_size:
+        return None
+    workload = clairvoyant_plan(ordered, block_size=config.block_size)
+    return clairvoyant_hits(workload, capacity_pages(capacity_tokens, config.block_size))
+
+
 def summarise_replay(
     requests: Sequence[SimRequest],
     config: SimConfig,
@@ -903,6 +920,7 @@ def summarise_replay(
         restored_tokens=summaries[0].restored_tokens if summaries else 0,
         theoretical=theoretical,
         stages=summaries,
+        clairvoyant=_clairvoyant(ordered, config, capacity),
         ttft_cached=percentiles([o.ttft_cached_s for o in outcomes]),
         ttft_uncached=percentiles([o.ttft_uncached_s for o in outcomes]),
         wall_s=wall_s,

@@ -73,6 +73,10 @@ def result_to_json(
         "token_hit_ratio": result.token_hit_ratio,
         "theoretical_max_hit_ratio": result.theoretical.ratio,
         "theoretical_max_hit_tokens": result.theoretical.hit_tokens,
+        "clairvoyant_hit_ratio": None if result.clairvoyant is None else result.clairvoyant.ratio,
+        "clairvoyant_hit_tokens": (
+            None if result.clairvoyant is None else result.clairvoyant.hit_tokens
+        ),
         "stages": [
             {
                 "stage_id": stage.stage_id,
@@ -349,6 +353,24 @@ def render_report(
         f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
         f"infinite cache could restore {result.theoretical.ratio:.1%}. {hint}"
     )
+    split = _gap_split(result)
+    if split:
+        console.print(split)
+
+
+def _gap_split(result: ReplayResult) -> str | None:
+    """How much of the distance to the infinite cache is capacity and how much is policy."""
+    ceiling = result.clairvoyant
+    if ceiling is None or result.capacity_tokens == 0:
+        return None
+    capacity = result.theoretical.ratio - ceiling.ratio
+    policy = ceiling.ratio - result.token_hit_ratio
+    return (
+        f"At this capacity a clairvoyant cache (Belady: evict the page used furthest in the "
+        f"future) would restore {ceiling.ratio:.1%}: of the {result.theoretical.ratio:.1%} an "
+        f"infinite cache restores, {capacity:.1%} is out of reach of any policy at this "
+        f"capacity, and {policy:.1%} is what the eviction policy loses."
+    )
 
 
 _QUEUEING_WORTH_A_WORD = 0.5
@@ -453,6 +475,17 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
         f"{_seconds(first.ttft_uncached.p99)}; wall time "
         f"{_seconds(sum(result.wall_s for result in results))} for {len(results)} replays"
     )
+    ceilings = [
+        f"{result.capacity_tokens:,}: {result.clairvoyant.ratio:.1%}"
+        for result in sweep_order(results)
+        if result.clairvoyant is not None and result.capacity_tokens > 0
+    ]
+    if ceilings:
+        console.print(
+            "clairvoyant ceiling (Belady: evict the page used furthest in the future) at each "
+            f"capacity: {', '.join(ceilings)}; the gap to it is the eviction policy's, the rest "
+            "of the gap to the theoretical max is capacity's"
+        )
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")
@@ -528,6 +561,16 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
                 marker="o",
                 label="token hit ratio",
             )
+            ceiling = [r for r in bounded if r.clairvoyant is not None]
+            if len(ceiling) == len(bounded):
+                axes.plot(
+                    positions[: len(bounded)],
+                    [r.clairvoyant.ratio for r in ceiling if r.clairvoyant is not None],
+                    marker="^",
+                    linestyle=":",
+                    color="tab:purple",
+                    label="clairvoyant (Belady) at that capacity",
+                )
         if unbounded:
             axes.plot(
                 positions[len(bounded) :],

@@ -1,0 +1,173 @@
+"""The clairvoyant ceiling: what a cache of a given capacity could restore with perfect foresight.
+
+The theoretical maximum (:mod:`stage_runtime.sim.theory`) is an infinite cache. At a finite
+capacity the reference is Belady's policy: when the cache overflows, evict the page whose next
+use is furthest in the future. It is optimal for pages of equal size, and it tells how much of
+the distance to the infinite cache is *capacity* (infinite minus clairvoyant) and how much is
+*policy* (clairvoyant minus what the replayed cache achieved). It is a reference for this
+model of the cache, not a proof about every policy.
+
+The model, at the replay's block size:
+
+- a page is a block of a prompt, keyed by its prefix chain (the block ids of blocks ``0..i``),
+  as in the theoretical maximum; every page takes one slot, a partial last page too; the
+  capacity in pages is the capacity in tokens divided by the block size (rounded down; at least
+  one page), and a capacity of 0 is unbounded;
+- a request restores its leading pages while they are resident, each for the tokens of its block
+  that earlier requests used since the page was admitted (at most what this request uses), and
+  stops at the first page that is missing or was seen with fewer tokens (as the theoretical
+  maximum does, so the unbounded figure equals it);
+- after a request, all its pages are resident; while the cache holds more pages than its
+  capacity, the resident page whose next use is furthest away goes (never used again counts as
+  furthest; ties: the deeper page first). A page is used no later than its descendants, so the
+  cache stays prefix-closed.
+
+Next uses come from one backward pass over the requests (:func:`plan`); each capacity is then one
+forward pass with a heap (:func:`clairvoyant_hits`). Requests are taken in the replay's
+admission order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import attrs
+
+from stage_runtime.sim.trace import SimRequest
+
+__all__ = ["ClairvoyantPlan", "ClairvoyantResult", "clairvoyant_hits", "plan"]
+
+_NEVER: Final = 1 << 62
+"""The next use of a page no later request uses."""
+
+_ID_MASK: Final = 2**64 - 1
+"""Block ids are taken modulo 2^64, as the theoretical maximum and the token blocks do."""
+
+
+@attrs.frozen(kw_only=True)
+class ClairvoyantResult:
+    """Tokens a clairvoyant cache of ``capacity_pages`` pages would restore."""
+
+    capacity_pages: int
+    """Pages the cache holds (0: unbounded)."""
+
+    hit_tokens: int
+    """Prompt tokens restored."""
+
+    prompt_tokens: int
+    """All prompt tokens."""
+
+    @property
+    def ratio(self) -> float:
+        """``hit_tokens / prompt_tokens`` (0 for an empty workload)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ClairvoyantPlan:
+    """A workload's pages and their next uses: what every capacity's pass reads."""
+
+    chains: tuple[tuple[int, ...], ...]
+    """Per request, the page of each of its blocks (ids numbered in order of first use)."""
+
+    used: tuple[tuple[int, ...], ...]
+    """Per request, the tokens each of its blocks uses."""
+
+    next_use: tuple[tuple[int, ...], ...]
+    """Per request, the index of the next request that uses each of its pages (or a value
+    beyond every request)."""
+
+    prompt_tokens: int
+    """All prompt tokens."""
+
+
+def plan(requests: Iterable[SimRequest], *, block_size: int) -> ClairvoyantPlan:
+    """The pages of ``requests`` (in replay order) and, by one backward pass, their next uses."""
+    nodes: dict[tuple[int, int], int] = {}
+    chains: list[tuple[int, ...]] = []
+    used: list[tuple[int, ...]] = []
+    prompt_tokens = 0
+    for request in requests:
+        prompt_tokens += request.input_length
+        parent = -1
+        chain: list[int] = []
+        tokens: list[int] = []
+        for block_id, count in request.block_layout(block_size):
+            key = (parent, int(block_id) & _ID_MASK)
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = len(nodes)
+            chain.append(node)
+            tokens.append(count)
+            parent = node
+        chains.append(tuple(chain))
+        used.append(tuple(tokens))
+    later: dict[int, int] = {}
+    next_use: list[tuple[int, ...]] = [()] * len(chains)
+    for index in range(len(chains) - 1, -1, -1):
+        pages = chains[index]
+        next_use[index] = tuple(later.get(node, _NEVER) for node in pages)
+        for node in pages:
+            later[node] = index
+    return ClairvoyantPlan(
+        chains=tuple(chains),
+        used=tuple(used),
+        next_use=tuple(next_use),
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def capacity_pages(capacity_tokens: int, block_size: int) -> int:
+    """Pages a capacity of ``capacity_tokens`` holds (0 stays 0: unbounded; else at least 1)."""
+    if capacity_tokens <= 0:
+        return 0
+    return max(capacity_tokens // block_size, 1)
+
+
+def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantResult:
+    """Replay ``workload`` through a clairvoyant cache of ``capacity`` pages (0: unbounded)."""
+    resident: dict[int, int] = {}
+    """Resident page -> its next use."""
+    seen: dict[int, int] = {}
+    """Resident page -> the most tokens of its block a request used since it was admitted."""
+    heap: list[tuple[int, int, int]] = []
+    """(-next use, -depth, page): the furthest next use first, the deeper page on a tie; items
+    whose next use is no longer the page's are skipped."""
+    hit_tokens = 0
+    for chain, tokens, following in zip(
+        workload.chains, workload.used, workload.next_use, strict=True
+    ):
+        for page, count in zip(chain, tokens, strict=True):
+            known = seen.get(page)
+            if known is None:
+                break
+            hit_tokens += min(count, known)
+            if known < count:
+                break
+        for depth, (page, count, use) in enumerate(zip(chain, tokens, following, strict=True)):
+            if seen.get(page, -1) < count:
+                seen[page] = count
+            resident[page] = use
+            if capacity:
+                heapq.heappush(heap, (-use, -depth, page))
+        while capacity and len(resident) > capacity:
+            use, _, page = heapq.heappop(heap)
+            if resident.get(page) == -use:
+                del resident[page]
+                del seen[page]
+    return ClairvoyantResult(
+        capacity_pages=capacity, hit_tokens=hit_tokens, prompt_tokens=workload.prompt_tokens
+    )
+
+
+def clairvoyant_for(
+    requests: Sequence[SimRequest], *, block_size: int, capacities_tokens: Iterable[int]
+) -> dict[int, ClairvoyantResult]:
+    """The clairvoyant result at each capacity in tokens (one backward pass in all)."""
+    workload = plan(requests, block_size=block_size)
+    return {
+        capacity: clairvoyant_hits(workload, capacity_pages(capacity, block_size))
+        for capacity in capacities_tokens
+    }
