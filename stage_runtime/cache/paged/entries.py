@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-import attrs
 import numpy as np
 
 from stage_runtime.cache.paged.chains import PageChain
@@ -50,29 +49,63 @@ def _stored(segment: Payload) -> Payload:
     return owned
 
 
-@attrs.define(eq=False)
 class _Entry:
-    key: bytes
-    label: str
-    """The recording chain's label (the first part of :attr:`name`)."""
-    kind: EntryKind
-    parent: _Entry | None
-    group: bytes
-    """Key of the parent entry or of the namespace root."""
-    token_start: int
-    token_count: int
-    payload: Payload
-    nbytes: int
-    """``payload.size``."""
-    bytes_per_token: int
-    meta: Hashable
-    last_used: int
-    children: int = 0
-    """Cached entries whose parent this is (kept under ``reuse`` only, for its leaf heap)."""
-    hits: int = 0
-    """Restores that used this entry."""
-    priority: float = 0.0
-    """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+    """One resident entry (a plain slotted class: the index sets its fields on every use)."""
+
+    __slots__ = (
+        "bytes_per_token",
+        "children",
+        "group",
+        "hits",
+        "key",
+        "kind",
+        "label",
+        "last_used",
+        "meta",
+        "nbytes",
+        "parent",
+        "payload",
+        "priority",
+        "token_count",
+        "token_start",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        label: str,
+        kind: EntryKind,
+        parent: _Entry | None,
+        group: bytes,
+        token_start: int,
+        token_count: int,
+        payload: Payload,
+        nbytes: int,
+        bytes_per_token: int,
+        meta: Hashable,
+        last_used: int,
+    ) -> None:
+        self.key = key
+        self.label = label
+        """The recording chain's label (the first part of :attr:`name`)."""
+        self.kind = kind
+        self.parent = parent
+        self.group = group
+        """Key of the parent entry or of the namespace root."""
+        self.token_start = token_start
+        self.token_count = token_count
+        self.payload = payload
+        self.nbytes = nbytes
+        """``payload.size``."""
+        self.bytes_per_token = bytes_per_token
+        self.meta = meta
+        self.last_used = last_used
+        self.children = 0
+        """Cached entries whose parent this is (kept under ``reuse`` only, for its leaf heap)."""
+        self.hits = 0
+        """Restores that used this entry."""
+        self.priority = 0.0
+        """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
 
     @property
     def name(self) -> str:

@@ -74,7 +74,8 @@ class _Recording:
         self.reused_entries = 0
 
 
-@attrs.define(eq=False)
+# No on-setattr hooks: the index updates its counters on every page it stores.
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class PagedActivationIndex:
     """Pages of token-major activation rows, shared across prompts, evicted leaf-first by LRU.
 
@@ -271,7 +272,9 @@ class PagedActivationIndex:
                 int(segment.size), parent, None, op.evicted, new_entry=True
             ):
                 return None
-            return self._store_new(op, key, kind, parent, token_start, token_count, segment)
+            return self._store_new(
+                op, key, kind, parent, token_start, token_count, _stored(segment)
+            )
         bpt, meta = op.bytes_per_token, op.meta
         if (
             (existing.meta is not meta and existing.meta != meta)
@@ -306,11 +309,12 @@ class PagedActivationIndex:
         parent: _Entry | None,
         token_start: int,
         token_count: int,
-        segment: Payload,
+        payload: Payload,
     ) -> _Entry:
-        """Store a new entry (room already made) after ``parent``."""
+        """Store a new entry (room already made) after ``parent``, holding ``payload`` (its own
+        bytes or a virtual view: see :func:`_stored`)."""
         self._clock += 1
-        size = int(segment.size)
+        size = int(payload.size)
         chain = op.chain
         entry = _Entry(
             key,
@@ -320,7 +324,7 @@ class PagedActivationIndex:
             chain.root_key if parent is None else parent.key,
             token_start,
             token_count,
-            _stored(segment),
+            payload,
             size,
             op.bytes_per_token,
             op.meta,
@@ -358,7 +362,7 @@ class PagedActivationIndex:
             if fit < 0 and not eviction.page_room(size, parent, op.evicted):
                 stop = i  # the bounds cannot fit this page: the chain ends before it
                 break
-            segment = shared if shared is not None else payload[i * size : (i + 1) * size]
+            segment = shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
             parent = self._store_new(op, keys[i], "page", parent, i * p, p, segment)
         return parent, stop == len(keys)
 
@@ -474,9 +478,10 @@ class PagedActivationIndex:
                 meta=first.meta,
                 pages=tuple(e.payload for e in used),
                 page_token_counts=tuple(e.token_count for e in used),
-                keys=tuple(e.name for e in used),
                 last_key=used[-1].key,
                 entries=len(self._entries),
+                payload_bytes=sum(e.nbytes for e in used),
+                used=tuple(used),
             ),
             miss_reason=None,
         )

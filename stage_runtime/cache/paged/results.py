@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Literal, overload
+from typing import Literal, Protocol, overload
 
 import attrs
 import numpy as np
@@ -153,6 +153,11 @@ class PagedRecordOutcome:
         return self.evicted.payload_bytes
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class PagedRestore:
     """A restored prefix: the page views in order, assembled on demand."""
@@ -167,17 +172,24 @@ class PagedRestore:
     """Read-only payload views, in token order; together exactly ``payload_bytes``."""
     page_token_counts: tuple[int, ...]
     """Tokens in each of ``pages``."""
-    keys: tuple[str, ...]
-    """Printable names of the entries used."""
     last_key: bytes
     """Key of the last entry used: the chained identity of the whole restored prefix."""
     entries: int
     """Resident entries at restore time."""
+    payload_bytes: int
+    """Bytes of the restored prefix (of all ``pages`` together)."""
+    used: Sequence[_Named] = attrs.field(repr=False)
+    """The entries used, in token order (their names are made only when :attr:`keys` is read)."""
 
     @property
-    def payload_bytes(self) -> int:
-        """Bytes of the restored prefix."""
-        return sum(int(p.size) for p in self.pages)
+    def keys(self) -> tuple[str, ...]:
+        """Printable names of the entries used."""
+        return tuple(entry.name for entry in self.used)
+
+    @property
+    def last_name(self) -> str:
+        """Printable name of the last entry used."""
+        return self.used[-1].name
 
     def iter_pages(self) -> Iterator[tuple[int, Payload]]:
         """Yield ``(token_start, payload view)`` per page, never copying."""

@@ -108,7 +108,7 @@ class PagedIndex:
                 count,
                 "blake3:" + found.last_key.hex(),
             ),
-            page_id=found.keys[-1],
+            page_id=found.last_name,
             token_count=count,
             payload_bytes=payload_bytes,
             entries=found.entries,
