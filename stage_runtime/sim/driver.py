@@ -59,8 +59,12 @@ from stage_runtime.limits import (
 from stage_runtime.pipeline import Pipeline, PrefillResult, open_pipeline
 from stage_runtime.policy import CandidatePolicy
 from stage_runtime.sim.blocks import BlockTokenizer
-from stage_runtime.sim.clairvoyant import ClairvoyantResult, capacity_pages, clairvoyant_hits
-from stage_runtime.sim.clairvoyant import plan as clairvoyant_plan
+from stage_runtime.sim.clairvoyant import (
+    ClairvoyantResult,
+    capacity_pages,
+    clairvoyant_hits,
+    plan_of,
+)
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.model import simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
@@ -802,7 +806,7 @@ def _clairvoyant(
     page size differs from the block size (the ceiling's pages are blocks)."""
     if config.effective_page_tokens != config.block_size:
         return None
-    workload = clairvoyant_plan(ordered, block_size=config.block_size)
+    workload = plan_of(ordered, block_size=config.block_size)
     return clairvoyant_hits(workload, capacity_pages(capacity_tokens, config.block_size))
 
 

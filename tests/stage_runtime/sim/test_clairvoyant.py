@@ -173,3 +173,13 @@ def test_a_sweep_has_the_ceiling_at_every_capacity() -> None:
     out = io.StringIO()
     render_sweep(Console(file=out, width=250), results, title="sweep")
     assert "clairvoyant" in out.getvalue()
+
+
+def test_the_plan_of_the_same_workload_is_computed_once() -> None:
+    """The replays of a sweep share one plan; another workload (or block size) gets its own."""
+    from stage_runtime.sim.clairvoyant import plan_of
+
+    first = plan_of(TRACE, block_size=16)
+    assert plan_of(list(TRACE), block_size=16) is first
+    assert plan_of(TRACE, block_size=8) is not first
+    assert plan_of(TRACE[:3], block_size=16) is not first
