@@ -167,10 +167,11 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--page-eviction",
-        choices=["lru", "reuse"],
+        choices=["lru", "reuse", "adaptive"],
         default=None,
         help="with --index paged: 'lru' evicts the least recently used page, 'reuse' the "
-        "least valuable by reuse and recompute saved (default: lru)",
+        "least valuable by reuse and recompute saved, 'adaptive' favours recency or frequency "
+        "as the workload shows (default: lru)",
     )
     pipeline.add_argument(
         "--capacity-tokens",

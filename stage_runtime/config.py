@@ -92,14 +92,16 @@ class CacheIndex(enum.StrEnum):
 
 
 class PageEviction(enum.StrEnum):
-    """Which page the paged index evicts first (leaves only, in both policies).
+    """Which page the paged index evicts first (leaves only, in every policy).
 
     ``LRU``: the least recently used. ``REUSE``: the least valuable by reuse and recompute saved
-    (GreedyDual-style, see :class:`~stage_runtime.cache.paged.PagedActivationIndex`).
+    (GreedyDual-style). ``ADAPTIVE``: recency or frequency as the workload shows, ARC's rule
+    over pages used once or more (see :mod:`stage_runtime.cache.paged.eviction`).
     """
 
     LRU = "lru"
     REUSE = "reuse"
+    ADAPTIVE = "adaptive"
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +402,8 @@ class KvCacheConfig:
     """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
-    """Paged mode: ``lru`` (default) or ``reuse`` (weighs reuse and recompute saved)."""
+    """Paged mode: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved) or
+    ``adaptive`` (recency or frequency, learnt from the workload)."""
 
     @property
     def effective_page_tokens(self) -> int:
@@ -433,7 +436,8 @@ class KvCacheConfig:
         ``lookup-record``; an unset or unrecognised value means no configuration (None). The
         bounds come from ``STAGE_RUNTIME_KV_CACHE_MAX_ENTRIES``, ``_MAX_BYTES``, ``_MIN_TOKENS``,
         ``_SHARED_STRIDE_TOKENS``, ``_SHARED_RECORD_LIMIT``, ``_PAYLOAD``, and (paged
-        index) ``_INDEX``, ``_PAGE_TOKENS`` and ``_PAGE_EVICTION`` (``lru`` or ``reuse``).
+        index) ``_INDEX``, ``_PAGE_TOKENS`` and ``_PAGE_EVICTION`` (``lru``, ``reuse`` or
+        ``adaptive``).
 
         Raises:
             ConfigError: a bound or payload variable is set but not valid (the upstream ignores

@@ -148,7 +148,7 @@ def _to_index(value: object) -> CacheIndex:
 def _to_eviction(value: object) -> PageEviction:
     if isinstance(value, str) and value in PageEviction.__members__.values():
         return PageEviction(value)
-    msg = f"page_eviction must be 'lru' or 'reuse', got {value!r}"
+    msg = f"page_eviction must be 'lru', 'reuse' or 'adaptive', got {value!r}"
     raise ConfigError(msg)
 
 

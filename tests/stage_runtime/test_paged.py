@@ -430,8 +430,9 @@ def test_reuse_eviction_ages_out_old_popularity() -> None:
 
 
 def test_unknown_eviction_policy_is_refused() -> None:
-    """Only 'lru' and 'reuse' exist."""
-    with pytest.raises(ConfigError, match="eviction must be 'lru' or 'reuse', got 'mru'"):
+    """Only 'lru', 'reuse' and 'adaptive' exist."""
+    message = "eviction must be 'lru', 'reuse' or 'adaptive', got 'mru'"
+    with pytest.raises(ConfigError, match=message):
         PagedActivationIndex(page_tokens=1, max_entries=1, eviction="mru")
 
 

@@ -390,7 +390,7 @@ def _bounded_paged(
     )
 
 
-@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+@pytest.mark.parametrize("eviction", ["lru", "reuse", "adaptive"])
 def test_a_record_that_can_store_nothing_evicts_nothing(eviction: str) -> None:
     """32-byte pages under a 20-byte bound never fit: the cached 16-byte tail must stay."""
     kv, config = _bounded_paged(max_bytes=20, page_tokens=4, eviction=eviction)
@@ -411,7 +411,7 @@ def test_a_record_that_can_store_nothing_evicts_nothing(eviction: str) -> None:
     assert hit.token_count == 2
 
 
-@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+@pytest.mark.parametrize("eviction", ["lru", "reuse", "adaptive"])
 def test_a_refused_re_record_evicts_nothing(eviction: str) -> None:
     """Re-recording a cached page with rows too large for the bound keeps the old rows, and no
     other entry is evicted for a room that is then not used."""

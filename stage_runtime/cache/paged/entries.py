@@ -66,6 +66,7 @@ class _Entry:
         "parent",
         "payload",
         "priority",
+        "tier",
         "token_count",
         "token_start",
     )
@@ -106,6 +107,8 @@ class _Entry:
         """Restores that used this entry."""
         self.priority = 0.0
         """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
+        self.tier = -1
+        """The ``adaptive`` policy's class of a resident entry (0 once, 1 again); -1 else."""
 
     @property
     def name(self) -> str:

@@ -23,14 +23,21 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from stage_runtime.cache.paged.entries import _Entry, _leaf_item
 from stage_runtime.cache.paged.results import _Eviction
 from stage_runtime.cache.resident import EvictionReason
 from stage_runtime.config import PageEviction
 
-__all__ = ["EvictionHost", "EvictionStrategy", "LruEviction", "ReuseEviction", "eviction_for"]
+__all__ = [
+    "AdaptiveEviction",
+    "EvictionHost",
+    "EvictionStrategy",
+    "LruEviction",
+    "ReuseEviction",
+    "eviction_for",
+]
 
 _Victims = list[tuple[_Entry, EvictionReason]]
 
@@ -100,6 +107,8 @@ def eviction_for(policy: PageEviction, index: EvictionHost) -> EvictionStrategy:
     """The strategy ``policy`` names, for ``index``."""
     if policy is PageEviction.REUSE:
         return ReuseEviction(index)
+    if policy is PageEviction.ADAPTIVE:
+        return AdaptiveEviction(index)
     return LruEviction(index)
 
 
@@ -388,3 +397,252 @@ class ReuseEviction:
             count += 1
             nbytes += also.nbytes
         return count, nbytes
+
+
+_HISTORY_PER_ENTRY: Final = 8
+"""Pages whose use counts :class:`AdaptiveEviction` remembers, per page the cache may hold."""
+
+
+class AdaptiveEviction(ReuseEviction):
+    """Recency or frequency, learnt from the workload: ARC's adaptation (Megiddo and Modha, "ARC:
+    A Self-Tuning, Low Overhead Replacement Cache", FAST 2003) over two classes of pages set by
+    their use counts over a long history (as LRFU and TinyLFU keep counts past eviction).
+
+    A page used by one record so far is in the *once* class, a page used by two or more (in the
+    remembered history, evicted or not) in the *again* class; within a class the least recently
+    used leaf goes first. Room is made from the once class while it holds more than a target
+    share ``p`` of the cache, else from the again class. ``p`` starts at 0 (one-off pages go
+    first, which keeps shared prefixes against a flood of unique prompts) and moves as ARC's
+    does: a page coming back soon after it was evicted from the once class raises it (recency
+    would have kept it), one evicted from the again class lowers it. Leaves wait in one heap per
+    class by last use; stale items are skipped. Evictions take leaves only, never the running
+    record's chain. A use is one record of a prompt (its restore only refreshes recency).
+    """
+
+    name = PageEviction.ADAPTIVE
+
+    def __init__(self, index: EvictionHost) -> None:
+        super().__init__(index)
+        self._heaps: tuple[list[tuple[int, int, _Entry]], list[tuple[int, int, _Entry]]] = ([], [])
+        """Leaves of the once class (0) and of the again class (1), by last use."""
+        self._members = [0, 0]
+        """Resident pages in each class (an entry's class is its ``tier``)."""
+        self._ghosts: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+        """Pages evicted lately from each class (ARC's B1 and B2), oldest first."""
+        self._uses: dict[bytes, int] = {}
+        """Records that used each page (evicted pages too; pages used once and no longer
+        resident are forgotten when the history outgrows its bound)."""
+        self.target = 0.0
+        """``p``: how many entries the once class may keep before it yields."""
+        self._recording = False
+        self._op_clock = 0
+        """The clock when the running record started: entries it touched have a later use."""
+        self._seq = 0
+
+    def record_started(self) -> None:
+        super().record_started()
+        self._recording = True
+        self._op_clock = self._index._clock
+
+    def record_ended(self, last: _Entry | None) -> None:
+        self._recording = False
+
+    def stored(self, entry: _Entry, parent: _Entry | None) -> None:
+        if parent is not None:
+            parent.children += 1
+        key = entry.key
+        once, again = self._ghosts
+        if key in once:
+            del once[key]
+            step = max(len(again) / max(len(once), 1), 1.0)
+            self.target = min(float(self._index.max_entries), self.target + step)
+        elif key in again:
+            del again[key]
+            step = max(len(once) / max(len(again), 1), 1.0)
+            self.target = max(0.0, self.target - step)
+        self._use(entry)
+
+    def touched(self, entry: _Entry) -> None:
+        if self._recording:
+            self._use(entry)
+        elif entry.children == 0:  # a restore: recency only
+            self._push(entry.tier, entry)
+
+    def _use(self, entry: _Entry) -> None:
+        key = entry.key
+        history = self._uses
+        uses = history.get(key, 0) + 1
+        history[key] = uses
+        bound = _HISTORY_PER_ENTRY * self._index.max_entries
+        if len(history) > bound:
+            # Forget pages used once that left the cache; if that is not enough, age every
+            # count (halved, the zeros forgotten), as TinyLFU's reset does.
+            entries = self._index._entries
+            kept = {k: n for k, n in history.items() if n >= 2 or k in entries}
+            if len(kept) > bound // 2:
+                kept = {k: n >> 1 for k, n in kept.items() if n >> 1 or k in entries}
+            self._uses = kept
+        kind = 1 if uses >= 2 else 0
+        previous = entry.tier
+        if previous != kind:
+            if previous >= 0:
+                self._members[previous] -= 1
+            self._members[kind] += 1
+            entry.tier = kind
+        if entry.children == 0:
+            self._push(kind, entry)
+
+    def _push(self, kind: int, entry: _Entry) -> None:
+        self._seq += 1
+        heap = self._heaps[kind]
+        heapq.heappush(heap, (entry.last_used, self._seq, entry))
+        if len(heap) > 2 * len(self._index._entries) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        for kind in (0, 1):
+            heap = [item for item in self._heaps[kind] if self._current(kind, item)]
+            heapq.heapify(heap)
+            self._heaps[kind][:] = heap
+
+    def _current(self, kind: int, item: tuple[int, int, _Entry]) -> bool:
+        entry = item[2]
+        return entry.tier == kind and entry.children == 0 and entry.last_used == item[0]
+
+    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
+        return used
+
+    def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
+        key = entry.key
+        kind = entry.tier
+        entry.tier = -1
+        self._members[kind] -= 1
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0 and parent.tier >= 0:
+                self._push(parent.tier, parent)
+        if reason != "cleared":
+            ghosts = self._ghosts[kind]
+            ghosts[key] = None
+            if len(ghosts) > self._index.max_entries:
+                ghosts.popitem(last=False)
+
+    def make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[_Eviction],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        """Evicts leaves from the class ARC's target picks (the other one when it has none
+        left), least recently used first, never the running record's chain nor ``also``."""
+        index = self._index
+        max_bytes = index.max_bytes
+        if max_bytes and size > max_bytes:
+            return False
+        entries = index._entries
+        limit = index.max_entries - 1 if new_entry else len(entries)
+        checked = False
+        while True:
+            if len(entries) > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and index._resident_bytes + size > max_bytes:
+                reason = "max_bytes"
+            else:
+                return True
+            if not checked:
+                checked = True
+                count, nbytes = self._pinned(protect, also)
+                if count > limit or (max_bytes and nbytes + size > max_bytes):
+                    return False
+            once_first = self._members[0] > 0 and (
+                self._members[0] > self.target or self._members[1] == 0
+            )
+            order = (0, 1) if once_first else (1, 0)
+            victim = self._pop_class_leaf(order[0], also) or self._pop_class_leaf(order[1], also)
+            if victim is None:
+                return False
+            index._evict_all([(victim, reason)], evicted)
+
+    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
+        """Room for all ``count`` new pages at once (one pass, one eviction call) when it can
+        be made, else page by page (-1). Within the pass, a parent whose last child goes is not
+        yet a candidate."""
+        index = self._index
+        max_bytes = index.max_bytes
+        if max_bytes and count * size > max_bytes:
+            return -1
+        entries = len(index._entries)
+        limit = index.max_entries - count
+        resident = index._resident_bytes
+        members = list(self._members)
+        victims: list[tuple[_Entry, EvictionReason]] = []
+        chosen: set[int] = set()  # (a heap may hold a leaf twice with the same last use)
+        while True:
+            if entries > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and resident + count * size > max_bytes:
+                reason = "max_bytes"
+            else:
+                break
+            once_first = members[0] > 0 and (members[0] > self.target or members[1] == 0)
+            order = (0, 1) if once_first else (1, 0)
+            kind = order[0]
+            victim = self._pop_class_leaf(kind, None)
+            if victim is None:
+                kind = order[1]
+                victim = self._pop_class_leaf(kind, None)
+            if victim is None:
+                for entry, _ in victims:  # not enough room: put them back, go page by page
+                    self._push(entry.tier, entry)
+                return -1
+            if id(victim) in chosen:
+                continue
+            chosen.add(id(victim))
+            victims.append((victim, reason))
+            members[kind] -= 1
+            entries -= 1
+            resident -= victim.nbytes
+        if victims:
+            index._evict_all(victims, evicted)
+        return count
+
+    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
+        return self.make_room(size, parent, None, evicted, new_entry=True)
+
+    def _pop_class_leaf(self, kind: int, also: _Entry | None) -> _Entry | None:
+        """The least recently used evictable leaf of a class, off its heap (or None)."""
+        heap = self._heaps[kind]
+        op_clock = self._op_clock
+        held = None
+        victim = None
+        while heap:
+            item = heapq.heappop(heap)
+            if not self._current(kind, item):
+                continue
+            entry = item[2]
+            if entry.last_used > op_clock:  # the running record's: so is everything after it
+                heapq.heappush(heap, item)
+                break
+            if entry is also:
+                held = item
+                continue
+            victim = entry
+            break
+        if held is not None:
+            heapq.heappush(heap, held)
+        return victim
+
+    def clear(self, evicted: list[_Eviction]) -> None:
+        self._op_clock = self._index._clock
+        while True:
+            victim = self._pop_class_leaf(0, None) or self._pop_class_leaf(1, None)
+            if victim is None:
+                break
+            self._index._evict_all([(victim, "cleared")], evicted)

@@ -46,7 +46,7 @@ def _to_eviction(value: object) -> PageEviction:
     """``"lru"``, ``"reuse"`` or a :class:`PageEviction`, as a PageEviction."""
     if isinstance(value, str) and value in PageEviction.__members__.values():
         return PageEviction(value)
-    msg = f"eviction must be 'lru' or 'reuse', got {value!r}"
+    msg = f"eviction must be 'lru', 'reuse' or 'adaptive', got {value!r}"
     raise ConfigError(msg)
 
 
