@@ -449,6 +449,10 @@ class AdaptiveEviction(ReuseEviction):
 
     def record_ended(self, last: _Entry | None) -> None:
         self._recording = False
+        # Only the chain's last entry can be a leaf after the record (each one before has the
+        # next as its child): pushed once here rather than for every page on the way.
+        if last is not None and last.children == 0 and last.tier >= 0:
+            self._push(last.tier, last)
 
     def stored(self, entry: _Entry, parent: _Entry | None) -> None:
         if parent is not None:
@@ -492,8 +496,8 @@ class AdaptiveEviction(ReuseEviction):
                 self._members[previous] -= 1
             self._members[kind] += 1
             entry.tier = kind
-        if entry.children == 0:
-            self._push(kind, entry)
+            if entry.children == 0 and previous >= 0:  # a leaf changing class: its new heap
+                self._push(kind, entry)
 
     def _push(self, kind: int, entry: _Entry) -> None:
         self._seq += 1
