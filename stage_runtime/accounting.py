@@ -136,18 +136,51 @@ class MissTracker:
         return len(self._tombstones)
 
 
-@attrs.define(eq=False)
 class _Group:
-    """The segments that start right after one parent page (or at the root of a namespace)."""
+    """The segments that start right after one parent page (or at the root of a namespace).
 
-    segments: dict[bytes, int] = attrs.field(factory=dict)
-    """Token bytes (int32 little-endian) of each distinct segment -> reference count."""
-    bytes_per_token: int = 0
-    """The widest row among the segments held now (see ``widths``)."""
-    widths: dict[int, int] = attrs.field(factory=dict)
-    """Bytes per token -> references held with it, so the widest can shrink on removal."""
-    unique_tokens: int | None = 0
-    """Cached size of the token trie of ``segments``; ``None`` when it must be recomputed."""
+    A plain slotted class with its row widths counted in two ints while they are all one width
+    (the usual case): the footprint holds one per distinct parent, hundreds of thousands over
+    a long replay."""
+
+    __slots__ = ("bytes_per_token", "segments", "unique_tokens", "width", "width_refs", "widths")
+
+    def __init__(self, bytes_per_token: int = 0) -> None:
+        self.segments: dict[bytes, int] = {}
+        """Token bytes (int32 little-endian) of each distinct segment -> reference count."""
+        self.bytes_per_token = bytes_per_token
+        """The widest row among the segments held now."""
+        self.unique_tokens: int | None = 0
+        """Cached size of the token trie of ``segments``; ``None`` when it must be recomputed."""
+        self.width = 0
+        self.width_refs = 0
+        """While every reference has one row width: that width and how many references."""
+        self.widths: dict[int, int] | None = None
+        """Once widths differ: bytes per token -> references held with it."""
+
+    def add_width(self, bytes_per_token: int) -> None:
+        """Count one more reference held with rows of ``bytes_per_token``."""
+        widths = self.widths
+        if widths is None:
+            if self.width_refs == 0 or self.width == bytes_per_token:
+                self.width = bytes_per_token
+                self.width_refs += 1
+                return
+            widths = self.widths = {self.width: self.width_refs}
+        widths[bytes_per_token] = widths.get(bytes_per_token, 0) + 1
+
+    def remove_width(self, bytes_per_token: int) -> int:
+        """Count one reference less with rows of ``bytes_per_token``; the widest left (0)."""
+        widths = self.widths
+        if widths is None:
+            self.width_refs -= 1
+            return self.width if self.width_refs else 0
+        left = widths[bytes_per_token] - 1
+        if left:
+            widths[bytes_per_token] = left
+        else:
+            del widths[bytes_per_token]
+        return max(widths, default=0)
 
 
 def _common_prefix_tokens(a: bytes, b: bytes) -> int:
@@ -218,7 +251,7 @@ class PrefixFootprint:
                 self._invalidate(parent, group)
             group.segments[data] = count + 1
             group.bytes_per_token = max(group.bytes_per_token, bytes_per_token)
-            group.widths[bytes_per_token] = group.widths.get(bytes_per_token, 0) + 1
+            group.add_width(bytes_per_token)
             held.append((parent, data))
         self._owners[owner] = (bytes_per_token, held)
 
@@ -230,12 +263,7 @@ class PrefixFootprint:
         width, held = entry
         for parent, data in held:
             group = self._groups[parent]
-            left = group.widths[width] - 1
-            if left:
-                group.widths[width] = left
-            else:
-                del group.widths[width]
-            widest = max(group.widths, default=0)
+            widest = group.remove_width(width)
             count = group.segments[data] - 1
             if count and widest == group.bytes_per_token:
                 group.segments[data] = count

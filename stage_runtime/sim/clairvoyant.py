@@ -29,6 +29,7 @@ admission order.
 
 from __future__ import annotations
 
+import array
 import heapq
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -67,17 +68,23 @@ class ClairvoyantResult:
 
 @attrs.frozen(kw_only=True, eq=False)
 class ClairvoyantPlan:
-    """A workload's pages and their next uses: what every capacity's pass reads."""
+    """A workload's pages and their next uses: what every capacity's pass reads.
 
-    chains: tuple[tuple[int, ...], ...]
-    """Per request, the page of each of its blocks (ids numbered in order of first use)."""
+    Flat 64-bit arrays (a request's blocks are ``offsets[i]:offsets[i + 1]``): the plan of a
+    long trace stays a few megabytes."""
 
-    used: tuple[tuple[int, ...], ...]
-    """Per request, the tokens each of its blocks uses."""
+    offsets: array.array[int]
+    """Where each request's blocks start in the flat arrays (one more entry: the end)."""
 
-    next_use: tuple[tuple[int, ...], ...]
-    """Per request, the index of the next request that uses each of its pages (or a value
-    beyond every request)."""
+    pages: array.array[int]
+    """The page of each block (ids numbered in order of first use)."""
+
+    used: array.array[int]
+    """The tokens each block uses."""
+
+    next_use: array.array[int]
+    """The index of the next request that uses each block's page (or a value beyond every
+    request)."""
 
     prompt_tokens: int
     """All prompt tokens."""
@@ -86,36 +93,33 @@ class ClairvoyantPlan:
 def plan(requests: Iterable[SimRequest], *, block_size: int) -> ClairvoyantPlan:
     """The pages of ``requests`` (in replay order) and, by one backward pass, their next uses."""
     nodes: dict[tuple[int, int], int] = {}
-    chains: list[tuple[int, ...]] = []
-    used: list[tuple[int, ...]] = []
+    offsets = array.array("q", [0])
+    pages = array.array("q")
+    used = array.array("q")
     prompt_tokens = 0
     for request in requests:
         prompt_tokens += request.input_length
         parent = -1
-        chain: list[int] = []
-        tokens: list[int] = []
         for block_id, count in request.block_layout(block_size):
             key = (parent, int(block_id) & _ID_MASK)
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = len(nodes)
-            chain.append(node)
-            tokens.append(count)
+            pages.append(node)
+            used.append(count)
             parent = node
-        chains.append(tuple(chain))
-        used.append(tuple(tokens))
+        offsets.append(len(pages))
+    del nodes
     later: dict[int, int] = {}
-    next_use: list[tuple[int, ...]] = [()] * len(chains)
-    for index in range(len(chains) - 1, -1, -1):
-        pages = chains[index]
-        next_use[index] = tuple(later.get(node, _NEVER) for node in pages)
-        for node in pages:
-            later[node] = index
+    next_use = array.array("q", bytes(8 * len(pages)))
+    for index in range(len(offsets) - 2, -1, -1):
+        start, end = offsets[index], offsets[index + 1]
+        for position in range(start, end):
+            next_use[position] = later.get(pages[position], _NEVER)
+        for position in range(start, end):
+            later[pages[position]] = index
     return ClairvoyantPlan(
-        chains=tuple(chains),
-        used=tuple(used),
-        next_use=tuple(next_use),
-        prompt_tokens=prompt_tokens,
+        offsets=offsets, pages=pages, used=used, next_use=next_use, prompt_tokens=prompt_tokens
     )
 
 
@@ -156,9 +160,12 @@ def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantRes
     """(-next use, -depth, page): the furthest next use first, the deeper page on a tie; items
     whose next use is no longer the page's are skipped."""
     hit_tokens = 0
-    for chain, tokens, following in zip(
-        workload.chains, workload.used, workload.next_use, strict=True
-    ):
+    offsets = workload.offsets
+    for index in range(len(offsets) - 1):
+        start, end = offsets[index], offsets[index + 1]
+        chain = workload.pages[start:end]
+        tokens = workload.used[start:end]
+        following = workload.next_use[start:end]
         for page, count in zip(chain, tokens, strict=True):
             known = seen.get(page)
             if known is None:

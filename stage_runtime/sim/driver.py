@@ -719,6 +719,9 @@ async def replay(
     )
     tokenizer = BlockTokenizer(config.block_size)
     ordered = admission_order(requests, config.concurrency)
+    if config.effective_page_tokens == config.block_size:
+        # The ceiling's plan, made while the caches are still empty (its summary reuses it).
+        plan_of(ordered, block_size=config.block_size)
     tallies = [_StageTally(len(ordered)) for _ in configs]
     finished = 0
 

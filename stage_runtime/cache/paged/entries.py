@@ -26,10 +26,15 @@ def _shared_segment(data: bytes) -> bytes:
     return data
 
 
-def _footprint_segments(chain: PageChain, entry: _Entry) -> list[tuple[bytes, bytes]]:
-    """``(parent key, token bytes)`` of each segment of ``entry``'s token rows: one for a page or
-    a tail, every page of the prompt for an exact entry. The bytes, not views of the prompt: a
-    view would keep the whole prompt alive as long as the entry."""
+Footprint = bytes | list[tuple[bytes, bytes]]
+"""What the footprint needs of an entry: a page's or a tail's token bytes (its one segment
+follows ``entry.group``), or an exact entry's ``(parent key, token bytes)`` segments."""
+
+
+def _footprint_segments(chain: PageChain, entry: _Entry) -> Footprint:
+    """``entry``'s token rows for the footprint (see :data:`Footprint`). The bytes, not views of
+    the prompt: a view would keep the whole prompt alive as long as the entry. (Kept compact:
+    one is held per resident entry until the footprint is read.)"""
     tokens = chain.tokens
     if entry.kind == "exact":
         return [
@@ -37,7 +42,7 @@ def _footprint_segments(chain: PageChain, entry: _Entry) -> list[tuple[bytes, by
             for parent, part in chain.segments(entry.token_count)
         ]
     start = entry.token_start
-    return [(entry.group, _shared_segment(tokens[start : start + entry.token_count].tobytes()))]
+    return _shared_segment(tokens[start : start + entry.token_count].tobytes())
 
 
 def _stored(segment: Payload) -> Payload:

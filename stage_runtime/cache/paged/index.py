@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
 from stage_runtime.cache.paged.chains import PageChain, _page_chain, _private_tokens
-from stage_runtime.cache.paged.entries import _Entry, _footprint_segments, _stored
+from stage_runtime.cache.paged.entries import Footprint, _Entry, _footprint_segments, _stored
 from stage_runtime.cache.paged.eviction import EvictionStrategy, eviction_for
 from stage_runtime.cache.paged.results import (
     EntryKind,
@@ -107,9 +107,7 @@ class PagedActivationIndex:
     )
     _misses: MissTracker = attrs.field(init=False)
     _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
-    _unfootprinted: dict[bytes, tuple[list[tuple[bytes, bytes]], _Entry]] = attrs.field(
-        factory=dict, init=False
-    )
+    _unfootprinted: dict[bytes, tuple[Footprint, _Entry]] = attrs.field(factory=dict, init=False)
     """Resident entries not yet added to the footprint, in the order they were stored, with
     their token segments (:func:`_footprint_segments`): the footprint's token tries are built
     only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it."""
@@ -370,8 +368,9 @@ class PagedActivationIndex:
         if self._unfootprinted.pop(key, None) is None:
             self._footprint.remove(key)
 
-    def _count_footprint(self, segments: list[tuple[bytes, bytes]], entry: _Entry) -> None:
+    def _count_footprint(self, footprint: Footprint, entry: _Entry) -> None:
         """Add ``entry``'s token rows (its :func:`_footprint_segments`) to the footprint."""
+        segments = [(entry.group, footprint)] if isinstance(footprint, bytes) else footprint
         size = entry.nbytes
         bpt = entry.bytes_per_token or max(size // entry.token_count, 1)
         self._footprint.add(entry.key, segments, bpt)
