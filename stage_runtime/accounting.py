@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import attrs
@@ -74,63 +74,27 @@ class CacheAccounting:
 
 @attrs.define(eq=False)
 class MissTracker:
-    """Bounded memory of evicted keys, to classify misses (oldest tombstones dropped first).
-
-    A tombstone may carry notes (any hashable values, such as the slot and a fingerprint of
-    the evicted key), counted while their tombstone is kept, so that a caller can ask cheaply
-    whether any kept tombstone has a note before it computes the keys to look up. The notes
-    are forgotten with their tombstone: they take no more room than the tombstones.
-    """
+    """Bounded memory of evicted keys, to classify misses (oldest tombstones dropped first)."""
 
     capacity: int = 65536
     """Tombstones kept; older ones are forgotten, so their misses count as ``never_seen``."""
-    _tombstones: OrderedDict[Hashable, tuple[Hashable, ...]] = attrs.field(
-        factory=OrderedDict, init=False
-    )
-    _notes: dict[Hashable, int] = attrs.field(factory=dict, init=False)
-    """How many kept tombstones carry each note."""
+    _tombstones: OrderedDict[Hashable, None] = attrs.field(factory=OrderedDict, init=False)
 
-    def evicted(self, key: Hashable, notes: tuple[Hashable, ...] = ()) -> None:
-        """Remember that ``key`` was evicted, with ``notes`` (replacing an earlier tombstone's)."""
+    def evicted(self, key: Hashable) -> None:
+        """Remember that ``key`` was evicted (as the newest tombstone)."""
         tombstones = self._tombstones
-        if key in tombstones:
-            self._forget_notes(tombstones.pop(key))
-        tombstones[key] = notes
-        if notes:
-            counts = self._notes
-            for note in notes:
-                counts[note] = counts.get(note, 0) + 1
+        tombstones.pop(key, None)
+        tombstones[key] = None
         while len(tombstones) > self.capacity:
-            self._forget_notes(tombstones.popitem(last=False)[1])
-
-    def _forget_notes(self, notes: tuple[Hashable, ...]) -> None:
-        counts = self._notes
-        for note in notes:
-            left = counts[note] - 1
-            if left:
-                counts[note] = left
-            else:
-                del counts[note]
+            tombstones.popitem(last=False)
 
     def cached(self, key: Hashable) -> None:
         """Forget ``key``'s tombstone: it is resident again."""
-        notes = self._tombstones.pop(key, None)
-        if notes:
-            self._forget_notes(notes)
+        self._tombstones.pop(key, None)
 
     def was_evicted(self, key: Hashable) -> bool:
         """Whether ``key`` has a tombstone."""
         return key in self._tombstones
-
-    def noted(self, note: Hashable) -> bool:
-        """Whether a kept tombstone carries ``note``."""
-        return note in self._notes
-
-    @property
-    def notes(self) -> Mapping[Hashable, int]:
-        """How many kept tombstones carry each note (a live view: test ``note in notes`` in a
-        loop without a call per test)."""
-        return self._notes
 
     def __len__(self) -> int:
         return len(self._tombstones)

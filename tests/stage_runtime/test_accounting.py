@@ -24,30 +24,6 @@ def test_miss_tracker_forgets_the_oldest_tombstone_first() -> None:
     assert len(tracker) == 1
 
 
-def test_tombstone_notes_are_counted_and_forgotten_with_their_tombstones() -> None:
-    """Notes say cheaply whether any kept tombstone has them; they leave with the tombstone
-    (past the capacity, on a re-cache, on a re-eviction with other notes), so they take no more
-    room than the bounded tombstones. (The ladder's fingerprints of evicted keys were once
-    kept apart and never dropped: 40 MiB more per 100,000 prompts per stage.)"""
-    tracker = MissTracker(capacity=2)
-    tracker.evicted("a", ("slot", ("slot", 1)))
-    tracker.evicted("b", ("slot", ("slot", 2)))
-    assert tracker.noted("slot")
-    assert tracker.noted(("slot", 1))
-    tracker.evicted("c", ("other",))  # "a" leaves, with its notes
-    assert not tracker.noted(("slot", 1))
-    assert tracker.noted("slot")  # "b" still has it
-    tracker.cached("b")
-    assert not tracker.noted("slot")
-    tracker.evicted("c", ("again",))  # a re-eviction replaces the notes
-    assert not tracker.noted("other")
-    assert tracker.noted("again")
-    for index in range(10_000):
-        tracker.evicted(f"k{index}", (index,))
-    assert len(tracker) == 2
-    assert len(tracker._notes) == 2
-
-
 def test_footprint_counts_shared_leading_tokens_once() -> None:
     """Two segments after one parent that agree on 2 tokens need 2 + 2 + 1 token rows."""
     footprint = PrefixFootprint()
