@@ -47,8 +47,6 @@ from stage_runtime.sim.driver import (
     admission_order,
     kv_cache_config,
     replay,
-    run_replay,
-    run_sweep,
     stage_configs,
     summarise_replay,
     validate_requests,
@@ -63,6 +61,7 @@ from stage_runtime.sim.report import (
     sweep_order,
     write_plot,
 )
+from stage_runtime.sim.runs import run_replay, run_sweep
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import (
     SimRequest,

@@ -185,7 +185,7 @@ def fan_out(
     """Replay once per capacity, every stage of every replay a unit (:func:`replay_stage`)
     run by ``executor``; then summarise each replay here, as a one-process replay does.
 
-    Every figure of the results equals that of :func:`~stage_runtime.sim.driver.run_sweep`
+    Every figure of the results equals that of :func:`~stage_runtime.sim.runs.run_sweep`
     in one process, but for ``wall_s`` (and ``tokens_per_s``): the replays run side by side,
     so each is given an equal share of the fan-out's wall time (a sweep's add up to it).
 

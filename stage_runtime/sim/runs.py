@@ -1,0 +1,121 @@
+"""Replays from synchronous code: in one process on a virtual clock, or fanned out.
+
+:func:`run_replay` and :func:`run_sweep` build on both the in-process replay
+(:mod:`stage_runtime.sim.driver`) and the fan-out (:mod:`stage_runtime.sim.fanout`, which builds
+on the driver too), so they live apart from both: no module of the simulator imports one that
+imports it back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+
+from stage_runtime.sim.driver import ProgressCallback, ReplayResult, SimConfig, replay
+from stage_runtime.sim.fanout import fan_out
+from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
+from stage_runtime.sim.trace import SimRequest
+
+__all__ = ["run_replay", "run_sweep"]
+
+
+def run_replay(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    *,
+    capacity_tokens: int | None = None,
+    theoretical: TheoreticalMax | None = None,
+    progress: ProgressCallback | None = None,
+    virtual_time: bool | None = None,
+    executor: concurrent.futures.Executor | None = None,
+) -> ReplayResult:
+    """Run :func:`replay` in a fresh trio run on a virtual clock (from synchronous code), or
+    fan it out.
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        capacity_tokens: Overrides ``config.capacity_tokens``.
+        theoretical: The workload's theoretical maximum, if already computed.
+        progress: Called with the count of finished requests (see :data:`ProgressCallback`).
+        virtual_time: See :func:`replay` (one process only: fanned-out stages never sleep).
+        executor: None: one process, one pipeline. An executor (a process pool, Ray tasks):
+            one unit per stage on it, with identical results (see
+            :func:`~stage_runtime.sim.fanout.fan_out`).
+
+    Returns:
+        The replay's result.
+    """
+    if executor is not None:
+        capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+        (result,) = fan_out(
+            requests, config, [capacity], executor, theoretical=theoretical, progress=progress
+        )
+        return result
+    # Imported here: trio.testing imports pytest, which a process replaying a fanned-out unit
+    # (or printing --help) need not load.
+    import trio.testing
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def main() -> ReplayResult:
+        return await replay(
+            requests,
+            config,
+            capacity_tokens=capacity_tokens,
+            theoretical=theoretical,
+            progress=progress,
+            virtual_time=virtual_time,
+        )
+
+    return trio.run(main, clock=clock)
+
+
+def run_sweep(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    capacities: Sequence[int],
+    *,
+    progress: ProgressCallback | None = None,
+    executor: concurrent.futures.Executor | None = None,
+) -> list[ReplayResult]:
+    """Replay the same requests once per cache capacity (tokens per stage; 0 = unbounded).
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        capacities: The capacities, in the order of the results.
+        progress: Called with the count of finished requests over all the replays (see
+            :data:`ProgressCallback`).
+        executor: None: one replay after another in this process. An executor: every
+            (stage, capacity) unit on it, with identical results (see
+            :func:`~stage_runtime.sim.fanout.fan_out`).
+
+    Returns:
+        One result per capacity, in the given order.
+    """
+    for capacity in capacities:
+        config.check_capacity(capacity)
+    theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
+    if executor is not None:
+        return fan_out(
+            requests, config, capacities, executor, theoretical=theoretical, progress=progress
+        )
+    results = []
+    for done, capacity in enumerate(capacities):
+        base = done * len(requests)
+
+        def shifted(count: int, base: int = base) -> None:
+            if progress is not None:
+                progress(base + count)
+
+        results.append(
+            run_replay(
+                requests,
+                config,
+                capacity_tokens=capacity,
+                theoretical=theoretical,
+                progress=shifted,
+            )
+        )
+    return results
