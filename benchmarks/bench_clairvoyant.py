@@ -23,26 +23,24 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Final
 
-import attrs
 import structlog
 
-from stage_runtime import ActivationFrame, KvStageIntegration, MessageBase
 from stage_runtime._cli_support import int_at_least
 from stage_runtime.sim import (
-    BlockTokenizer,
     SimConfig,
     SimRequest,
     read_trace,
     run_replay,
-    stage_configs,
     theoretical_max_hit_ratio,
 )
 from stage_runtime.sim.clairvoyant import capacity_pages, clairvoyant_hits, plan
@@ -59,40 +57,37 @@ TOLERANCE: Final = 0.002
 
 POLICIES: Final = ("lru", "reuse", "adaptive")
 
-PAGED: Final = SimConfig(
-    stages=1,
-    block_size=512,
-    min_tokens=512,
-    stride_tokens=512,
-    record_limit=2,
-    page_tokens=512,
-    max_entries=1_000_000,
-    index="paged",
-)
-"""One stage's paged cache, as ``bench_paged.py`` measures it."""
+HERE: Final = Path(__file__).resolve().parent
+
+
+def _bench_paged() -> ModuleType:
+    """``bench_paged.py`` (a script, not a package module: loaded from its path), whose
+    one-stage cache replay this benchmark runs for each policy."""
+    spec = importlib.util.spec_from_file_location("bench_paged", HERE / "bench_paged.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cache_hit_ratio(requests: list[SimRequest], policy: str, capacity: int) -> float:
-    """Stage 0's token hit ratio with ``policy`` at ``capacity`` tokens (restore, then record
-    every prompt, as a stage does)."""
-    config = attrs.evolve(PAGED, page_eviction=policy)
-    stage = stage_configs(config, capacity_tokens=capacity)[0]
-    kv = KvStageIntegration.from_config(stage, environ={})
-    assert kv is not None
-    tokenizer = BlockTokenizer(config.block_size)
-    base = MessageBase()
-    width = config.bytes_per_token // 2
-    prompt_tokens = restored = 0
-    for request in requests:
-        tokens = tokenizer.request_tokens(request)
-        frame = ActivationFrame.virtual(
-            token_count=int(tokens.size), bytes_per_token=config.bytes_per_token
-        )
-        hit = kv.restore_resident_activation(stage, base, 0, tokens, width)
-        kv.record_resident_activation(stage, base, 0, tokens, width, frame)
-        prompt_tokens += int(tokens.size)
-        restored += 0 if hit is None else hit.token_count
-    return restored / prompt_tokens if prompt_tokens else 0.0
+    """Stage 0's token hit ratio with ``policy`` at ``capacity`` tokens: ``bench_paged.py``'s
+    one-stage cache replay (512-token pages) with that eviction policy."""
+    paged = _bench_paged()
+    config = SimConfig(
+        stages=1,
+        block_size=512,
+        min_tokens=512,
+        stride_tokens=512,
+        record_limit=2,
+        page_tokens=512,
+        max_entries=paged.MAX_ENTRIES,
+        index="paged",
+        page_eviction=policy,
+    )
+    ratio: float = paged.cache_level(requests, config, capacity)["token_hit_ratio"]
+    return ratio
 
 
 def replay_cpu_s(requests: list[SimRequest], policy: str, capacity: int) -> float:
