@@ -2,11 +2,12 @@
 
 For each index (ladder, paged) at the command line's defaults (4 stages, capacity 0, that is
 unbounded, 64 ladder entries or 1,000,000 pages: ``SimConfig()``'s defaults), every request of
-the trace goes to every stage's cache (a ``KvStageIntegration`` built from the simulator's stage
-configurations) in pipeline order, with the calls a stage makes through its cache actor:
+the trace goes to every stage's cache (a ``StageCache`` built from the simulator's stage
+configurations, as each stage's cache actor holds one) in pipeline order, with the calls the
+cache actor makes for its stage:
 
-1. restore the longest cached prefix (the paged index's page-by-page restore, as the stage asks
-   for it; the ladder's restore);
+1. restore the longest cached prefix (one ``ActivationRestore`` for either index: the paged
+   index's pages, or the ladder's frame);
 2. record the stage's full output frame (virtual rows, as the simulated model makes them: the
    restored prefix joined to the computed suffix).
 
@@ -38,7 +39,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Final
@@ -48,12 +49,11 @@ import numpy.typing as npt
 
 from stage_runtime import (
     ActivationFrame,
-    KvStageIntegration,
     MessageBase,
-    PagedStageIntegration,
     StageConfig,
 )
 from stage_runtime._cli_support import int_at_least
+from stage_runtime.cache import ActivationRestore, StageCache
 from stage_runtime.sim import (
     BlockTokenizer,
     SimConfig,
@@ -120,22 +120,15 @@ class _StageCache:
     """One stage's cache and model, fed as the stage feeds them (a plain slotted class: it is
     called for every request)."""
 
-    __slots__ = ("config", "integration", "model", "restore", "width")
+    __slots__ = ("cache", "config", "model", "width")
 
     def __init__(self, config: StageConfig, model: SimulatedStageModel) -> None:
-        integration = KvStageIntegration.from_config(config, environ={})
-        if integration is None or not integration.should_lookup():
+        cache = StageCache.from_config(config, environ={})
+        if cache is None or not cache.should_lookup():
             msg = f"stage {config.stage_id} has no lookup-record cache"
             raise ValueError(msg)
         self.config = config
-        self.integration = integration
-        self.restore: Callable[..., Any] = (
-            # What the stage asks for (RestoreActivationPages): a paged index answers page by
-            # page, the ladder as to any restore.
-            integration.restore_resident_pages
-            if isinstance(integration, PagedStageIntegration)
-            else integration.restore_resident_activation
-        )
+        self.cache = cache
         self.model = model
         self.width = model.activation_width
 
@@ -186,12 +179,12 @@ def run_once(
         tokens = _prompt(tokenizer, request)
         n = int(tokens.size)
         for position, cache in enumerate(caches):
-            stage, integration, width = cache.config, cache.integration, cache.width
+            stage, stage_cache, width = cache.config, cache.cache, cache.width
             base = _base(stage, request)
             if profiler is not None:
                 profiler.enable()
             started = clock()
-            hit = cache.restore(stage, base, 0, tokens, width)
+            hit = stage_cache.restore(base, tokens, width)
             restored_s = clock()
             if profiler is not None:
                 profiler.disable()
@@ -199,7 +192,7 @@ def run_once(
             if profiler is not None:
                 profiler.enable()
             recording = clock()
-            records = integration.record_resident_activation(stage, base, 0, tokens, width, output)
+            records = stage_cache.record(base, tokens, width, output)
             recorded_s = clock()
             if profiler is not None:
                 profiler.disable()
@@ -212,12 +205,12 @@ def run_once(
     return run
 
 
-def _output(model: SimulatedStageModel, hit: Any, n: int) -> ActivationFrame:
+def _output(model: SimulatedStageModel, hit: ActivationRestore | None, n: int) -> ActivationFrame:
     """The stage's full output frame: the restored prefix (the paged pages joined, as the stage
     joins them) and the model's suffix."""
     if hit is None:
         return model.frame(n)
-    restored: ActivationFrame = hit.frame() if callable(hit.frame) else hit.frame
+    restored = hit.frame()
     k = restored.token_count
     if k >= n:
         return restored
@@ -335,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             index: results[index]["us_per_stage_request"] for index in indexes
         },
         "indexes": results,
-        "timed": "restore + record calls of KvStageIntegration (time.perf_counter around each)",
+        "timed": "restore + record calls of StageCache (time.perf_counter around each)",
         "peak_rss_bytes": peak,
         "goals": goals,
         "machine": _machine(),

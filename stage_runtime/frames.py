@@ -143,14 +143,39 @@ class ActivationDesc:
 _DESC_FIELDS: Final = tuple(field.name for field in attrs.fields(ActivationDesc))
 
 
+def _slot_setter(name: str) -> Callable[[ActivationDesc, Any], None]:
+    """The ``__set__`` of a field's slot: what attrs' own ``__init__`` uses on a frozen class."""
+    setter: Callable[[ActivationDesc, Any], None] = vars(ActivationDesc)[name].__set__
+    return setter
+
+
+_set_version = _slot_setter("version")
+_set_dtype = _slot_setter("dtype")
+_set_layout = _slot_setter("layout")
+_set_producer = _slot_setter("producer_stage_index")
+_set_layer_start = _slot_setter("layer_start")
+_set_layer_end = _slot_setter("layer_end")
+_set_token_count = _slot_setter("token_count")
+_set_sequences = _slot_setter("sequence_count")
+_set_payload_bytes = _slot_setter("payload_bytes")
+_set_flags = _slot_setter("flags")
+
+
 def _desc_with_counts(desc: ActivationDesc, token_count: int, payload_bytes: int) -> ActivationDesc:
     """``attrs.evolve(desc, token_count=..., payload_bytes=...)`` without the validators, for
-    internal callers whose counts are valid by construction."""
+    internal callers whose counts are valid by construction (every field is copied: a test
+    checks this list against the class's fields)."""
     new: ActivationDesc = object.__new__(ActivationDesc)
-    for name in _DESC_FIELDS:
-        object.__setattr__(new, name, getattr(desc, name))
-    object.__setattr__(new, "token_count", token_count)
-    object.__setattr__(new, "payload_bytes", payload_bytes)
+    _set_version(new, desc.version)
+    _set_dtype(new, desc.dtype)
+    _set_layout(new, desc.layout)
+    _set_producer(new, desc.producer_stage_index)
+    _set_layer_start(new, desc.layer_start)
+    _set_layer_end(new, desc.layer_end)
+    _set_token_count(new, token_count)
+    _set_sequences(new, desc.sequence_count)
+    _set_payload_bytes(new, payload_bytes)
+    _set_flags(new, desc.flags)
     return new
 
 

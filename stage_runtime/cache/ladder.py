@@ -141,29 +141,49 @@ class LadderIndex:
         grid = prompt.grid(self.policy)
         counts = grid.counts
         total = len(counts)
-        slow = self._slow()
+        # Entries written behind the index's back have no fingerprint: from the first one on,
+        # every grid length is hashed and checked.
+        slow = self._foreign or (
+            store._records != self._records or len(store._entries) != len(self._prints)
+        )
+        if slow:
+            self._foreign = True
         if slow or self.probe_all:
             probes = counts
         else:
             resident = self._resident_prints.get(prompt.group)
-            probes = sorted(grid.among(resident), reverse=True) if resident else []
+            probes = grid.among(resident) if resident else []
         if slow:
             suspects = counts if self._tombstones else []
         else:
             buried = self._tombstone_prints.get(prompt.group)
-            suspects = grid.held_by(buried) if buried else []
+            suspects = grid.among(buried) if buried else []
+        if not probes:
+            # Every grid length misses without a lookup: account for them as lookups would.
+            store._miss(total)
+            if suspects:
+                # The record of this prompt comes next: its lengths join the same pass.
+                hashes = prompt.hash_counts(
+                    [*suspects, *self.policy.record_candidate_token_counts(prompt.n)]
+                )
+                key_of = self._keys(prompt)
+                tombstones = self._tombstones
+                for count in suspects:
+                    if key_of(count, hashes[count]) in tombstones:
+                        self._missed("evicted")
+                        return None
+            self._missed("never_seen")
+            return None
         hits_before = store.hits
-        hashes: dict[int, str] = {}
-        if probes or suspects:
-            # The record of this prompt comes next: its lengths join the same pass.
-            wanted = [*probes, *suspects, *self.policy.record_candidate_token_counts(prompt.n)]
-            hashes = prompt.hash_counts(wanted)
+        # The record of this prompt comes next: its lengths join the same pass.
+        wanted = [*probes, *suspects, *self.policy.record_candidate_token_counts(prompt.n)]
+        hashes = prompt.hash_counts(wanted)
         position = 0  # grid index of the next length not yet accounted for
         key_of = self._keys(prompt)
         for count in probes:
             index = grid.position(count)
             if index > position:
-                store.count_misses(index - position)
+                store._miss(index - position)
             position = index + 1
             key = key_of(count, hashes[count])
             hit = store.lookup(key)
@@ -197,32 +217,33 @@ class LadderIndex:
                     whole=frame,
                 )
         if total > position:
-            store.count_misses(total - position)
-        reason: MissReason
+            store._miss(total - position)
         if store.hits > hits_before:
-            reason = "rejected"
-        elif any(key_of(c, hashes[c]) in self._tombstones for c in suspects):
-            reason = "evicted"
-        else:
-            reason = "never_seen"
+            self._missed("rejected")
+            return None
+        tombstones = self._tombstones
+        if any(key_of(c, hashes[c]) in tombstones for c in suspects):
+            self._missed("evicted")
+            return None
+        self._missed("never_seen")
+        return None
+
+    def _missed(self, reason: MissReason) -> None:
         self._lookups += 1
         self._misses[reason] += 1
         self.last_miss_reason = reason
-        return None
 
     def _keys(self, prompt: Prompt) -> _KeyMaker:
+        """The key maker of ``prompt``'s stage, start and width (the last one, usually)."""
         maker = self._key_maker
-        if maker is None or maker.prompt is not prompt:
+        if (
+            maker is None
+            or maker.config is not prompt.config
+            or maker.token_start != prompt.token_start
+            or maker.width != prompt.width
+        ):
             maker = self._key_maker = _KeyMaker(prompt)
         return maker
-
-    def _slow(self) -> bool:
-        """Whether entries were written behind the index's back: their keys have no
-        fingerprint, so every grid length must be hashed and checked."""
-        if not self._foreign:
-            store = self.store
-            self._foreign = store.records != self._records or len(store) != len(self._prints)
-        return self._foreign
 
     # ------------------------------------------------------------------------------- record
 
@@ -238,58 +259,61 @@ class LadderIndex:
             One record per stored length, longest first, with the evictions it caused.
         """
         n = prompt.n
-        if n < self.policy.min_tokens or frame.payload.size == 0:
+        payload_bytes = frame.payload.size
+        if n < self.policy.min_tokens or payload_bytes == 0:
             return []
-        if frame.desc.token_count != n or frame.desc.payload_bytes != frame.payload.size:
+        if frame.desc.token_count != n or frame.desc.payload_bytes != payload_bytes:
             return []
         counts = self.policy.record_candidate_token_counts(n)
         hashes = prompt.hash_counts(counts)
         store = self.store
         key_of = self._keys(prompt)
+        grid = prompt.grid(self.policy)
+        group = prompt.group
+        prints = self._prints
+        pending: _PendingPrompt | None = None
         records: list[ResidentActivationRecord] = []
         for count in counts:
-            if frame.prefix_error(count) is not None:
+            if count == n:
+                candidate = frame
+            elif frame.prefix_error(count) is None:
+                candidate = frame._cut(count)
+            else:
                 continue
-            candidate = frame._cut(count)
             key = key_of(count, hashes[count])
             size = candidate.payload.size
-            outcome = store._store(key, count, size, candidate)
-            if outcome.stored:
-                self._records += 1
+            evicted = store._store(key, count, size, candidate)
+            gone = 0
+            if evicted:
+                if len(evicted) == 1:
+                    gone = evicted[0].payload_bytes
+                else:
+                    gone = sum(entry.payload_bytes for entry in evicted)
             records.append(
                 ResidentActivationRecord(
                     page_id=key,
                     token_count=count,
                     payload_bytes=size,
-                    evicted_entries=outcome.evicted_entries,
-                    evicted_bytes=outcome.evicted_bytes,
-                    entries=len(store),
-                    resident_bytes=store.resident_bytes,
-                    evicted=outcome.evicted,
+                    evicted_entries=len(evicted) if evicted else 0,
+                    evicted_bytes=gone,
+                    entries=len(store._entries),
+                    resident_bytes=store._resident_bytes,
+                    evicted=evicted or (),
                 )
             )
-        if records:
-            self._recorded(prompt, records)
-        return records
-
-    def _recorded(self, prompt: Prompt, records: list[ResidentActivationRecord]) -> None:
-        """Bookkeeping of a record call, once every length is stored: evictions, fingerprints,
-        tombstones and the footprint."""
-        store = self.store
-        group = prompt.group
-        grid = prompt.grid(self.policy)
-        pending: _PendingPrompt | None = None
-        for record in records:
-            self._evicted(record.evicted)
-            key = record.page_id
-            if key not in store:
+            if evicted is None:
                 continue
-            if key not in self._prints:
-                fingerprint = grid.prints[grid.position(record.token_count)]
-                self._prints[key] = (group, fingerprint)
+            self._records += 1
+            # The bookkeeping: what left, then the entry that came in.
+            if evicted:
+                self._evicted(evicted)
+            if key not in prints:
+                fingerprint = grid.prints[grid.position(count)]
+                prints[key] = (group, fingerprint)
                 _count_in(self._resident_prints, group, fingerprint)
-            self._unbury(key)
-            bpt = max(record.payload_bytes // max(record.token_count, 1), 1)
+            if key in self._tombstones:
+                self._unbury(key)
+            bpt = max(size // max(count, 1), 1)
             if pending is None:
                 pending = _PendingPrompt(self._namespace(prompt), prompt.tokens, self._page_tokens)
             if (
@@ -299,9 +323,10 @@ class LadderIndex:
                 self._flush_footprint()
                 self._eager_footprint = True
             if self._eager_footprint:
-                self._footprint.add(key, pending.chain().segments(record.token_count), bpt)
+                self._footprint.add(key, pending.chain().segments(count), bpt)
             elif key not in self._pending:
-                self._pending[key] = (pending, record.token_count, bpt)
+                self._pending[key] = (pending, count, bpt)
+        return records
 
     def _namespace(self, prompt: Prompt) -> bytes:
         memo_key = (id(prompt.config), prompt.group)
@@ -389,11 +414,12 @@ class LadderIndex:
 class _KeyMaker:
     """Builds the ``act:`` keys of one prompt's lengths (spec §1.3)."""
 
-    __slots__ = ("_head", "_middle", "_tail", "prompt")
+    __slots__ = ("_head", "_middle", "_tail", "config", "token_start", "width")
 
     def __init__(self, prompt: Prompt) -> None:
-        self.prompt = prompt
-        config = prompt.config
+        self.config = config = prompt.config
+        self.token_start = prompt.token_start
+        self.width = prompt.width
         self._head = f"act:{config.stage_id}:{prompt.token_start}:"
         self._middle = f":{config.layer_start}:"
         self._tail = f":w{max(prompt.width, 0)}"

@@ -16,7 +16,7 @@ cannot be resident; a match is confirmed by the prefix's BLAKE3 key.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 import blake3
@@ -101,8 +101,9 @@ class Prompt:
         """The prefix hashes of ``counts`` (every one of them in ``hashes`` afterwards); the
         missing ones cost one pass over the tokens up to the longest."""
         known = self.hashes
-        missing = sorted({c for c in counts if c not in known})
+        missing = [c for c in counts if c not in known]
         if missing:
+            missing = sorted(set(missing))
             h = _namespace_hasher(self.config, self.token_start, self.base.chat_template_id)
             fresh = _hash_counts(h, self.tokens.data.cast("B"), missing)
             salt = self.base.cache_salt
@@ -114,7 +115,10 @@ class Prompt:
     def grid(self, policy: CandidatePolicy) -> GridFingerprints:
         """The lookup grid of this prompt under ``policy`` with its fingerprints."""
         grid = self._grid
-        if grid is None or grid.grid_key != (policy.min_tokens, policy.effective_stride):
+        if grid is None or (
+            grid.policy is not policy
+            and grid.grid_key != (policy.min_tokens, policy.effective_stride)
+        ):
             grid = self._grid = grid_fingerprints(self.tokens, policy)
         return grid
 
@@ -122,10 +126,12 @@ class Prompt:
 class GridFingerprints:
     """The lookup candidates of one prompt (longest first) and a fingerprint of each prefix."""
 
-    __slots__ = ("_stride", "by_print", "counts", "grid_key", "prints", "tokens")
+    __slots__ = ("_stride", "by_print", "counts", "grid_key", "policy", "prints", "tokens")
 
     def __init__(self, tokens: TokenArray, policy: CandidatePolicy) -> None:
         self.tokens = tokens
+        self.policy = policy
+        """The policy the grid was made for (others with the same :attr:`grid_key` share it)."""
         stride = self._stride = policy.effective_stride
         self.grid_key = (policy.min_tokens, stride)
         """What the grid depends on besides the tokens."""
@@ -148,19 +154,11 @@ class GridFingerprints:
             return len(counts) - 1
         return 1 + (counts[1] - count) // self._stride
 
-    def among(self, prints: Collection[int]) -> list[int]:
-        """The candidate lengths whose fingerprint is one of ``prints`` (few: each is looked up
-        in the grid), in no particular order."""
+    def among(self, prints: Mapping[int, object]) -> list[int]:
+        """The candidate lengths whose fingerprint is a key of ``prints``, longest first (the
+        two key sets are intersected in C, walking the smaller one)."""
         by_print = self.by_print
-        if len(prints) <= len(by_print):
-            return [by_print[f] for f in prints if f in by_print]
-        return [by_print[f] for f in filter(prints.__contains__, by_print)]
-
-    def held_by(self, container: Container[int]) -> list[int]:
-        """The candidate lengths whose fingerprint ``container`` holds (however many it holds:
-        each candidate is looked up in it), longest first."""
-        by_print = self.by_print
-        return [by_print[f] for f in filter(container.__contains__, self.prints)]
+        return sorted([by_print[f] for f in by_print.keys() & prints.keys()], reverse=True)
 
 
 _weights_rng = np.random.default_rng(0x5EED_CAFE_F00D)
@@ -182,9 +180,10 @@ _add = np.add.reduce
 
 
 def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
-    """``sum(tokens[i] * weight[i] for i < c)`` (products wrapping at 32 bits, sums exact) for
-    each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length): summed
-    by blocks of ``stride`` tokens, then across blocks."""
+    """For each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length),
+    ``sum(tokens[i] * weight[i] for i < c)`` (products wrapping at 32 bits, sums exact) shifted
+    left 40 bits, with ``c`` in the low bits. Summed by blocks of ``stride`` tokens, then across
+    blocks."""
     if not counts:
         return []
     top = counts[0]
@@ -202,11 +201,16 @@ def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> 
         return value
 
     if len(counts) < 3:
-        return [one(c) for c in counts]
-    # The lines between the first and the last length are consecutive multiples of the stride.
-    high, low = counts[1] // stride, counts[-2] // stride
-    lines: list[int] = ends[low - 1 : high][::-1].tolist()
-    return [one(counts[0]), *lines, one(counts[-1])]
+        sums = [one(c) for c in counts]
+    else:
+        # The lines between the first and the last length are consecutive multiples of the
+        # stride.
+        high, low = counts[1] // stride, counts[-2] // stride
+        lines: list[int] = ends[low - 1 : high][::-1].tolist()
+        sums = [one(counts[0]), *lines, one(counts[-1])]
+    # The length goes in too: two lengths of one prompt can have equal sums (a block of zero
+    # tokens adds nothing), and a fingerprint must name one grid line.
+    return [(value << 40) | count for value, count in zip(sums, counts, strict=True)]
 
 
 _PRELUDES: Final = 64

@@ -269,58 +269,62 @@ class ResidentActivationCache:
         if not isinstance(frame, ActivationFrame):
             msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
             raise FrameError(msg)
-        if token_count < self.min_tokens or byte_size == 0:
-            return CacheRecordOutcome()
-        return self._store(key, token_count, byte_size, frame)
+        evicted = self._store(key, token_count, byte_size, frame)
+        if evicted is None:
+            return _REFUSED
+        if not evicted:
+            return _STORED
+        return CacheRecordOutcome(
+            evicted_entries=len(evicted),
+            evicted_bytes=sum(entry.payload_bytes for entry in evicted),
+            evicted=evicted,
+            stored=True,
+        )
 
     def _store(
         self, key: str, token_count: int, byte_size: int, frame: ActivationFrame
-    ) -> CacheRecordOutcome:
-        """:meth:`record` of checked arguments (for the ladder index, which builds them)."""
+    ) -> tuple[EvictedEntry, ...] | None:
+        """:meth:`record` of checked arguments (for the ladder index, which builds them):
+        the entries evicted, least recently used first, or None when refused."""
         if token_count < self.min_tokens or byte_size == 0:
-            return _REFUSED
-        self._clock += 1
+            return None
+        self._clock = clock = self._clock + 1
         entries = self._entries
+        resident = self._resident_bytes
         previous = entries.pop(key, None)
         if previous is not None:
-            self._resident_bytes -= previous.byte_size
-        evicted: list[EvictedEntry] = []
-        evicted_bytes = 0
+            resident -= previous.byte_size
+        evicted: tuple[EvictedEntry, ...] = ()
         max_entries, max_bytes = self.max_entries, self.max_bytes
-        while entries:
-            if len(entries) + 1 > max_entries:
+        left = len(entries)
+        while left:
+            if left >= max_entries:
                 reason: EvictionReason = "max_entries"
-            elif max_bytes > 0 and self._resident_bytes + byte_size > max_bytes:
+            elif max_bytes > 0 and resident + byte_size > max_bytes:
                 reason = "max_bytes"
             else:
                 break
             victim_key = next(iter(entries))
             victim = entries.pop(victim_key)
-            self._resident_bytes -= victim.byte_size
-            evicted_bytes += victim.byte_size
-            evicted.append(
+            left -= 1
+            resident -= victim.byte_size
+            evicted += (
                 EvictedEntry(
                     key=victim_key,
                     token_count=victim.token_count,
                     payload_bytes=victim.byte_size,
                     reason=reason,
-                    entries_after=len(entries),
-                    resident_bytes_after=self._resident_bytes,
-                )
+                    entries_after=left,
+                    resident_bytes_after=resident,
+                ),
             )
-        entries[key] = _Entry(token_count, byte_size, self._clock, frame)
-        self._resident_bytes += byte_size
+        entries[key] = _Entry(token_count, byte_size, clock, frame)
+        self._resident_bytes = resident + byte_size
         self._records += 1
-        if not evicted:
-            return _STORED
-        self._evictions += len(evicted)
-        self._evicted_bytes += evicted_bytes
-        return CacheRecordOutcome(
-            evicted_entries=len(evicted),
-            evicted_bytes=evicted_bytes,
-            evicted=tuple(evicted),
-            stored=True,
-        )
+        if evicted:
+            self._evictions += len(evicted)
+            self._evicted_bytes += sum(entry.payload_bytes for entry in evicted)
+        return evicted
 
     def clear(self) -> tuple[EvictedEntry, ...]:
         """Drop every entry; returns them (reason ``"cleared"``), least recently used first.
@@ -355,6 +359,10 @@ class ResidentActivationCache:
             ConfigError: ``count`` is negative.
         """
         _bound("count", count, 0)
+        self._miss(count)
+
+    def _miss(self, count: int) -> None:
+        """:meth:`count_misses` of a checked count."""
         self._clock += count
         self._lookups += count
 

@@ -36,7 +36,7 @@ from stage_runtime.config import (
 )
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
-from stage_runtime.identity import as_token_array
+from stage_runtime.identity import _TOKEN_DTYPE, TokenArray, as_token_array
 from stage_runtime.limits import I32_MAX, U64_MAX
 from stage_runtime.policy import CandidatePolicy, derive_max_resident_tokens
 
@@ -250,23 +250,41 @@ class StageCache:
         Raises:
             ConfigError: a bad argument.
         """
-        start = _check_start(token_start)
-        if not isinstance(config, StageConfig):
-            msg = f"config must be a StageConfig, got {type(config).__name__}"
-            raise ConfigError(msg)
-        if not isinstance(base, MessageBase):
-            msg = f"base must be a MessageBase, got {type(base).__name__}"
-            raise ConfigError(msg)
-        array = as_token_array(tokens)
-        width = _check_width(activation_width)
         last = self._last
         if (
             last is not None
+            and last.tokens is tokens
+            and last.base is base
+            and last.config is config
+            and last.token_start == token_start
+            and last.width == activation_width
+            and type(token_start) is int
+            and type(activation_width) is int
+        ):
+            # The record of the prompt just restored (its arguments were checked then).
+            return last
+        start = _check_start(token_start)
+        if config is not self.config and not isinstance(config, StageConfig):
+            msg = f"config must be a StageConfig, got {type(config).__name__}"
+            raise ConfigError(msg)
+        if type(base) is not MessageBase and not isinstance(base, MessageBase):
+            msg = f"base must be a MessageBase, got {type(base).__name__}"
+            raise ConfigError(msg)
+        if (
+            type(tokens) is np.ndarray
+            and tokens.dtype == _TOKEN_DTYPE
+            and tokens.ndim == 1
+            and tokens.flags.c_contiguous
+        ):
+            array: TokenArray = tokens  # type: ignore[assignment]  # (as_token_array's answer)
+        else:
+            array = as_token_array(tokens)
+        width = _check_width(activation_width)
+        if (
+            last is not None
+            and last.n == array.size
+            and (last.tokens is array or bool(np.array_equal(last.tokens, array)))
             and last.same_request(config, base, start, width)
-            and (
-                last.tokens is array
-                or (last.n == array.size and bool(np.array_equal(last.tokens, array)))
-            )
         ):
             if last.base is not base:
                 last = Prompt(config, base, start, last.tokens, width, hashes=last.hashes)
@@ -282,6 +300,8 @@ class StageCache:
 
 
 def _check_start(token_start: object) -> int:
+    if type(token_start) is int and 0 <= token_start <= U64_MAX:
+        return token_start
     if not isinstance(token_start, int | np.integer) or isinstance(token_start, bool):
         msg = f"token_start must be an integer, got {token_start!r}"
         raise ConfigError(msg)
@@ -292,6 +312,8 @@ def _check_start(token_start: object) -> int:
 
 
 def _check_width(width: object) -> int:
+    if type(width) is int and 0 <= width <= I32_MAX:
+        return width
     if not isinstance(width, int | np.integer) or isinstance(width, bool):
         msg = f"activation_width must be an integer, got {width!r}"
         raise ConfigError(msg)

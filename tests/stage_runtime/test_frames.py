@@ -18,6 +18,7 @@ from stage_runtime import (
     ActivationLayout,
     FrameError,
 )
+from stage_runtime.frames import _DESC_FIELDS, _desc_with_counts
 
 
 def byte_frame(token_count: int, payload_bytes: int, *, flags: int = 0) -> ActivationFrame:
@@ -382,3 +383,24 @@ def test_real_frame_payload_goes_out_of_band_with_protocol_5() -> None:
     back = pickle.loads(data, buffers=buffers)
     assert back.same_content(frame)
     assert not back.payload.flags.writeable
+
+
+def test_prefix_descriptors_copy_every_field() -> None:
+    """The unchecked prefix copies each descriptor field (a field added to ActivationDesc must
+    be added to ``_desc_with_counts`` too)."""
+    desc = ActivationDesc(
+        version=1,
+        dtype=ActivationDType.F16,
+        layout=ActivationLayout.TOKEN_MAJOR,
+        producer_stage_index=3,
+        layer_start=4,
+        layer_end=9,
+        token_count=10,
+        sequence_count=2,
+        payload_bytes=40,
+        flags=0,
+    )
+    assert {field.name for field in attrs.fields(ActivationDesc)} == set(_DESC_FIELDS)
+    assert len(_DESC_FIELDS) == 10
+    cut = _desc_with_counts(desc, 5, 20)
+    assert cut == attrs.evolve(desc, token_count=5, payload_bytes=20)

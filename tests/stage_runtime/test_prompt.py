@@ -6,7 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage_runtime.cache import StageCache
 from stage_runtime.cache.prompt import GridFingerprints, _weights_for, grid_fingerprints
+from stage_runtime.config import CacheMode, KvCacheConfig, MessageBase, StageConfig
+from stage_runtime.frames import ActivationFrame
 from stage_runtime.policy import CandidatePolicy
 
 
@@ -37,9 +40,9 @@ def test_grid_fingerprints_follow_their_definition(
     grid = GridFingerprints(array, policy)
     assert grid.counts == policy.candidate_token_counts(len(tokens))
     for index, count in enumerate(grid.counts):
-        assert grid.prints[index] == _definition(array, count)
+        assert grid.prints[index] == (_definition(array, count) << 40) | count
         assert grid.position(count) == index
-        assert grid.by_print[grid.prints[index]] in grid.counts
+        assert grid.by_print[grid.prints[index]] == count
 
 
 def test_equal_prefixes_have_equal_fingerprints_across_prompts() -> None:
@@ -66,3 +69,27 @@ def test_stages_share_one_grid_per_prompt_array() -> None:
     grid = grid_fingerprints(tokens, policy)
     assert grid_fingerprints(tokens, other_policy) is grid  # same grid, other ladder
     assert grid_fingerprints(tokens.copy(), policy) is not grid
+
+
+def test_lengths_whose_sums_agree_keep_their_own_fingerprints() -> None:
+    """A block of zero tokens adds nothing to the sum, so two grid lengths of one prompt can
+    share it; each still has its own fingerprint, and an entry at the longer one is found."""
+    policy = CandidatePolicy(min_tokens=8, stride_tokens=8)
+    tokens = np.concatenate(
+        [np.arange(1, 17, dtype=np.int32), np.zeros(16, dtype=np.int32), np.ones(3, np.int32)]
+    )
+    grid = GridFingerprints(tokens, policy)
+    assert len(set(grid.prints)) == len(grid.counts)
+    assert grid.among({grid.prints[grid.position(32)]: 1}) == [32]
+
+    config = StageConfig(stage_id="stage-0", model_id="m", layer_start=0, layer_end=4)
+    cache_config = KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD, min_tokens=8, shared_prefix_stride_tokens=8
+    )
+    cache = StageCache(config, cache_config, CandidatePolicy.from_cache_config(cache_config))
+    base = MessageBase(stage_id="stage-0")
+    frame = ActivationFrame.virtual(token_count=32, bytes_per_token=8, fill=1)
+    cache.record(base, tokens[:32].copy(), 2, frame)
+    restore = cache.restore(base, tokens, 2)
+    assert restore is not None
+    assert restore.token_count == 32
