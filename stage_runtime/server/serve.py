@@ -148,8 +148,10 @@ async def _serve_connections(
 ) -> None:
     """Serve HTTP on ``sock`` with hypercorn's trio connection handler until ``shutdown_trigger``.
 
-    This is hypercorn's trio worker loop (``hypercorn.trio.serve``) with one difference: an
-    exception from one connection drops that connection only. Hypercorn's own loop lets it end
+    This is hypercorn's trio worker loop (``hypercorn.trio.serve``) with two differences. Each
+    connection arms its keep-alive timeout without a task per request (see
+    :mod:`stage_runtime.server._connection`). An exception from one connection drops that
+    connection only. Hypercorn's own loop lets it end
     the server, and its HTTP/2 code raises on body data for a stream already answered (hypercorn
     issue #329), so one HTTP/2 client could stop every other request. The app needs no lifespan
     events. Once triggered: the listener closes, idle connections close, and connections still
@@ -157,9 +159,10 @@ async def _serve_connections(
     answered, the remaining (idle) connections are closed at once.
     """
     from hypercorn.app_wrappers import ASGIWrapper
-    from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
+
+    from stage_runtime.server._connection import Connection
 
     # PipelineApp speaks ASGI 3 with plain mappings, not hypercorn's TypedDicts.
     wrapped = ASGIWrapper(cast("ASGIFramework", app))
@@ -169,7 +172,7 @@ async def _serve_connections(
         # Typed for TLS streams; hypercorn serves plain ones too (it checks which it got).
         tls = cast("trio.SSLStream[trio.SocketStream]", stream)
         try:
-            await TCPServer(wrapped, config, context, ConnectionState({}), tls)
+            await Connection(wrapped, config, context, ConnectionState({}), tls)
         except Exception as exc:  # that connection's failure (hypercorn closed its stream)
             cause = sole_exception(exc)
             log.warning(

@@ -787,6 +787,39 @@ async def test_an_idle_connection_is_closed_at_the_keep_alive_timeout(
             assert await _keep_alive_exchange(stream) == b""
 
 
+def _open_connections() -> int:
+    """Connection handlers running in this trio run (``trio.serve_listeners`` runs one per TCP
+    connection, in a task named after its ``_run_handler``)."""
+    count = 0
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    tasks = [root]
+    while tasks:
+        task = tasks.pop()
+        count += task.name.endswith("._run_handler")
+        for nursery in task.child_nurseries:
+            tasks.extend(nursery.child_tasks)
+    return count
+
+
+async def test_a_connection_the_client_closes_ends_at_once(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """A keep-alive connection the client closes is let go at once (its task, its socket), not
+    at the keep-alive timeout: hypercorn's idle timer held it 75 s, so short-lived clients
+    could pile up open sockets."""
+    async with serving() as h:
+        stream = await trio.open_tcp_stream(h.server.host, h.server.port)
+        async with stream:
+            assert (await _keep_alive_exchange(stream)).startswith(b"HTTP/1.1 200 ")
+            await trio.testing.wait_all_tasks_blocked()
+            assert _open_connections() == 1
+        for _ in range(3):  # the server reads the end of the stream, then closes its side
+            await trio.testing.wait_all_tasks_blocked()
+        assert _open_connections() == 0
+        assert trio.current_time() == 0  # (no time passed: nothing timed out)
+
+
 # -- load and faults ------------------------------------------------------------------------------
 
 
