@@ -98,6 +98,10 @@ class PrefillResult:
     stages: tuple[StagePrefillReport, ...]
     """What each stage restored, computed, recorded and evicted, in pipeline order."""
 
+    logits: npt.NDArray[np.float32] | None = None
+    """The next-token logits of the prompt's last position when the last stage's model gives
+    them (:class:`~stage_runtime.llama.LlamaStageModel`); None for the reference models."""
+
 
 @attrs.frozen(kw_only=True)
 class PipelineStats:
@@ -251,6 +255,7 @@ class Pipeline:
             frame=request.frame,
             tokens=int(token_array.size),
             stages=tuple(request.reports),
+            logits=request.logits,
         )
 
     async def statistics(self) -> PipelineStats:

@@ -176,7 +176,12 @@ class PrefillRequest:
     """The prompt's token ids, validated once at pipeline entry (read-only int32)."""
 
     frame: ActivationFrame | None = None
-    """Output of the last stage that handled the request; None before stage 0."""
+    """Output of the last stage that handled the request (what the next stage reads of it);
+    None before stage 0."""
+
+    logits: npt.NDArray[np.float32] | None = None
+    """The next-token logits of the prompt's last position, set by a last stage whose model
+    computes them (a transformer's output head)."""
 
     reports: list[StagePrefillReport] = attrs.field(factory=list)
     """One report per stage that handled the request, in pipeline order."""
@@ -256,6 +261,16 @@ class Stage:
         default=None, init=False
     )
     """The model's optional ``full_restore``, looked up once when the model is built."""
+    _downstream: Callable[[ActivationFrame], ActivationFrame] | None = attrs.field(
+        default=None, init=False
+    )
+    """The model's optional ``downstream``: the part of its output the next stage reads (a
+    transformer stage records its keys and values with its hidden states, and passes on only
+    the hidden states). The whole output when the model has none."""
+    _logits: Callable[[ActivationFrame], npt.NDArray[np.float32] | None] | None = attrs.field(
+        default=None, init=False
+    )
+    """The model's optional ``logits``: the last stage's next-token logits of the prompt."""
     _cache: ActorRef[CacheMessage, Any] | None = attrs.field(default=None, init=False)
     _lookup: bool = attrs.field(default=False, init=False)
     _record: bool = attrs.field(default=False, init=False)
@@ -285,6 +300,8 @@ class Stage:
         self._model = model = self.model_factory(config)
         self._embed_async = getattr(model, "embed_async", None)
         self._full_restore = getattr(model, "full_restore", None)
+        self._downstream = getattr(model, "downstream", None)
+        self._logits = getattr(model, "logits", None)
         actor = CacheActor(config, environ=self.environ)
         self._lookup, self._record = actor.should_lookup, actor.should_record
         async with trio.open_nursery() as nursery:
@@ -391,7 +408,9 @@ class Stage:
             pending = await cache.ask_later(
                 RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)
             )
-        request.frame = output
+        if self.outbox is None and self._logits is not None:
+            request.logits = self._logits(output)
+        request.frame = output if self._downstream is None else self._downstream(output)
         self._counts["completed"] += 1
         if self.outbox is not None:
             # The next stage starts on the frame while the cache actor records it; the record's

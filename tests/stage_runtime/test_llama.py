@@ -1,0 +1,254 @@
+"""Llama-family stages: loading, the cached state, and logits equal to a plain reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from stage_runtime import ConfigError, StageConfig, open_pipeline
+from stage_runtime.config import CacheMode, KvCacheConfig
+from stage_runtime.llama import (
+    LlamaConfig,
+    LlamaStageModel,
+    SafetensorsFiles,
+    llama_model_factory,
+    write_random_llama,
+)
+
+Array = npt.NDArray[np.float64]
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # grouped-query attention, 2 query heads per key/value head
+    "gqa": dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80),
+    # multi-head attention, odd widths, biases (Qwen2), tied output head, llama3 rope scaling
+    "mha-odd": dict(
+        hidden_size=30,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        intermediate_size=37,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+}
+
+
+# ------------------------------------------------------------------ a plain reference forward
+
+
+def _tensors(directory: Path) -> dict[str, Array]:
+    files = SafetensorsFiles(directory)
+    out: dict[str, Array] = {}  # (the test reads the header it parsed)
+    for name in files.names():
+        shape = files._tensors[name].shape
+        out[name] = files.load(name, shape).astype(np.float64)
+    return out
+
+
+def reference_logits(directory: Path, tokens: list[int]) -> Array:
+    """The last position's logits, computed the plain way: float64, one head at a time, the
+    whole prompt at once, no cache (written apart from stage_runtime.llama's own maths)."""
+    config = json.loads((directory / "config.json").read_text())
+    w = _tensors(directory)
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["head_dim"]
+    eps = config["rms_norm_eps"]
+    n = len(tokens)
+
+    def norm(x: Array, weight: Array) -> Array:
+        normed: Array = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+        return normed
+
+    inverse = LlamaConfig.from_file(directory / "config.json").inverse_frequencies()
+    angle = np.arange(n)[:, None] * inverse[None, :]
+
+    def rope(x: Array) -> Array:  # (n, d)
+        half = d // 2
+        a, b = x[:, :half], x[:, half:]
+        return np.concatenate(
+            [a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], axis=1
+        )
+
+    x = w["model.embed_tokens.weight"][tokens]
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = h @ w[p + "self_attn.q_proj.weight"].T
+        k = h @ w[p + "self_attn.k_proj.weight"].T
+        v = h @ w[p + "self_attn.v_proj.weight"].T
+        if config["attention_bias"]:
+            q += w[p + "self_attn.q_proj.bias"]
+            k += w[p + "self_attn.k_proj.bias"]
+            v += w[p + "self_attn.v_proj.bias"]
+        outputs = []
+        for head in range(heads):
+            group = head // (heads // groups)
+            qh = rope(q[:, head * d : (head + 1) * d])
+            kh = rope(k[:, group * d : (group + 1) * d])
+            vh = v[:, group * d : (group + 1) * d]
+            scores = qh @ kh.T / math.sqrt(d)
+            scores[np.triu_indices(n, 1)] = -np.inf
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            outputs.append(weights @ vh)
+        x = x + np.concatenate(outputs, axis=1) @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        up = h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    head_weight = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    logits: Array = norm(x[-1:], w["model.norm.weight"]) @ head_weight.T
+    last: Array = logits[0]
+    return last
+
+
+# ------------------------------------------------------------------------------- the pipeline
+
+
+def _splits(layers: int, stages: int) -> list[tuple[int, int]]:
+    bounds = np.linspace(0, layers, stages + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _stages(layers: int, stages: int, *, cache: bool = True) -> list[StageConfig]:
+    kv_cache = (
+        KvCacheConfig(
+            mode=CacheMode.LOOKUP_RECORD,
+            min_tokens=4,
+            shared_prefix_stride_tokens=4,
+            max_entries=64,
+        )
+        if cache
+        else KvCacheConfig(mode=CacheMode.DISABLED)
+    )
+    return [
+        StageConfig(
+            stage_id=f"s{i}",
+            stage_index=i,
+            model_id="random-llama",
+            layer_start=a,
+            layer_end=b,
+            kv_cache=kv_cache,
+        )
+        for i, (a, b) in enumerate(_splits(layers, stages))
+    ]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+async def test_cached_logits_equal_uncached_and_the_reference(
+    tmp_path: Path, shape: str, stages: int
+) -> None:
+    """A prompt extending a cached one restores its prefix at every stage, and the last
+    stage's logits equal both the uncached pipeline's and the plain reference's."""
+    directory = write_random_llama(tmp_path / "model", num_hidden_layers=4, **SHAPES[shape])
+    factory = llama_model_factory(directory)
+    rng = np.random.default_rng(stages)
+    first = rng.integers(0, 256, size=21).tolist()
+    second = [*first, *rng.integers(0, 256, size=6).tolist()]
+    async with open_pipeline(_stages(4, stages), factory, environ={}) as cached:
+        await cached.prefill(first, session_id="t")
+        warm = await cached.prefill(second, session_id="t")
+    async with open_pipeline(_stages(4, stages, cache=False), factory, environ={}) as plain:
+        cold = await plain.prefill(second, session_id="t")
+    assert [r.restored_tokens for r in warm.stages] == [20] * stages
+    assert [r.restored_tokens for r in cold.stages] == [0] * stages
+    assert warm.logits is not None
+    assert cold.logits is not None
+    assert np.max(np.abs(warm.logits - cold.logits)) <= 1e-4
+    reference = reference_logits(directory, second)
+    assert np.max(np.abs(warm.logits - reference)) <= 1e-4
+    assert warm.frame.rows().shape == (len(second), SHAPES[shape]["hidden_size"])
+
+
+async def test_a_whole_prompt_hit_gives_the_same_logits(tmp_path: Path) -> None:
+    """Restoring every token (nothing computed) still gives the last position's logits."""
+    directory = write_random_llama(tmp_path / "model", num_hidden_layers=2)
+    tokens = list(range(40, 56))
+    async with open_pipeline(_stages(2, 2), llama_model_factory(directory), environ={}) as p:
+        first = await p.prefill(tokens, session_id="t")
+        again = await p.prefill(tokens, session_id="t")
+    assert [r.computed_tokens for r in again.stages] == [0, 0]
+    assert first.logits is not None
+    assert again.logits is not None
+    assert np.max(np.abs(first.logits - again.logits)) <= 1e-5
+
+
+def test_rows_hold_the_hidden_state_then_each_layers_keys_and_values(tmp_path: Path) -> None:
+    """The recorded row width counts the hidden state and every layer's K and V."""
+    directory = write_random_llama(tmp_path / "m", hidden_size=32, num_hidden_layers=3)
+    model = LlamaStageModel.load(directory, layer_start=1, layer_end=3, stage_index=1)
+    config = model.config
+    assert model.activation_width == 32 + 2 * 2 * config.kv_dim
+    assert model.embeddings is None
+    assert model.head is not None
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_half_precision_weights_are_upcast_once(tmp_path: Path, dtype: str) -> None:
+    """float16 and bfloat16 weights load as the float32 values they hold, from shards."""
+    full = write_random_llama(tmp_path / "f32", num_hidden_layers=1)
+    half = write_random_llama(tmp_path / dtype, num_hidden_layers=1, dtype=dtype, shards=3)
+    name = "model.layers.0.mlp.up_proj.weight"
+    exact = SafetensorsFiles(full).load(name, (128, 64))
+    loaded = SafetensorsFiles(half).load(name, (128, 64))
+    assert loaded.dtype == np.float32
+    assert np.max(np.abs(loaded - exact)) <= (1e-2 if dtype == "BF16" else 1e-3)
+    assert (half / "model.safetensors.index.json").exists()
+
+
+def test_bad_model_directories_are_config_errors(tmp_path: Path) -> None:
+    """A missing file, another architecture, a wrong shape or a layer range outside the model
+    is a ConfigError naming what is wrong."""
+    with pytest.raises(ConfigError, match=r"config\.json"):
+        llama_model_factory(tmp_path / "nothing")
+    directory = write_random_llama(tmp_path / "m", num_hidden_layers=2)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2"]}))
+    with pytest.raises(ConfigError, match="architectures must name one of"):
+        LlamaStageModel.load(directory, layer_start=0, layer_end=2)
+    (directory / "config.json").write_text(json.dumps({**config, "hidden_size": 65}))
+    with pytest.raises(
+        ConfigError,
+        match=r"q_proj\.weight must have shape \[64, 65\], got \[64, 64\]",
+    ):
+        LlamaStageModel.load(directory, layer_start=0, layer_end=1)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="must lie in"):
+        LlamaStageModel.load(directory, layer_start=1, layer_end=3)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no weights"):
+        LlamaStageModel.load(directory, layer_start=0, layer_end=2)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    directory = write_random_llama(tmp_path / "m", num_hidden_layers=1, vocab_size=100)
+    model = LlamaStageModel.load(directory, layer_start=0, layer_end=1)
+    with pytest.raises(ConfigError, match=r"ids in \[0, 100\).*got 100"):
+        model.embed(np.array([1, 100], dtype=np.int32))
+
+
+async def test_long_prompts_compute_in_worker_threads_with_the_same_result(
+    tmp_path: Path,
+) -> None:
+    """Above the threshold a forward runs in a worker thread; the rows are the same."""
+    directory = write_random_llama(tmp_path / "m", num_hidden_layers=2)
+    inline = LlamaStageModel.load(directory, layer_start=0, layer_end=2)
+    threaded = LlamaStageModel.load(directory, layer_start=0, layer_end=2, thread_threshold_macs=0)
+    frame = inline.embed(np.arange(30, dtype=np.int32))
+    a = await inline.forward(frame, 0, None)
+    b = await threaded.forward(frame, 0, None)
+    assert np.array_equal(a.rows(), b.rows())
