@@ -73,6 +73,7 @@ __all__ = [
     "Pipeline",
     "PipelineStats",
     "PrefillResult",
+    "load_model",
     "load_placement",
     "load_topology",
     "open_pipeline",
@@ -331,7 +332,7 @@ def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.in
 @asynccontextmanager
 async def open_pipeline(
     stages: Sequence[StageConfig] | str | os.PathLike[str],
-    model_factory: ModelFactory,
+    model_factory: ModelFactory | None = None,
     *,
     channel_size: int = 4,
     mailbox_size: int = 64,
@@ -344,7 +345,8 @@ async def open_pipeline(
         stages: The stages' configurations in pipeline order, or the path of a topology file
             (see :func:`load_topology`; its ``[placement]`` table applies unless
             ``placement`` is given).
-        model_factory: Builds each stage's model from its configuration.
+        model_factory: Builds each stage's model from its configuration; None: the topology
+            file's ``[model]`` table (see :func:`load_model`), required then.
         channel_size: Capacity of each channel between stages (and into stage 0); 0 makes
             every hand-off a rendezvous.
         mailbox_size: Mailbox size of each cache actor.
@@ -369,9 +371,14 @@ async def open_pipeline(
         configs = load_topology(stages)
         if placement is None:
             placement = load_placement(stages)
+        if model_factory is None:
+            model_factory = load_model(stages)
     else:
         configs = list(stages)
         validate_topology(configs)
+    if model_factory is None:
+        msg = "model_factory is required unless a topology file's [model] table names the model"
+        raise ConfigError(msg)
     if not callable(model_factory):
         msg = f"model_factory must be callable, got {type(model_factory).__name__}"
         raise ConfigError(msg)
@@ -547,6 +554,54 @@ def load_placement(path: str | os.PathLike[str]) -> Placement | None:
         raise ConfigError(msg) from None
 
 
+def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
+    """The model factory a topology file's ``[model]`` table names, None without one.
+
+    ``kind = "llama"`` with ``path`` (a Hugging Face model directory, relative to the topology
+    file) runs each stage's layers of that model (:func:`stage_runtime.llama.llama_model_factory`);
+    ``kind = "reference"`` (optional ``width`` and ``seed``) the reference model::
+
+        [model]
+        kind = "llama"
+        path = "models/my-llama"
+
+    Raises:
+        ConfigError: the table is invalid or the model directory unusable; names the file and
+            the key.
+    """
+    from stage_runtime.llama import llama_model_factory
+    from stage_runtime.models import reference_model_factory
+
+    source = os.fspath(path)
+    document = _parse_toml(_read_topology(source), source=source)
+    table = document.get("model")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        msg = f"{source}: model must be a table, got {type(table).__name__}"
+        raise ConfigError(msg)
+    kind = table.get("kind")
+    allowed = {"llama": {"kind", "path"}, "reference": {"kind", "width", "seed"}}
+    if kind not in allowed:
+        msg = f"{source}: model.kind must be 'llama' or 'reference', got {kind!r}"
+        raise ConfigError(msg)
+    unknown = sorted(set(table) - allowed[kind])
+    if unknown:
+        msg = f"{source}: model keys for kind {kind!r} are {sorted(allowed[kind])}, got {unknown}"
+        raise ConfigError(msg)
+    try:
+        if kind == "reference":
+            return reference_model_factory(width=table.get("width", 64), seed=table.get("seed", 0))
+        where = table.get("path")
+        if not isinstance(where, str) or not where:
+            msg = f"model.path must be a model directory, got {where!r}"
+            raise ConfigError(msg)
+        return llama_model_factory(Path(source).parent / where)
+    except ConfigError as exc:
+        msg = f"{source}: {exc}"
+        raise ConfigError(msg) from None
+
+
 def _read_topology(source: str) -> str:
     """The text of topology file ``source`` (UTF-8, a leading byte-order mark dropped)."""
     try:
@@ -600,9 +655,12 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     source = os.fspath(path)
     text = _read_topology(source)
     document = _parse_toml(text, source=source)
-    unknown = sorted(set(document) - {"defaults", "stage", "placement"})
+    unknown = sorted(set(document) - {"defaults", "stage", "placement", "model"})
     if unknown:
-        msg = f"{source}: top-level keys must be 'defaults', 'stage' and 'placement', got {unknown}"
+        msg = (
+            f"{source}: top-level keys must be 'defaults', 'stage', 'placement' and 'model', "
+            f"got {unknown}"
+        )
         raise ConfigError(msg)
     defaults = document.get("defaults", {})
     if not isinstance(defaults, dict):

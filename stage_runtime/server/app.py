@@ -62,6 +62,9 @@ __all__ = ["PipelineApp", "ServedPipeline", "ServerSettings", "create_app"]
 
 log = structlog.get_logger(__name__)
 
+TOP_TOKENS: Final = 5
+"""Next-token ids a ``/v1/prefill`` answer lists (``top_tokens``) when the model gives logits."""
+
 ANSWER_MARGIN_S: Final = 2.0
 """Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers
 of prefills cut off at ``shutdown_timeout_s`` are written before hypercorn drops connections
@@ -605,6 +608,10 @@ class PipelineApp:
             "stages": stages,
             "elapsed_s": round(elapsed_s, 6),
         }
+        if result.logits is not None:
+            # A model with an output head (a Llama stage): the likeliest next tokens, best first.
+            best = np.argsort(result.logits)[::-1][:TOP_TOKENS]
+            document["top_tokens"] = [int(token) for token in best]
         return attrs.evolve(
             _json(200, document),
             log_fields=(

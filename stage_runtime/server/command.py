@@ -183,7 +183,7 @@ async def _serve(args: argparse.Namespace) -> int:
     """Serve until shut down; returns the requests a forced shutdown dropped."""
     # Imported here: the pipeline pulls in numpy and the runtime, serving pulls in hypercorn.
     from stage_runtime.models import reference_model_factory
-    from stage_runtime.pipeline import load_placement, load_topology, open_pipeline
+    from stage_runtime.pipeline import load_model, load_placement, load_topology, open_pipeline
     from stage_runtime.placement import choose_placement
     from stage_runtime.server.app import ServerSettings, create_app
     from stage_runtime.server.serve import serve
@@ -201,7 +201,8 @@ async def _serve(args: argparse.Namespace) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         backlog=args.backlog,
     )
-    factory = reference_model_factory(width=args.width, seed=args.seed)
+    # The topology's [model] table, else the reference model at --width.
+    factory = load_model(args.topology) or reference_model_factory(width=args.width, seed=args.seed)
     async with open_pipeline(
         stages, factory, channel_size=args.channel_size, placement=placement
     ) as pipeline:

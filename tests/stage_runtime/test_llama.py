@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -21,6 +22,9 @@ from stage_runtime.llama import (
     llama_model_factory,
     write_random_llama,
 )
+from stage_runtime.pipeline import load_model
+from stage_runtime.server import create_app, open_server
+from stage_runtime.server.app import TOP_TOKENS
 
 Array = npt.NDArray[np.float64]
 
@@ -252,3 +256,58 @@ async def test_long_prompts_compute_in_worker_threads_with_the_same_result(
     a = await inline.forward(frame, 0, None)
     b = await threaded.forward(frame, 0, None)
     assert np.array_equal(a.rows(), b.rows())
+
+
+def _topology(directory: Path, model: str) -> Path:
+    path = directory / "topology.toml"
+    path.write_text(
+        f"{model}\n"
+        "[defaults]\nmodel_id = 'random-llama'\n"
+        "[defaults.kv_cache]\nmode = 'lookup-record'\nmin_tokens = 4\n"
+        "shared_prefix_stride_tokens = 4\n"
+        "[[stage]]\nstage_id = 's0'\nlayer_start = 0\nlayer_end = 1\n"
+        "[[stage]]\nstage_id = 's1'\nlayer_start = 1\nlayer_end = 2\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+async def test_a_topology_names_its_model_and_serve_answers_top_tokens(tmp_path: Path) -> None:
+    """``[model] kind = "llama"`` runs the model directory (relative to the file) without a
+    factory argument; over HTTP the answer lists the likeliest next tokens."""
+    write_random_llama(tmp_path / "weights", num_hidden_layers=2)
+    topology = _topology(tmp_path, "[model]\nkind = 'llama'\npath = 'weights'")
+    tokens = list(range(10, 22))
+    async with open_pipeline(topology, environ={}) as pipeline:
+        result = await pipeline.prefill(tokens, session_id="t")
+        assert result.logits is not None
+        expected = [int(t) for t in np.argsort(result.logits)[::-1][:TOP_TOKENS]]
+        app = create_app(pipeline)
+        async with (
+            open_server(app, bind="127.0.0.1:0") as server,
+            httpx.AsyncClient(base_url=server.url) as client,
+        ):
+            answer = await client.post("/v1/prefill", json={"tokens": tokens, "session_id": "h"})
+    assert answer.status_code == 200
+    assert answer.json()["top_tokens"] == expected
+    assert [s["restored_tokens"] for s in answer.json()["stages"]] == [12, 12]
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("[model]\nkind = 'gpt'", r"model\.kind must be 'llama' or 'reference', got 'gpt'"),
+        ("[model]\nkind = 'llama'", r"model\.path must be a model directory, got None"),
+        ("[model]\nkind = 'llama'\npath = 'nowhere'", r"nowhere/config\.json: model config not"),
+        ("[model]\nkind = 'reference'\npath = 'x'", r"got \['path'\]"),
+    ],
+)
+def test_bad_model_tables_are_config_errors(tmp_path: Path, table: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_model(_topology(tmp_path, table))
+
+
+def test_a_topology_without_a_model_table_needs_a_factory(tmp_path: Path) -> None:
+    assert load_model(_topology(tmp_path, "")) is None
+    reference = load_model(_topology(tmp_path, "[model]\nkind = 'reference'\nwidth = 8"))
+    assert reference is not None
