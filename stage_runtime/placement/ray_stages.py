@@ -321,7 +321,10 @@ class RayStages:
         try:
             for process, generation, report in calls:
                 try:
-                    request.reports.append(await await_ref(report))
+                    outcome, logits = await await_ref(report)
+                    request.reports.append(outcome)
+                    if logits is not None:
+                        request.logits = logits
                 except RayActorError as exc:
                     self._declare_dead(process, generation, exc)
                     error = _stage_error(process.config.stage_id, exc)

@@ -41,6 +41,9 @@ from stage_runtime.stage import PrefillRequest, Stage, StagePrefillReport, Stage
 
 __all__ = ["StageWorker"]
 
+StageOutcome = tuple[StagePrefillReport, npt.NDArray[np.float32] | None]
+"""A stage's report of one request, and the next-token logits when its model gives them."""
+
 log = structlog.get_logger(__name__)
 
 
@@ -152,7 +155,7 @@ class StageWorker:
             reply.set_exception(request.error)
         elif request.done.is_set():
             assert request.frame is not None
-            reply.set_result((request.frame, request.reports[-1]))
+            reply.set_result((request.frame, (request.reports[-1], request.logits)))
 
     def _abandon(self, key: int) -> None:
         """In the trio run: the caller gave up on ``key``; the stage skips or interrupts it."""
@@ -213,8 +216,9 @@ class StageWorker:
         cache_salt: str | None,
         tokens: npt.NDArray[np.int32],
         frame: ActivationFrame | None,
-    ) -> tuple[ActivationFrame, StagePrefillReport]:
-        """Run one request through this stage: returns its output frame and report.
+    ) -> tuple[ActivationFrame, StageOutcome]:
+        """Run one request through this stage: returns its output frame, and its report with
+        the next-token logits when this stage's model gives them (a last Llama stage).
 
         ``frame`` is the previous stage's output (None at stage 0), received read-only; Ray
         resolves it from the previous stage's process without passing through the driver.
@@ -231,7 +235,7 @@ class StageWorker:
             frame=frame,
         )
         try:
-            result: tuple[ActivationFrame, StagePrefillReport] = await self._call(
+            result: tuple[ActivationFrame, StageOutcome] = await self._call(
                 self._accept, key, request
             )
         except asyncio.CancelledError:

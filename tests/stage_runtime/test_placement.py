@@ -24,6 +24,7 @@ from actors import RestartPolicy
 from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.config import CacheIndex, StageConfig
 from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedError
+from stage_runtime.llama import llama_model_factory, write_random_llama
 from stage_runtime.models import virtual_model_factory
 from stage_runtime.pipeline import PrefillResult, load_placement, load_topology, open_pipeline
 from stage_runtime.placement import LocalPlacement, Placement, RayPlacement, choose_placement
@@ -568,3 +569,27 @@ def test_command_line_choices_override_the_topology() -> None:
     assert choose_placement(LocalPlacement(), address="auto") == RayPlacement(address="auto")
     with pytest.raises(ConfigError, match="needs the ray placement"):
         choose_placement(None, engine="local", address="auto")
+
+
+async def test_llama_stages_in_ray_processes_give_the_local_logits(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """Each Ray stage process loads its own layers of a Llama model directory; a prompt
+    extending a cached one gives the logits local placement gives."""
+    directory = write_random_llama(tmp_path / "model", num_hidden_layers=2, vocab_size=512)
+    configs = stage_configs(2, layers_per_stage=1)
+    tokens = prompt(300)
+    results = []
+    for where in (LocalPlacement(), RayPlacement(num_cpus=0.25)):
+        with trio.fail_after(WAIT_S):
+            async with open_pipeline(
+                configs, llama_model_factory(directory), environ=NO_ENV, placement=where
+            ) as pipeline:
+                await pipeline.prefill(tokens[:256], session_id="s")
+                results.append(await pipeline.prefill(tokens, session_id="s"))
+    local, remote = results
+    assert counts(remote) == counts(local)
+    assert remote.stages[0].restored_tokens > 0
+    assert local.logits is not None
+    assert remote.logits is not None
+    np.testing.assert_array_equal(local.logits, remote.logits)
