@@ -34,6 +34,7 @@ import numpy.typing as npt
 import trio
 
 from stage_runtime import StageConfig, open_pipeline
+from stage_runtime._cli_support import int_at_least
 from stage_runtime.config import CacheMode, KvCacheConfig
 from stage_runtime.llama import (
     LlamaConfig,
@@ -143,17 +144,19 @@ async def _prefill_s(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print a table, write JSON and return the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--cached", type=int, default=900)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--layers", type=int_at_least(1), default=8)
+    parser.add_argument("--hidden", type=int_at_least(1), default=1024)
+    parser.add_argument("--heads", type=int_at_least(1), default=16)
+    parser.add_argument("--kv-heads", type=int_at_least(1), default=4)
+    parser.add_argument("--intermediate", type=int_at_least(1), default=2816)
+    parser.add_argument("--vocab", type=int_at_least(1), default=8192)
+    parser.add_argument("--tokens", type=int_at_least(1), default=1000)
+    parser.add_argument("--cached", type=int_at_least(1), default=900)
+    parser.add_argument("--repeat", type=int_at_least(1), default=3)
     parser.add_argument("--json", default=f"benchmarks/out/{NAME}.json")
     args = parser.parse_args(argv)
+    if args.cached >= args.tokens or args.heads % args.kv_heads:
+        parser.error("--cached must be below --tokens, and --heads a multiple of --kv-heads")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, args.vocab, size=args.tokens).tolist()
     runs: dict[str, list[float]] = {"cold": [], "warm": [], "plain": []}

@@ -24,6 +24,8 @@ from tests.benchmark_scripts import load_script
         ("bench_replay", ["TRACE", "--limit-requests", "-1"], "--limit-requests: must be an"),
         ("bench_identity", ["--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
         ("bench_actors", ["--reps", "0"], "--reps: must be an integer >= 1, got 0"),
+        ("bench_llama", ["--layers", "0"], "--layers: must be an integer >= 1, got 0"),
+        ("bench_llama", ["--tokens", "10", "--cached", "10"], "--cached must be below --tokens"),
         ("bench_http", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
         ("bench_http", ["--concurrency", "1", "0"], "--concurrency: must be an integer >= 1"),
         ("bench_http", ["--load-requests", "-1"], "--load-requests: must be an integer >= 0"),

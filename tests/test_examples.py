@@ -16,7 +16,7 @@ import trio.testing
 from tests.benchmark_scripts import load_module
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
-REAL_CLOCK = {"http_server"}
+REAL_CLOCK = {"http_server", "llama_server"}
 """Examples that talk to real sockets, so they run on the real clock; the rest on virtual time."""
 VIRTUAL = [path for path in EXAMPLES if path.stem not in REAL_CLOCK]
 NETWORK = [path for path in EXAMPLES if path.stem in REAL_CLOCK]

@@ -51,7 +51,7 @@ from stage_runtime.server.requests import (
     PrefillBody,
     parse_prefill_request,
 )
-from stage_runtime.server.tokenizer import ByteTokenizer
+from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
     from stage_runtime.cache_actor import CacheStats
@@ -203,7 +203,7 @@ class PipelineApp:
     settings: ServerSettings = attrs.field(factory=ServerSettings)
     """Limits and timeouts."""
 
-    tokenizer: ByteTokenizer = attrs.field(factory=ByteTokenizer)
+    tokenizer: TextTokenizer = attrs.field(factory=ByteTokenizer)
     """Tokenizer for the ``"text"`` field."""
 
     _draining: bool = attrs.field(default=False, init=False)
@@ -881,7 +881,7 @@ def create_app(
     pipeline: ServedPipeline,
     *,
     settings: ServerSettings | None = None,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> PipelineApp:
     """Build the ASGI application for a running pipeline.
 

@@ -182,11 +182,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     """Serve until shut down; returns the requests a forced shutdown dropped."""
     # Imported here: the pipeline pulls in numpy and the runtime, serving pulls in hypercorn.
+    from stage_runtime.llama import LlamaModelFactory
     from stage_runtime.models import reference_model_factory
     from stage_runtime.pipeline import load_model, load_placement, load_topology, open_pipeline
     from stage_runtime.placement import choose_placement
     from stage_runtime.server.app import ServerSettings, create_app
     from stage_runtime.server.serve import serve
+    from stage_runtime.server.tokenizer import model_tokenizer
 
     stages = load_topology(args.topology)
     placement = choose_placement(
@@ -206,7 +208,11 @@ async def _serve(args: argparse.Namespace) -> int:
     async with open_pipeline(
         stages, factory, channel_size=args.channel_size, placement=placement
     ) as pipeline:
-        app = create_app(pipeline, settings=settings)
+        # A Llama model directory with a tokenizer.json tokenizes the "text" field its way.
+        tokenizer = None
+        if isinstance(factory, LlamaModelFactory):
+            tokenizer = model_tokenizer(factory.path)
+        app = create_app(pipeline, settings=settings, tokenizer=tokenizer)
         await serve(app, bind=args.bind, handle_signals=True, drain_grace_s=args.drain_grace)
     # Leaving open_pipeline after the server has drained stops the stages.
     return app.dropped

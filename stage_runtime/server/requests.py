@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
 from stage_runtime.errors import ConfigError, json_error_detail
-from stage_runtime.server.tokenizer import ByteTokenizer
+from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 __all__ = ["InvalidRequestError", "PrefillBody", "parse_prefill_request"]
 
@@ -203,7 +203,7 @@ def parse_prefill_request(
     body: bytes,
     *,
     max_tokens: int | None = None,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> PrefillBody:
     """Validate a ``POST /v1/prefill`` body.
 

@@ -15,7 +15,10 @@ passes ``"tokens"`` produced by the model's own tokenizer.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -23,7 +26,7 @@ import numpy.typing as npt
 
 from stage_runtime.errors import ConfigError
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["ByteTokenizer", "HuggingFaceTokenizer", "TextTokenizer", "model_tokenizer"]
 
 
 @attrs.frozen(kw_only=True)
@@ -67,3 +70,64 @@ class ByteTokenizer:
             msg = f"tokens must be byte ids in 0..{self.vocab_size - 1}, got {bad}"
             raise ConfigError(msg)
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class TextTokenizer(Protocol):
+    """What the server needs of a tokenizer for the ``"text"`` field."""
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Names the tokenizer in logs and answers."""
+        ...
+
+    def encode(self, text: str) -> npt.NDArray[np.int32]:
+        """Token ids of ``text`` (1-D int32); raises ConfigError for text it cannot encode."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class HuggingFaceTokenizer:
+    """A model's own tokenizer, from the ``tokenizer.json`` of its Hugging Face directory
+    (through the ``tokenizers`` package: ``pip install 'stage-runtime[llama]'``). Special tokens
+    are added as the tokenizer's post-processor says (a Llama tokenizer's leading BOS)."""
+
+    tokenizer_id: str
+    _tokenizer: Any = attrs.field(repr=False)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> HuggingFaceTokenizer:
+        """Load ``path`` (a ``tokenizer.json``).
+
+        Raises:
+            ConfigError: ``tokenizers`` is not installed, or the file cannot be loaded.
+        """
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            msg = "text needs the tokenizers package: pip install 'stage-runtime[llama]'"
+            raise ConfigError(msg) from None
+        try:
+            loaded = Tokenizer.from_file(os.fspath(path))
+        except Exception as exc:  # tokenizers raises its own Exception subclasses
+            msg = f"{os.fspath(path)}: cannot load the tokenizer: {exc}"
+            raise ConfigError(msg) from None
+        return cls(tokenizer_id=os.fspath(path), tokenizer=loaded)
+
+    def encode(self, text: str) -> npt.NDArray[np.int32]:
+        """The token ids of ``text``.
+
+        Raises:
+            ConfigError: the text cannot be encoded (a lone surrogate).
+        """
+        try:
+            ids = self._tokenizer.encode(text).ids
+        except Exception as exc:
+            msg = f"text cannot be tokenized: {exc}"
+            raise ConfigError(msg) from None
+        return np.asarray(ids, dtype=np.int32)
+
+
+def model_tokenizer(directory: str | os.PathLike[str]) -> HuggingFaceTokenizer | None:
+    """The tokenizer of a model directory (its ``tokenizer.json``), None when it has none."""
+    path = Path(directory) / "tokenizer.json"
+    return HuggingFaceTokenizer.from_file(path) if path.exists() else None

@@ -25,6 +25,7 @@ from stage_runtime.llama import (
 from stage_runtime.pipeline import load_model
 from stage_runtime.server import create_app, open_server
 from stage_runtime.server.app import TOP_TOKENS
+from stage_runtime.server.tokenizer import model_tokenizer
 
 Array = npt.NDArray[np.float64]
 
@@ -311,3 +312,59 @@ def test_a_topology_without_a_model_table_needs_a_factory(tmp_path: Path) -> Non
     assert load_model(_topology(tmp_path, "")) is None
     reference = load_model(_topology(tmp_path, "[model]\nkind = 'reference'\nwidth = 8"))
     assert reference is not None
+
+
+def _write_word_tokenizer(directory: Path) -> dict[str, int]:
+    """A word-level tokenizer.json (whitespace-split words; unknown words are id 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "the": 5, "cat": 7, "sat": 9, "on": 11, "mat": 13}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return vocab
+
+
+async def test_text_is_tokenized_by_the_models_own_tokenizer(tmp_path: Path) -> None:
+    """With a tokenizer.json in the model directory, ``"text"`` becomes that tokenizer's ids:
+    the answer counts them and equals the answer for the same ids sent as ``"tokens"``."""
+    directory = write_random_llama(tmp_path / "weights", num_hidden_layers=2)
+    vocab = _write_word_tokenizer(directory)
+    tokenizer = model_tokenizer(directory)
+    assert tokenizer is not None
+    text = "the cat sat on the mat"
+    ids = [vocab[word] for word in text.split()]
+    assert tokenizer.encode(text).tolist() == ids
+    topology = _topology(tmp_path, "[model]\nkind = 'llama'\npath = 'weights'")
+    async with open_pipeline(topology, environ={}) as pipeline:
+        app = create_app(pipeline, tokenizer=tokenizer)
+        async with (
+            open_server(app, bind="127.0.0.1:0") as server,
+            httpx.AsyncClient(base_url=server.url) as client,
+        ):
+            by_text = await client.post("/v1/prefill", json={"text": text, "session_id": "a"})
+            by_ids = await client.post("/v1/prefill", json={"tokens": ids, "session_id": "b"})
+    assert by_text.status_code == 200
+    assert by_text.json()["tokens"] == len(ids)
+    assert by_text.json()["top_tokens"] == by_ids.json()["top_tokens"]
+
+
+def test_a_model_directory_without_tokenizer_json_has_no_tokenizer(tmp_path: Path) -> None:
+    assert model_tokenizer(write_random_llama(tmp_path / "m", num_hidden_layers=1)) is None
+    (tmp_path / "m" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot load the tokenizer"):
+        model_tokenizer(tmp_path / "m")
+
+
+def test_the_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
+    """bench_llama on a tiny model: cold, warm and plain timings and equal logits."""
+    from tests.benchmark_scripts import load_script
+
+    bench = load_script("bench_llama")
+    out = tmp_path / "llama.json"
+    shape = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
+    sizes = ["--intermediate", "48", "--vocab", "64", "--tokens", "40", "--cached", "30"]
+    document = bench.main([*shape, *sizes, "--repeat", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["median_s"] == document["median_s"]
+    assert set(document["median_s"]) == {"cold", "warm", "plain"}
+    assert document["max_logit_difference"] <= 1e-4
