@@ -40,6 +40,7 @@ from stage_runtime.llama import (
     LlamaConfig,
     SafetensorsFiles,
     llama_model_factory,
+    split_stages,
     write_random_llama,
 )
 
@@ -57,19 +58,7 @@ def _stages(layers: int, *, cache: bool) -> list[StageConfig]:
         shared_prefix_stride_tokens=100,
         max_entries=16,
     )
-    half = layers // 2
-    return [
-        StageConfig(
-            stage_id=f"s{i}",
-            stage_index=i,
-            model_id="bench-llama",
-            layer_start=a,
-            layer_end=b,
-            kv_cache=kv_cache,
-            ctx_size=4096,
-        )
-        for i, (a, b) in enumerate(((0, half), (half, layers)))
-    ]
+    return split_stages(layers, 2, model_id="bench-llama", kv_cache=kv_cache, ctx_size=4096)
 
 
 def plain_forward(directory: Path, tokens: npt.NDArray[np.int32]) -> tuple[F32, float]:
@@ -82,7 +71,7 @@ def plain_forward(directory: Path, tokens: npt.NDArray[np.int32]) -> tuple[F32, 
     n = tokens.size
 
     def load(name: str) -> F32:
-        return files.load(name, files._tensors[name].shape)
+        return files.load(name, files.shape(name))
 
     def norm(x: F32, w: F32) -> F32:
         out: F32 = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps) * w

@@ -22,26 +22,15 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from stage_runtime import StageConfig, open_pipeline
+from stage_runtime import open_pipeline
 from stage_runtime.config import CacheMode, KvCacheConfig
-from stage_runtime.llama import LlamaConfig, llama_model_factory, write_random_llama
+from stage_runtime.llama import LlamaConfig, llama_model_factory, split_stages, write_random_llama
 
 
 async def _pipeline_logits(directory: Path, tokens: list[int]) -> np.ndarray:
     layers = LlamaConfig.from_file(directory / "config.json").num_hidden_layers
-    half = max(1, layers // 2)
     cache = KvCacheConfig(mode=CacheMode.LOOKUP_RECORD, min_tokens=4, shared_prefix_stride_tokens=4)
-    stages = [
-        StageConfig(
-            stage_id=f"s{i}",
-            stage_index=i,
-            model_id="check",
-            layer_start=a,
-            layer_end=b,
-            kv_cache=cache,
-        )
-        for i, (a, b) in enumerate(((0, half), (half, layers)) if layers > 1 else ((0, 1),))
-    ]
+    stages = split_stages(layers, min(2, layers), model_id="check", kv_cache=cache)
     async with open_pipeline(stages, llama_model_factory(directory), environ={}) as pipeline:
         await pipeline.prefill(tokens[: len(tokens) * 3 // 4], session_id="check")
         result = await pipeline.prefill(tokens, session_id="check")

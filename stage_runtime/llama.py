@@ -28,6 +28,7 @@ benchmarks).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -41,7 +42,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.config import StageConfig
+from stage_runtime.config import KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import (
@@ -60,6 +61,7 @@ __all__ = [
     "LlamaStageModel",
     "SafetensorsFiles",
     "llama_model_factory",
+    "split_stages",
     "write_random_llama",
 ]
 
@@ -236,7 +238,6 @@ class _Tensor:
     dtype: str
     shape: tuple[int, ...]
     start: int
-    end: int
 
 
 class SafetensorsFiles:
@@ -274,6 +275,18 @@ class SafetensorsFiles:
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape tensor ``name`` has in its file.
+
+        Raises:
+            ConfigError: no such tensor.
+        """
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            msg = f"{self.directory}: tensor {name} is missing from the weights"
+            raise ConfigError(msg)
+        return tensor.shape
+
     def names(self) -> list[str]:
         """Every tensor name, sorted."""
         return sorted(self._tensors)
@@ -285,16 +298,13 @@ class SafetensorsFiles:
             ConfigError: no such tensor, or another shape (names the file, the tensor and both
                 shapes).
         """
-        tensor = self._tensors.get(name)
-        if tensor is None:
-            msg = f"{self.directory}: tensor {name} is missing from the weights"
-            raise ConfigError(msg)
-        if tensor.shape != shape:
+        if self.shape(name) != shape:
             msg = (
-                f"{tensor.file}: tensor {name} must have shape {list(shape)}, "
-                f"got {list(tensor.shape)}"
+                f"{self._tensors[name].file}: tensor {name} must have shape {list(shape)}, "
+                f"got {list(self.shape(name))}"
             )
             raise ConfigError(msg)
+        tensor = self._tensors[name]
         with (
             tensor.file.open("rb") as handle,
             mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
@@ -352,7 +362,7 @@ def _read_header(file: Path) -> Iterator[tuple[str, _Tensor]]:
                 f"shape {list(shape)}"
             )
             raise ConfigError(msg)
-        yield name, _Tensor(file=file, dtype=dtype, shape=shape, start=begin, end=stop)
+        yield name, _Tensor(file=file, dtype=dtype, shape=shape, start=begin)
 
 
 # ------------------------------------------------------------------------------------- model
@@ -723,6 +733,38 @@ def llama_model_factory(
     """
     LlamaConfig.from_file(Path(path) / "config.json")
     return LlamaModelFactory(os.fspath(path), thread_threshold_macs)
+
+
+def split_stages(
+    layers: int,
+    stages: int,
+    *,
+    model_id: str,
+    kv_cache: KvCacheConfig | None = None,
+    ctx_size: int = 8192,
+) -> list[StageConfig]:
+    """``stages`` stages ``s0``, ``s1``... over a model's ``layers`` layers, in contiguous
+    ranges as even as can be (stage ``i`` starts at ``round(i * layers / stages)``).
+
+    Raises:
+        ConfigError: ``stages`` is not in ``[1, layers]``.
+    """
+    if not 1 <= stages <= layers:
+        msg = f"stages must be in [1, {layers}] for {layers} layers, got {stages}"
+        raise ConfigError(msg)
+    bounds = [round(i * layers / stages) for i in range(stages + 1)]
+    return [
+        StageConfig(
+            stage_id=f"s{i}",
+            stage_index=i,
+            model_id=model_id,
+            layer_start=start,
+            layer_end=end,
+            kv_cache=kv_cache,
+            ctx_size=ctx_size,
+        )
+        for i, (start, end) in enumerate(itertools.pairwise(bounds))
+    ]
 
 
 def write_random_llama(

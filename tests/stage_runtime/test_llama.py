@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
@@ -20,6 +19,7 @@ from stage_runtime.llama import (
     LlamaStageModel,
     SafetensorsFiles,
     llama_model_factory,
+    split_stages,
     write_random_llama,
 )
 from stage_runtime.pipeline import load_model
@@ -58,8 +58,7 @@ def _tensors(directory: Path) -> dict[str, Array]:
     files = SafetensorsFiles(directory)
     out: dict[str, Array] = {}  # (the test reads the header it parsed)
     for name in files.names():
-        shape = files._tensors[name].shape
-        out[name] = files.load(name, shape).astype(np.float64)
+        out[name] = files.load(name, files.shape(name)).astype(np.float64)
     return out
 
 
@@ -123,11 +122,6 @@ def reference_logits(directory: Path, tokens: list[int]) -> Array:
 # ------------------------------------------------------------------------------- the pipeline
 
 
-def _splits(layers: int, stages: int) -> list[tuple[int, int]]:
-    bounds = np.linspace(0, layers, stages + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
-
-
 def _stages(layers: int, stages: int, *, cache: bool = True) -> list[StageConfig]:
     kv_cache = (
         KvCacheConfig(
@@ -139,17 +133,7 @@ def _stages(layers: int, stages: int, *, cache: bool = True) -> list[StageConfig
         if cache
         else KvCacheConfig(mode=CacheMode.DISABLED)
     )
-    return [
-        StageConfig(
-            stage_id=f"s{i}",
-            stage_index=i,
-            model_id="random-llama",
-            layer_start=a,
-            layer_end=b,
-            kv_cache=kv_cache,
-        )
-        for i, (a, b) in enumerate(_splits(layers, stages))
-    ]
+    return split_stages(layers, stages, model_id="random-llama", kv_cache=kv_cache)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -368,3 +352,10 @@ def test_the_benchmark_runs_and_writes_its_figures(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["median_s"] == document["median_s"]
     assert set(document["median_s"]) == {"cold", "warm", "plain"}
     assert document["max_logit_difference"] <= 1e-4
+
+
+def test_split_stages_cuts_contiguous_even_ranges() -> None:
+    ranges = [(c.layer_start, c.layer_end) for c in split_stages(4, 3, model_id="m")]
+    assert ranges == [(0, 1), (1, 3), (3, 4)]
+    with pytest.raises(ConfigError, match=r"stages must be in \[1, 4\] for 4 layers, got 5"):
+        split_stages(4, 5, model_id="m")
