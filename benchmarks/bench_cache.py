@@ -47,13 +47,10 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime import (
-    ActivationFrame,
-    MessageBase,
-    StageConfig,
-)
+from stage_runtime import ActivationFrame, StageConfig
 from stage_runtime._cli_support import int_at_least
 from stage_runtime.cache import ActivationRestore, StageCache
+from stage_runtime.config import MessageBase
 from stage_runtime.sim import (
     BlockTokenizer,
     SimConfig,

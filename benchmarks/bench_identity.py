@@ -3,8 +3,9 @@
 Run: ``python benchmarks/bench_identity.py [--repeat 7] [--json PATH]``.
 
 Part 1 hashes every lookup candidate of an N-token prompt (stride 128, min 256, record limit 0)
-in one pass (:func:`stage_runtime.prefix_hashes`) and compares it with hashing the N tokens once
-(:func:`stage_runtime.prefix_hash`), and with the naive one-pass-per-candidate approach; for
+in one pass (:func:`stage_runtime.identity.prefix_hashes`) and compares it with hashing the N
+tokens once (:func:`stage_runtime.identity.prefix_hash`), and with the naive
+one-pass-per-candidate approach; for
 scale, it also times feeding a bare BLAKE3 hasher the same steps without reading it out (what the
 one-pass method costs before any snapshot, against the one-shot hash's SIMD across chunks). Part 2
 restores a cached 2,048-token and a cached 131,072-token prefix of an 8,192-byte-per-token frame:
@@ -32,17 +33,12 @@ from typing import Any, TypeVar
 import blake3
 import numpy as np
 
-from stage_runtime import (
-    ActivationFrame,
-    CandidatePolicy,
-    KvCacheConfig,
-    KvStageIntegration,
-    MessageBase,
-    StageConfig,
-    prefix_hash,
-    prefix_hashes,
-)
+from stage_runtime import ActivationFrame, KvCacheConfig, StageConfig
 from stage_runtime._cli_support import int_at_least
+from stage_runtime.config import MessageBase
+from stage_runtime.identity import prefix_hash, prefix_hashes
+from stage_runtime.integration import KvStageIntegration
+from stage_runtime.policy import CandidatePolicy
 
 SIZES = (2048, 32768, 131072)
 BYTES_PER_TOKEN = 8192

@@ -31,8 +31,10 @@ from typing import Any
 
 import structlog
 
-from stage_runtime import ActivationFrame, KvStageIntegration, MessageBase
+from stage_runtime import ActivationFrame
 from stage_runtime._cli_support import int_at_least
+from stage_runtime.config import MessageBase
+from stage_runtime.integration import KvStageIntegration
 from stage_runtime.sim import (
     BlockTokenizer,
     SimConfig,

@@ -15,14 +15,12 @@ from stage_runtime import (
     ActivationFrame,
     ActivationLayout,
     CacheMode,
-    CachePayload,
     KvCacheConfig,
-    KvStageIntegration,
-    LoadMode,
-    MessageBase,
-    ResidentActivationCache,
     StageConfig,
 )
+from stage_runtime.cache import ResidentActivationCache
+from stage_runtime.config import CachePayload, LoadMode, MessageBase
+from stage_runtime.integration import KvStageIntegration
 
 MODEL = "hugging-quants/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"
 

@@ -9,13 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from stage_runtime import (
-    ActivationFrame,
+from stage_runtime import ActivationFrame, ConfigError, FrameError
+from stage_runtime.cache import (
     CacheRecordOutcome,
-    ConfigError,
     EvictedEntry,
     EvictionReason,
-    FrameError,
     ResidentActivationCache,
     ResidentCacheStats,
 )

@@ -10,19 +10,15 @@ from typing import Any
 import attrs
 import pytest
 
-from stage_runtime import (
-    CacheIndex,
-    CacheMode,
+from stage_runtime import CacheIndex, CacheMode, ConfigError, KvCacheConfig, StageConfig
+from stage_runtime.config import (
     CachePayload,
-    ConfigError,
     FlashAttention,
-    KvCacheConfig,
-    KvStageIntegration,
     LoadMode,
     MessageBase,
-    StageConfig,
     kill_switch_engaged,
 )
+from stage_runtime.integration import KvStageIntegration
 
 
 def test_kv_cache_defaults_match_upstream_serde_defaults() -> None:

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stage_runtime import (
-    CacheIndex,
-    ConfigError,
-    KvCacheConfig,
-    KvStageIntegration,
-    MessageBase,
-    PagedStageIntegration,
-    PageEviction,
-    StageConfig,
-)
+from stage_runtime import CacheIndex, ConfigError, KvCacheConfig, PageEviction, StageConfig
+from stage_runtime.config import MessageBase
+from stage_runtime.integration import KvStageIntegration, PagedStageIntegration
 
 
 def test_index_defaults_to_the_upstream_ladder_and_pages_to_the_stride() -> None:

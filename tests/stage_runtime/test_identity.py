@@ -14,13 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stage_runtime import (
-    ConfigError,
-    FlashAttention,
-    KvCacheConfig,
-    LoadMode,
+from stage_runtime import ConfigError, KvCacheConfig, StageConfig
+from stage_runtime import identity as identity_module
+from stage_runtime.config import FlashAttention, LoadMode
+from stage_runtime.identity import (
     PlatformIdentity,
-    StageConfig,
     activation_page_id,
     as_token_array,
     page_id,
@@ -28,7 +26,6 @@ from stage_runtime import (
     prefix_hashes,
     prefix_namespace_hash,
 )
-from stage_runtime import identity as identity_module
 
 X86 = PlatformIdentity(arch="x86_64", little_endian=True, pointer_width=64)
 

@@ -14,23 +14,21 @@ from stage_runtime import (
     ActivationFrame,
     ActivationLayout,
     CacheMode,
-    CachePayload,
     ConfigError,
     FrameError,
     KvCacheConfig,
-    KvStageIntegration,
-    MessageBase,
-    ResidentActivationCache,
-    ResidentActivationRecord,
     StageConfig,
-    activation_page_id,
+)
+from stage_runtime.cache import ResidentActivationCache
+from stage_runtime.cache import prompt as prompt_module
+from stage_runtime.config import CachePayload, MessageBase
+from stage_runtime.identity import activation_page_id, page_id, prefix_hash, prefix_namespace_hash
+from stage_runtime.integration import (
+    KvStageIntegration,
+    ResidentActivationRecord,
     effective_cache_payload,
-    page_id,
-    prefix_hash,
-    prefix_namespace_hash,
     summarize_records,
 )
-from stage_runtime.cache import prompt as prompt_module
 
 from ._seed import activation_frame, cache_state, seed_base, seed_config, seed_integration
 

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from stage_runtime import (
-    ActivationDType,
-    ActivationFrame,
-    CacheMode,
-    KvCacheConfig,
-    KvStageIntegration,
-    MessageBase,
-    StageConfig,
-)
+from stage_runtime import ActivationDType, ActivationFrame, CacheMode, KvCacheConfig, StageConfig
 from stage_runtime.accounting import PrefixFootprint
 from stage_runtime.cache.paged.chains import page_chain
+from stage_runtime.config import MessageBase
 from stage_runtime.identity import activation_page_id, page_id, prefix_hash
+from stage_runtime.integration import KvStageIntegration
 from stage_runtime.tenancy import paged_namespace
 
 WIDTH = 4

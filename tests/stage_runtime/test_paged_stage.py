@@ -17,13 +17,15 @@ from stage_runtime import (
     CacheMode,
     ConfigError,
     KvCacheConfig,
+    StageConfig,
+)
+from stage_runtime.config import MessageBase
+from stage_runtime.integration import (
     KvStageIntegration,
     LadderStageIntegration,
-    MessageBase,
     PagedStageIntegration,
-    StageConfig,
-    salted_prefix_hash,
 )
+from stage_runtime.tenancy import salted_prefix_hash
 
 WIDTH = 4
 

@@ -8,8 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stage_runtime import CandidatePolicy, ConfigError, KvCacheConfig
-from stage_runtime.policy import derive_max_resident_tokens, round_half_away_from_zero
+from stage_runtime import ConfigError, KvCacheConfig
+from stage_runtime.policy import (
+    CandidatePolicy,
+    derive_max_resident_tokens,
+    round_half_away_from_zero,
+)
 
 
 def policy(min_tokens: int, stride: int, limit: int, hint: int = 0) -> CandidatePolicy:

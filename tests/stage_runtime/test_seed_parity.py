@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stage_runtime import activation_page_id
+from stage_runtime.identity import activation_page_id
 
 from ._seed import activation_frame, seed_base, seed_config, seed_integration
 
