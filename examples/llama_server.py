@@ -136,4 +136,7 @@ async def main() -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    from stage_runtime.server.command import configure_logging
+
+    configure_logging(level="warning")  # the library's events on stderr, warnings and up
     trio.run(main)

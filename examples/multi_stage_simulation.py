@@ -15,6 +15,9 @@ Run it with ``python examples/multi_stage_simulation.py``.
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import structlog
 import trio
 import trio.testing
@@ -101,6 +104,9 @@ async def main() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    # Warnings only: the cache logs every record and eviction at info level.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    # Warnings only, on stderr: the cache logs every record and eviction at info level.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -2,8 +2,8 @@
 
 Each stage owns a small activation cache (6 entries). Prompts that share a prefix with an earlier
 one restore that prefix's activations instead of recomputing them; the table shows how many
-tokens each stage restored and computed, and the log lines show every restore, miss, record and
-eviction as structlog renders them on a console. The last lines are the per-stage accounting
+tokens each stage restored and computed, and the log lines (on stderr) show every restore, miss,
+record and eviction as structlog renders them on a console. The last lines are the per-stage accounting
 from ``Pipeline.statistics()``: restores, hits and misses (by reason), restored tokens and
 evictions.
 
@@ -51,7 +51,8 @@ def conversations() -> list[tuple[str, str]]:
 
 
 def configure_logging() -> None:
-    """Console-rendered structlog events, debug level and up (the library never configures)."""
+    """Console-rendered structlog events on stderr, debug level and up, so that stdout holds the
+    example's own output (the library itself never configures logging)."""
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -59,7 +60,7 @@ def configure_logging() -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
 
