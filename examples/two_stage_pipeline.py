@@ -2,10 +2,10 @@
 
 Each stage owns a small activation cache (6 entries). Prompts that share a prefix with an earlier
 one restore that prefix's activations instead of recomputing them; the table shows how many
-tokens each stage restored and computed, and the log lines (on stderr) show every restore, miss,
-record and eviction as structlog renders them on a console. The last lines are the per-stage accounting
-from ``Pipeline.statistics()``: restores, hits and misses (by reason), restored tokens and
-evictions.
+tokens each stage restored and computed, and the log lines (on stderr) show every restore,
+miss, record and eviction as structlog renders them on a console. The last lines are the
+per-stage accounting from ``Pipeline.statistics()``: restores, hits and misses (by reason),
+restored tokens and evictions.
 
 Run it with ``python examples/two_stage_pipeline.py``.
 """
