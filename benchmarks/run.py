@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         goals += goal_rows(name, result)
 
     document = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": _machine(),
         "trace": args.trace,
         "benchmarks": results,

@@ -61,7 +61,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         required=True,
         metavar="FILE",
-        help="pipeline topology (TOML: one [[stage]] table per stage; the README shows one)",
+        help="pipeline topology (TOML: one [[stage]] table per stage; docs/pipelines.md shows one)",
     )
     parser.add_argument(
         "--bind",

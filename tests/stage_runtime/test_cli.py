@@ -302,7 +302,7 @@ def test_demo_prints_a_report_and_writes_json(tmp_path: Path) -> None:
     assert document["requests"] == 300
     assert 0 < document["token_hit_ratio"] <= document["theoretical_max_hit_ratio"]
     assert document["config"]["stages"] == 4
-    before, _, theoretical = _readme_demo_figures()  # what the README says the demo prints
+    before, _, theoretical = _documented_demo_figures()  # what the docs say the demo prints
     assert f"token hit ratio {before:.1f}%" in " ".join(done.stdout.split())
     assert round(100 * document["theoretical_max_hit_ratio"], 1) == theoretical
 
@@ -518,10 +518,10 @@ def test_a_trace_without_requests_is_named_with_the_reason(
     )
 
 
-def _readme_simulation_commands() -> dict[str, str]:
-    """The simulation section's ``stage-runtime`` example lines: command -> its comment."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("<!-- section: simulation -->", 1)[1].split("<!-- section:", 1)[0]
+def _documented_simulation_commands() -> dict[str, str]:
+    """The simulation page's ``stage-runtime`` example lines: command -> its comment."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "simulation.md"
+    section = page.read_text(encoding="utf-8")
     commands = {}
     for line in section.splitlines():
         if line.startswith("stage-runtime ") and "#" in line:
@@ -530,21 +530,23 @@ def _readme_simulation_commands() -> dict[str, str]:
     return commands
 
 
-def _readme_demo_figures() -> tuple[float, float, float]:
-    """The README's "30.5% -> 60.1% restored (max 62.9%)": default demo, bigger caches, theory."""
-    comment = _readme_simulation_commands()["stage-runtime demo --max-entries 512 --record-limit 4"]
+def _documented_demo_figures() -> tuple[float, float, float]:
+    """The docs' "30.5% -> 60.1% restored (max 62.9%)": default demo, bigger caches, theory."""
+    comment = _documented_simulation_commands()[
+        "stage-runtime demo --max-entries 512 --record-limit 4"
+    ]
     match = re.fullmatch(r"([\d.]+)% -> ([\d.]+)% restored \(max ([\d.]+)%\)", comment)
     assert match is not None, comment
     before, after, theoretical = (float(group) for group in match.groups())
     return before, after, theoretical
 
 
-def test_readme_demo_figures_are_what_the_command_prints(
+def test_documented_demo_figures_are_what_the_command_prints(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The README's demo line with bigger caches restores what its comment says (the default
+    """The docs' demo line with bigger caches restores what its comment says (the default
     demo's figure is checked by test_demo_prints_a_report_and_writes_json)."""
-    _, after, theoretical = _readme_demo_figures()
+    _, after, theoretical = _documented_demo_figures()
     assert main(["demo", "--max-entries", "512", "--record-limit", "4", "--json", "-"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert round(100 * document["token_hit_ratio"], 1) == after
