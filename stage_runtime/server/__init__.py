@@ -8,7 +8,7 @@ package does not import hypercorn: only serving does.
 from __future__ import annotations
 
 from stage_runtime.server.app import PipelineApp, ServedPipeline, ServerSettings, create_app
-from stage_runtime.server.metrics import MetricFamily, Sample, render_metrics
+from stage_runtime.server.metrics import MetricFamily, MetricsExporter, Sample
 from stage_runtime.server.requests import (
     InvalidRequestError,
     PrefillBody,
@@ -30,6 +30,6 @@ __all__ = [
     "create_app",
     "open_server",
     "parse_prefill_request",
-    "render_metrics",
+    "MetricsExporter",
     "serve",
 ]

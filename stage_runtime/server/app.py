@@ -19,7 +19,8 @@ Routes:
 ``GET /readyz``
     Readiness: ``200`` while the pipeline runs and the server is not draining, else ``503``.
 ``GET /metrics``
-    The same counters in the Prometheus text format.
+    The same counters for Prometheus (written by ``prometheus_client``: the text format, or
+    OpenMetrics when the ``Accept`` header asks for it).
 """
 
 from __future__ import annotations
@@ -39,13 +40,7 @@ import trio
 
 from stage_runtime.errors import ConfigError, PipelineStoppedError
 from stage_runtime.pipeline import context_tokens
-from stage_runtime.server.metrics import (
-    CONTENT_TYPE,
-    MetricFamily,
-    MetricType,
-    Sample,
-    render_metrics,
-)
+from stage_runtime.server.metrics import MetricFamily, MetricsExporter, MetricType, Sample
 from stage_runtime.server.requests import (
     InvalidRequestError,
     PrefillBody,
@@ -227,6 +222,7 @@ class PipelineApp:
     _active: int = attrs.field(default=0, init=False)
     """HTTP requests being handled (any route)."""
     _quiet: trio.Event | None = attrs.field(default=None, init=False)
+    _exporter: MetricsExporter = attrs.field(factory=MetricsExporter, init=False)
 
     @property
     def draining(self) -> bool:
@@ -431,9 +427,9 @@ class PipelineApp:
             if self.ready:
                 return _json(200, {"status": "ready"})
             return _json(503, {"status": "draining"}, **{"retry-after": self._retry_after})
-        return _Response(
-            status=200, body=(await self.metrics_text()).encode(), content_type=CONTENT_TYPE
-        )
+        accept = b", ".join(v for k, v in scope["headers"] if k.lower() == b"accept")
+        body, content_type = await self.metrics(accept.decode("latin-1"))
+        return _Response(status=200, body=body, content_type=content_type)
 
     @property
     def _retry_after(self) -> str:
@@ -677,10 +673,16 @@ class PipelineApp:
             },
         }
 
+    async def metrics(self, accept: str = "") -> tuple[bytes, str]:
+        """The ``GET /metrics`` document and its content type: the Prometheus text format, or
+        OpenMetrics when ``accept`` (the request's ``Accept`` header) asks for it."""
+        stats = await self.pipeline.statistics()
+        return self._exporter.render(self._metric_families(stats), accept)
+
     async def metrics_text(self) -> str:
         """The ``GET /metrics`` document in the Prometheus text format."""
-        stats = await self.pipeline.statistics()
-        return render_metrics(self._metric_families(stats))
+        body, _ = await self.metrics()
+        return body.decode()
 
     def _metric_families(self, stats: PipelineStats) -> list[MetricFamily]:
         families: list[MetricFamily] = []

@@ -1,29 +1,31 @@
-"""Prometheus text exposition (format 0.0.4), written by hand.
+"""``GET /metrics`` through ``prometheus_client``.
 
-The server exports a few dozen samples; a small, tested renderer is simpler than a dependency and
-its global registry. Each family gets its ``# HELP`` and ``# TYPE`` lines followed by its samples;
-label values and help texts are escaped as the format requires.
+The app describes its metrics at scrape time as :class:`MetricFamily` values (name, help, type,
+samples) built from the pipeline's statistics; :class:`MetricsExporter` hands them to a custom
+collector registered on a private ``CollectorRegistry`` (never the process-wide default one, so
+two apps in one process, or the user's own metrics, do not collide) and lets
+``prometheus_client`` write them: the classic text format, or OpenMetrics when the scraper's
+``Accept`` header asks for it.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
-from typing import Final, Literal
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal
 
 import attrs
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["CONTENT_TYPE", "MetricFamily", "MetricType", "Sample", "render_metrics"]
-
-CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
-"""The ``Content-Type`` of the text exposition format."""
+__all__ = ["MetricFamily", "MetricType", "MetricsExporter", "Sample"]
 
 MetricType = Literal["counter", "gauge", "summary", "untyped"]
 
 
 @attrs.frozen(kw_only=True)
 class Sample:
-    """One line of a family: optional name suffix (``_sum``, ``_count``), labels and value."""
+    """One sample of a family: optional name suffix (``_sum``, ``_count``), labels and value."""
 
     value: float
     """The sample's value."""
@@ -51,39 +53,44 @@ class MetricFamily:
     samples: Sequence[Sample] = ()
     """The family's samples; a family without samples still documents itself."""
 
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _format_value(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(value)
+    def metric(self) -> Metric:
+        """The ``prometheus_client`` family (a counter's family name drops ``_total``)."""
+        name = self.name.removesuffix("_total") if self.type == "counter" else self.name
+        metric = Metric(name, self.help, self.type)
+        for sample in self.samples:
+            metric.add_sample(self.name + sample.suffix, dict(sample.labels), float(sample.value))
+        return metric
 
 
-def render_metrics(families: Iterable[MetricFamily]) -> str:
-    """Render families in the Prometheus text format (ends with a newline)."""
-    lines: list[str] = []
-    for family in families:
-        lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
-        lines.append(f"# TYPE {family.name} {family.type}")
-        for sample in family.samples:
-            labels = ""
-            if sample.labels:
-                pairs = ",".join(f'{key}="{_escape_label(val)}"' for key, val in sample.labels)
-                labels = "{" + pairs + "}"
-            lines.append(f"{family.name}{sample.suffix}{labels} {_format_value(sample.value)}")
-    return "\n".join(lines) + "\n"
+class _ScrapeCollector(Collector):
+    """Yields the families of the scrape in progress (none between scrapes)."""
+
+    def __init__(self) -> None:
+        self.families: Sequence[MetricFamily] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        return (family.metric() for family in self.families)
+
+
+@attrs.define(eq=False)
+class MetricsExporter:
+    """One app's private registry and its collector."""
+
+    _collector: _ScrapeCollector = attrs.field(factory=_ScrapeCollector, init=False)
+    _registry: CollectorRegistry = attrs.field(init=False)
+
+    @_registry.default
+    def _new_registry(self) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._collector)
+        return registry
+
+    def render(self, families: Iterable[MetricFamily], accept: str = "") -> tuple[bytes, str]:
+        """The exposition of ``families`` and its content type, in the format ``accept`` (an
+        HTTP ``Accept`` header) asks for: OpenMetrics if it names it, else the text format."""
+        encoder, content_type = choose_encoder(accept)
+        self._collector.families = tuple(families)
+        try:
+            return encoder(self._registry), content_type
+        finally:
+            self._collector.families = ()

@@ -32,6 +32,10 @@ import structlog
 import trio
 import trio.lowlevel
 import trio.testing
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from stage_runtime.config import CacheMode, KvCacheConfig, StageConfig
 from stage_runtime.errors import ConfigError
@@ -1165,55 +1169,22 @@ async def test_probes_answer_head_with_the_get_headers_and_no_body() -> None:
     assert post_probe.headers["allow"] == "GET, HEAD"
 
 
-_METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
-_SAMPLE = re.compile(
-    rf"^(?P<name>{_METRIC_NAME})(?P<labels>\{{{_LABEL}(?:,{_LABEL})*\}})? "
-    r"(?P<value>NaN|[+-]Inf|[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)$"
-)
-_TYPES = {"counter", "gauge", "summary", "histogram", "untyped"}
-
-
 def parse_prometheus_text(text: str) -> tuple[dict[str, str], dict[str, float]]:
-    """Check the text exposition format strictly; return ``{family: type}`` and
-    ``{series: value}``.
-
-    Per family: one ``# HELP``, then one ``# TYPE`` with a known type, then its samples, all
-    together (a family never reappears later); sample names are the family's (plus ``_sum`` /
-    ``_count`` for summaries); label syntax and escapes are valid; no series appears twice.
-    """
-    assert text.endswith("\n")
+    """Parse the text exposition with prometheus_client's own parser; return ``{family: type}``
+    (counters under their ``_total`` name, as the text format declares them) and
+    ``{series: value}`` (``name{label="value",...}``, labels sorted by name). No series may
+    appear twice."""
     families: dict[str, str] = {}
     samples: dict[str, float] = {}
-    current: str | None = None
-    helped: str | None = None
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name = line.split(" ", 3)[2]
-            assert re.fullmatch(_METRIC_NAME, name), line
-            assert name not in families, f"{name} documented twice"
-            assert name != helped, f"{name} documented twice"
-            helped, current = name, None
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert name == helped, f"TYPE of {name} not right after its HELP"
-            assert kind in _TYPES, line
-            families[name] = kind
-            current = name
-        else:
-            assert not line.startswith("#"), line
-            match = _SAMPLE.match(line)
-            assert match, f"not a valid sample line: {line!r}"
-            assert current is not None, f"sample before any TYPE: {line!r}"
-            suffixes = ("", "_sum", "_count") if families[current] == "summary" else ("",)
-            assert match["name"] in {current + suffix for suffix in suffixes}, (
-                f"sample {match['name']} outside its family (current: {current})"
-            )
-            series = match["name"] + (match["labels"] or "")
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert name not in families, f"{name} declared twice"
+        families[name] = family.type
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            series = sample.name + (f"{{{labels}}}" if labels else "")
             assert series not in samples, f"duplicate series {series}"
-            samples[series] = float(match["value"])
-    for name, kind in families.items():
-        assert kind != "counter" or name.endswith("_total"), name
+            samples[series] = sample.value
     return families, samples
 
 
@@ -1247,6 +1218,26 @@ async def test_metrics_are_valid_prometheus_text_matching_stats() -> None:
     assert samples["stage_runtime_ready"] == 1
 
 
+async def test_metrics_speak_openmetrics_to_a_scraper_that_asks() -> None:
+    """Accept: application/openmetrics-text gets OpenMetrics (same samples, ``# EOF``); a plain
+    scrape keeps the text format."""
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            await h.client.post("/v1/prefill", json={"tokens": prompt(64), "session_id": "m"})
+            accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+            open_metrics = await h.client.get("/metrics", headers={"accept": accept})
+            plain = await h.client.get("/metrics")
+    assert open_metrics.status_code == 200
+    assert open_metrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert open_metrics.text.endswith("# EOF\n")
+    assert plain.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    families = {f.name: f for f in openmetrics_families(open_metrics.text)}  # type: ignore[no-untyped-call]
+    _, series = parse_prometheus_text(plain.text)
+    [prefills] = families["stage_runtime_prefill_duration_seconds"].samples[-1:]
+    assert prefills.name == "stage_runtime_prefill_duration_seconds_count"
+    assert prefills.value == series["stage_runtime_prefill_duration_seconds_count"] == 1
+
+
 @pytest.mark.parametrize("index", ["ladder", "paged"])
 async def test_stats_and_metrics_expose_misses_by_reason_and_the_footprint(index: str) -> None:
     """/v1/stats and /metrics show misses by reason, restored tokens, resident vs unique bytes."""
@@ -1272,6 +1263,7 @@ async def test_stats_and_metrics_expose_misses_by_reason_and_the_footprint(index
     assert "by reason" in help_lines["stage_runtime_cache_restore_misses_total"]
     assert "# TYPE stage_runtime_cache_restore_misses_total counter" in text
     assert "# TYPE stage_runtime_cache_unique_prefix_bytes gauge" in text
+    _, series = parse_prometheus_text(text)
     for stage in stats["stages"]:
         acc = stage["cache"]["accounting"]
         assert acc["index"] == index
@@ -1288,12 +1280,14 @@ async def test_stats_and_metrics_expose_misses_by_reason_and_the_footprint(index
         assert acc["residency_ratio"] == pytest.approx(rows / 40)
         label = f'stage_id="{stage["stage_id"]}"'
         for reason, count in (("never_seen", 2), ("evicted", 1), ("rejected", 0)):
-            line = f'stage_runtime_cache_restore_misses_total{{{label},reason="{reason}"}} {count}'
-            assert line in text.splitlines()
-        assert f"stage_runtime_cache_restored_tokens_total{{{label}}} 40" in text
-        assert f"stage_runtime_cache_restore_hits_total{{{label}}} 1" in text
+            assert (
+                series[f'stage_runtime_cache_restore_misses_total{{reason="{reason}",{label}}}']
+                == count
+            )
+        assert series[f"stage_runtime_cache_restored_tokens_total{{{label}}}"] == 40
+        assert series[f"stage_runtime_cache_restore_hits_total{{{label}}}"] == 1
         unique = acc["unique_prefix_bytes"]
-        assert f"stage_runtime_cache_unique_prefix_bytes{{{label}}} {unique}" in text
+        assert series[f"stage_runtime_cache_unique_prefix_bytes{{{label}}}"] == unique
 
 
 async def test_each_request_logs_one_request_served_event(capture_stage_logs: LogEvents) -> None:
@@ -1750,10 +1744,9 @@ async def test_the_curl_commands_of_the_http_server_example_answer_as_documented
     }
 
 
-async def test_the_curl_commands_of_the_readme_answer_as_documented() -> None:
-    """The README server section's curl commands, replayed against a real server."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("<!-- section: server -->", 1)[1].split("<!-- section:", 1)[0]
+async def test_the_curl_commands_of_the_docs_answer_as_documented() -> None:
+    """The server page's curl commands, replayed against a real server."""
+    section = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
     replies = await replay_curl_commands(section)
     check_documented_curl_replies(replies)
     assert {path for path, *_ in replies} == {

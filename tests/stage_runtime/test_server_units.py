@@ -1,9 +1,10 @@
-"""Unit tests of the server's pure parts: tokenizer, request validation, Prometheus text."""
+"""Unit tests of the server's pure parts: tokenizer, request validation, Prometheus exposition."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -13,16 +14,20 @@ import pytest
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from stage_runtime.errors import ConfigError
 from stage_runtime.server import (
     ByteTokenizer,
     InvalidRequestError,
     MetricFamily,
+    MetricsExporter,
     Sample,
     ServerSettings,
     parse_prefill_request,
-    render_metrics,
 )
 from stage_runtime.server.command import configure_logging
 
@@ -237,53 +242,86 @@ def test_parse_accepts_exactly_the_int32_token_lists(tokens: list[int]) -> None:
             parse_prefill_request(body)
 
 
-# -- Prometheus text ---------------------------------------------------------------------------
+# -- Prometheus exposition ---------------------------------------------------------------------
 
-_SAMPLE_LINE = re.compile(
-    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
-    r'(,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*")*\})? (NaN|[+-]Inf|-?[0-9.e+-]+)$'
-)
+SPECIAL = (float("inf"), float("-inf"), float("nan"), 2.0, 1e-7)
+
+FAMILIES = [
+    MetricFamily(
+        name="demo_hits_total",
+        help="Hits.\nPer stage \\ cache.",
+        type="counter",
+        samples=[Sample(value=3, labels=(("stage_id", 'a"b\\c\nd'),))],
+    ),
+    MetricFamily(
+        name="demo_seconds",
+        help="Durations.",
+        type="summary",
+        samples=[Sample(value=0.25, suffix="_sum"), Sample(value=2, suffix="_count")],
+    ),
+    MetricFamily(name="demo_empty", help="No samples yet.", type="gauge"),
+    MetricFamily(
+        name="demo_special",
+        help="Special values.",
+        type="gauge",
+        samples=[Sample(value=v, labels=(("v", str(i)),)) for i, v in enumerate(SPECIAL)],
+    ),
+]
 
 
-def test_render_metrics_writes_help_type_and_escaped_samples() -> None:
-    """HELP/TYPE precede samples; label values and help escape backslash, quote, newline."""
-    text = render_metrics(
-        [
-            MetricFamily(
-                name="demo_hits_total",
-                help="Hits.\nPer stage \\ cache.",
-                type="counter",
-                samples=[Sample(value=3, labels=(("stage_id", 'a"b\\c\nd'),))],
-            ),
-            MetricFamily(
-                name="demo_seconds",
-                help="Durations.",
-                type="summary",
-                samples=[Sample(value=0.25, suffix="_sum"), Sample(value=2, suffix="_count")],
-            ),
-            MetricFamily(name="demo_empty", help="No samples yet.", type="gauge"),
-        ]
+def _round_trip(text: str) -> dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]]:
+    return {
+        family.name: (
+            family.type,
+            family.documentation,
+            [(sample.name, sample.labels, sample.value) for sample in family.samples],
+        )
+        for family in text_string_to_metric_families(text)
+    }
+
+
+def test_the_text_exposition_keeps_names_help_labels_and_values() -> None:
+    """Counters keep their _total sample names, summaries their _sum/_count; help texts and
+    label values with backslashes, quotes and newlines survive; an empty family is declared."""
+    body, content_type = MetricsExporter().render(FAMILIES)
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    text = body.decode()
+    assert "# TYPE demo_hits_total counter\n" in text
+    assert "# HELP demo_empty No samples yet.\n# TYPE demo_empty gauge\n" in text
+    parsed = _round_trip(text)
+    assert parsed["demo_hits"] == (
+        "counter",
+        "Hits.\nPer stage \\ cache.",
+        [("demo_hits_total", {"stage_id": 'a"b\\c\nd'}, 3.0)],
     )
-    assert text == (
-        "# HELP demo_hits_total Hits.\\nPer stage \\\\ cache.\n"
-        "# TYPE demo_hits_total counter\n"
-        'demo_hits_total{stage_id="a\\"b\\\\c\\nd"} 3\n'
-        "# HELP demo_seconds Durations.\n"
-        "# TYPE demo_seconds summary\n"
-        "demo_seconds_sum 0.25\n"
-        "demo_seconds_count 2\n"
-        "# HELP demo_empty No samples yet.\n"
-        "# TYPE demo_empty gauge\n"
+    assert parsed["demo_seconds"][2] == [
+        ("demo_seconds_sum", {}, 0.25),
+        ("demo_seconds_count", {}, 2.0),
+    ]
+    assert parsed["demo_empty"] == ("gauge", "No samples yet.", [])
+    values = [value for _, _, value in parsed["demo_special"][2]]
+    assert values[:2] == [float("inf"), float("-inf")]
+    assert math.isnan(values[2])
+    assert values[3:] == [2.0, 1e-7]
+
+
+def test_openmetrics_is_served_when_the_scraper_asks_for_it() -> None:
+    body, content_type = MetricsExporter().render(
+        FAMILIES, "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
     )
-    for line in text.splitlines():
-        assert line.startswith("# ") or _SAMPLE_LINE.match(line), line
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    text = body.decode()
+    assert text.endswith("# EOF\n")
+    families = {f.name: f for f in openmetrics_families(text)}  # type: ignore[no-untyped-call]
+    assert [s.name for s in families["demo_hits"].samples] == ["demo_hits_total"]
 
 
-def test_render_metrics_formats_special_float_values() -> None:
-    """Infinities and NaN use the format's spellings; integral floats print as integers."""
-    samples = [Sample(value=v) for v in (float("inf"), float("-inf"), float("nan"), 2.0, 1e-7)]
-    text = render_metrics([MetricFamily(name="x", help="x.", type="gauge", samples=samples)])
-    assert text.splitlines()[2:] == ["x +Inf", "x -Inf", "x NaN", "x 2", "x 1e-07"]
+def test_an_exporter_writes_only_the_families_it_is_given() -> None:
+    """Each app has its own registry: nothing from the process-wide default registry (Python's
+    GC and process metrics) and nothing left over from an earlier scrape."""
+    exporter = MetricsExporter()
+    assert exporter.render(FAMILIES)[0].decode().count("# TYPE") == len(FAMILIES)
+    assert exporter.render([])[0] == b""
 
 
 @pytest.mark.parametrize(
