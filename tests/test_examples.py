@@ -16,7 +16,7 @@ import trio.testing
 from tests.benchmark_scripts import load_module
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
-REAL_CLOCK = {"http_server", "llama_server"}
+REAL_CLOCK = {"http_server", "llama_server", "starlette_mount"}
 """Examples that talk to real sockets, so they run on the real clock; the rest on virtual time."""
 VIRTUAL = [path for path in EXAMPLES if path.stem not in REAL_CLOCK]
 NETWORK = [path for path in EXAMPLES if path.stem in REAL_CLOCK]
@@ -129,3 +129,14 @@ def test_the_http_server_example_names_a_bad_address_in_one_line() -> None:
         "http_server.py: error: bind must be HOST:PORT with PORT in 0..65535, got 'nohost'"
     )
     assert "Traceback" not in done.stderr
+
+
+async def test_the_starlette_example_serves_its_own_route_and_the_mounted_pipeline() -> None:
+    """The service answers its own route; the mounted pipeline restores a repeated prompt at
+    every stage and reports ready."""
+    result = await load(example("starlette_mount")).main()
+    assert result["home"].startswith("railway assistant")
+    first, second = result["answers"]
+    assert [stage["restored_tokens"] for stage in first["stages"]] == [0, 0, 0, 0]
+    assert [stage["restored_tokens"] for stage in second["stages"]] == [second["tokens"]] * 4
+    assert result["ready"] == {"status": "ready"}

@@ -1,8 +1,11 @@
-"""The ASGI application that embeds one pipeline.
+"""The HTTP application that embeds one pipeline: Starlette routes behind two ASGI middlewares.
 
-Plain ASGI, no framework: five routes, each a small coroutine, and full control over the three
-things a framework would hide: reading the body under a byte limit, noticing a client that hangs
-up while its prefill runs, and answering readiness while the server drains.
+:class:`PipelineApp` is an ASGI application. Inside, a Starlette application routes five
+endpoints (:attr:`PipelineApp.routes`) behind two pure-ASGI middlewares: one bounds every body a
+client sends (``max_body_bytes``: ``413``), the other accounts for each request (responses by
+route and status, a ``request_served`` event, JSON ``500`` answers for bugs, a bounded write of
+each answer, a client that hung up). Mount the app in your own Starlette or FastAPI app
+(``Mount("/pipeline", app=create_app(pipeline))``) to serve the pipeline next to your routes.
 
 Routes:
 
@@ -29,7 +32,7 @@ import itertools
 import json
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -37,8 +40,14 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from stage_runtime.errors import ConfigError, PipelineStoppedError
+from stage_runtime.errors import PipelineStoppedError
 from stage_runtime.pipeline import context_tokens
 from stage_runtime.server.metrics import MetricFamily, MetricsExporter, MetricType, Sample
 from stage_runtime.server.requests import (
@@ -46,6 +55,7 @@ from stage_runtime.server.requests import (
     PrefillBody,
     parse_prefill_request,
 )
+from stage_runtime.server.settings import ANSWER_MARGIN_S, ServerSettings
 from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
@@ -59,11 +69,6 @@ log = structlog.get_logger(__name__)
 
 TOP_TOKENS: Final = 5
 """Next-token ids a ``/v1/prefill`` answer lists (``top_tokens``) when the model gives logits."""
-
-ANSWER_MARGIN_S: Final = 2.0
-"""Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers
-of prefills cut off at ``shutdown_timeout_s`` are written before hypercorn drops connections
-(and an answer being written at the shutdown deadline gets this long to leave)."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -105,70 +110,44 @@ class ServedPipeline(Protocol):
         ...
 
 
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        msg = f"{attribute.name} must be a number > 0, got {value!r}"
-        raise ConfigError(msg)
+class _Answer(Response):
+    """A JSON (or metrics) response carrying the fields its ``request_served`` event logs."""
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        *,
+        media_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+        log_fields: Mapping[str, object] | None = None,
+    ) -> None:
+        super().__init__(content=body, status_code=status, media_type=media_type, headers=headers)
+        self.log_fields: dict[str, object] = dict(log_fields or {})
 
 
-def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{attribute.name} must be an integer >= 1, got {value!r}"
-        raise ConfigError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class ServerSettings:
-    """Limits and timeouts of the HTTP server."""
-
-    max_inflight: int = attrs.field(default=64, validator=_positive_int)
-    """Prefills admitted at once (running or queued in the pipeline); more get ``503``."""
-
-    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
-    """Largest accepted request body; larger ones get ``413`` before they are fully read."""
-
-    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
-    """``Retry-After`` sent with ``503`` answers."""
-
-    shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    """How long a graceful shutdown lets in-flight prefills run; those still running then are
-    cancelled and answered ``503`` (``"error": "shutdown_timeout"``)."""
-
-    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    """How long a client may take to send a prefill's body; a slower or stalled one is answered
-    ``408`` (``"error": "body_timeout"``) and its connection closed, so stalled uploads cannot
-    pile up."""
-
-    keep_alive_timeout_s: float = attrs.field(default=75.0, validator=_positive)
-    """How long an idle keep-alive connection stays open. Longer than clients keep theirs
-    (httpx: 5 s) so that a client never reuses a connection the server is closing under it; 75 s
-    as nginx."""
-
-    backlog: int = attrs.field(default=1024, validator=_positive_int)
-    """Connections the kernel queues before the server accepts them (capped by
-    ``net.core.somaxconn``); a burst of simultaneous connects beyond it is refused or retried."""
-
-
-@attrs.frozen(kw_only=True)
-class _Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: tuple[tuple[str, str], ...] = ()
-    log_fields: tuple[tuple[str, object], ...] = ()
-
-
-def _json(status: int, document: object, **headers: str) -> _Response:
+def _json(status: int, document: object, **headers: str) -> _Answer:
     body = json.dumps(document, separators=(",", ":")).encode()
-    return _Response(status=status, body=body, headers=tuple(headers.items()))
+    return _Answer(status, body, headers=headers)
 
 
-def _error(status: int, error: str, message: str, *, field: str | None = None) -> _Response:
-    response = _json(status, {"error": error, "field": field, "message": message})
-    log_fields: tuple[tuple[str, object], ...] = (("error", error),)
+def _error(
+    status: int,
+    error: str,
+    message: str,
+    *,
+    field: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> _Answer:
+    body = json.dumps({"error": error, "field": field, "message": message}, separators=(",", ":"))
+    log_fields: dict[str, object] = {"error": error}
     if field is not None:
-        log_fields += (("field", field),)
-    return attrs.evolve(response, log_fields=log_fields)
+        log_fields["field"] = field
+    return _Answer(status, body.encode(), headers=headers, log_fields=log_fields)
+
+
+_LOG_FIELDS: Final = "stage_runtime.log_fields"
+"""Scope key under which an endpoint leaves its answer's log fields for the accounting."""
 
 
 class _ShuttingDownError(Exception):
@@ -178,9 +157,9 @@ class _ShuttingDownError(Exception):
 class _ClientDisconnectedError(Exception):
     """The client hung up before the response was ready."""
 
-    def __init__(self, log_fields: tuple[tuple[str, object], ...] = ()) -> None:
+    def __init__(self, log_fields: Mapping[str, object] | None = None) -> None:
         super().__init__("client disconnected")
-        self.log_fields = log_fields
+        self.log_fields = dict(log_fields or {})
 
 
 @attrs.define(eq=False)
@@ -223,6 +202,9 @@ class PipelineApp:
     """HTTP requests being handled (any route)."""
     _quiet: trio.Event | None = attrs.field(default=None, init=False)
     _exporter: MetricsExporter = attrs.field(factory=MetricsExporter, init=False)
+    _starlette: Starlette | None = attrs.field(default=None, init=False)
+    _answer_deadline: float = attrs.field(default=math.inf, init=False)
+    """When a shutdown started plus :data:`ANSWER_MARGIN_S`: no answer is written after it."""
 
     @property
     def draining(self) -> bool:
@@ -284,23 +266,37 @@ class PipelineApp:
                 scope.deadline = self._shutdown_deadline
             for scope in self._body_reads:
                 scope.cancel()
-            margin = trio.current_time() + ANSWER_MARGIN_S
+            self._answer_deadline = trio.current_time() + ANSWER_MARGIN_S
             for scope in self._sends:  # a small JSON answer leaves in well under that
-                scope.deadline = min(scope.deadline, margin)
+                scope.deadline = min(scope.deadline, self._answer_deadline)
+
+    @property
+    def routes(self) -> list[Route]:
+        """The five endpoints as Starlette routes (what :meth:`__call__` serves behind its
+        middlewares; mount the app itself rather than these to keep the limits and accounting)."""
+        return [
+            Route("/v1/prefill", self._endpoint(self._prefill), methods=["POST"]),
+            Route("/v1/stats", self._endpoint(self._stats), methods=["GET"]),
+            Route("/healthz", self._endpoint(self._healthz), methods=["GET"]),
+            Route("/readyz", self._endpoint(self._readyz), methods=["GET"]),
+            Route("/metrics", self._endpoint(self._metrics), methods=["GET"]),
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
-            self._active += 1
-            try:
-                await self._http(scope, receive, send)
-            finally:
-                self._active -= 1
-                if not self._active and self._quiet is not None:
-                    self._quiet.set()
-                    self._quiet = None
+            if self._starlette is None:
+                self._starlette = Starlette(
+                    routes=self.routes,
+                    middleware=[
+                        Middleware(_ServedRequests, served=self),
+                        Middleware(_BodyLimit, max_bytes=self.settings.max_body_bytes),
+                    ],
+                    exception_handlers={HTTPException: self._http_exception},
+                )
+            await self._starlette(scope, receive, send)
         # Other scope types (websocket) are not served; returning closes them.
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -319,135 +315,71 @@ class PipelineApp:
         ``request_dropped``; a graceful shutdown drops none."""
         return self._dropped
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = trio.current_time()
-        method: str = scope["method"]
-        path: str = scope["path"]
-        try:
-            await self._serve_http(scope, receive, send, started, method, path)
-        except (trio.Cancelled, BaseExceptionGroup) as exc:
-            # A Cancelled, or (out of the prefill's nursery) a group of nothing else.
-            if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is not None:
-                raise
-            self._dropped += 1
-            log.warning(
-                "request_dropped",
-                method=method,
-                path=path,
-                elapsed_s=round(trio.current_time() - started, 6),
-            )
-            raise
+    def _endpoint(
+        self, handler: Callable[[Request], Awaitable[_Answer]]
+    ) -> Callable[[Request], Awaitable[_Answer]]:
+        """A Starlette endpoint leaving its answer's log fields where the accounting reads them."""
 
-    async def _serve_http(
-        self, scope: Scope, receive: Receive, send: Send, started: float, method: str, path: str
-    ) -> None:
-        response: _Response | None
-        try:
-            response = await self._route(method, path, scope, receive)
-        except _ClientDisconnectedError as exc:
-            response = None
-            fields = dict(exc.log_fields)
-        except Exception:
-            # Bugs must not take the server down; the client gets a 500 and the log a traceback
-            # (the exception's text stays in the log: it may show internals).
-            log.exception("request_failed", method=method, path=path)
-            response = _error(500, "internal_error", "internal server error: see the server log")
-        if response is not None:
-            fields = dict(response.log_fields)
-        if response is not None:
-            # A client that does not take its answer (or a connection hypercorn closed under
-            # it, over HTTP/2) would hold this task forever: bounded like a body's arrival.
-            now = trio.current_time()
-            with trio.CancelScope(
-                deadline=now
-                + (self.settings.body_timeout_s if not self._draining else ANSWER_MARGIN_S)
-            ) as sending:
-                self._sends.add(sending)
-                try:
-                    await self._send(send, response, head=method == "HEAD")
-                except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
-                    # The client hung up while the answer was being written (hypercorn can then
-                    # race its own close against our write); nobody is left to read it.
-                    response = None
-                finally:
-                    self._sends.discard(sending)
-            if sending.cancelled_caught:
-                fields["send_timed_out"] = True
-                response = None
-        status = CLIENT_CLOSED_REQUEST if response is None else response.status
-        route = path if path in _ROUTES else "other"
-        self._responses[(route, status)] += 1
-        elapsed_s = trio.current_time() - started
-        emit = log.debug if path in _PROBE_PATHS and status < 500 else log.info
-        emit(
-            "request_served",
-            method=method,
-            path=path,
-            status=status,
-            elapsed_s=round(elapsed_s, 6),
-            **fields,
-        )
+        async def endpoint(request: Request) -> _Answer:
+            answer = await handler(request)
+            request.scope[_LOG_FIELDS] = answer.log_fields
+            return answer
 
-    @staticmethod
-    async def _send(send: Send, response: _Response, *, head: bool = False) -> None:
-        headers = [
-            (b"content-type", response.content_type.encode()),
-            (b"content-length", str(len(response.body)).encode()),
-            *((name.lower().encode(), value.encode()) for name, value in response.headers),
-        ]
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        # A HEAD answer carries the GET answer's headers (content-length included), no body.
-        body = b"" if head else response.body
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return endpoint
 
-    async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Response:
-        allowed = _ROUTES.get(path)
-        if allowed is None:
-            shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path):,} characters)"
-            message = f"path must be one of {', '.join(_ROUTES)}, got {shown}"
-            return _error(404, "not_found", message)
-        if method == "HEAD" and "GET" in allowed:
-            method = "GET"  # same answer, body dropped by _send
-        if method not in allowed:
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 and 405, as JSON errors naming what was wrong."""
+        assert isinstance(exc, HTTPException)
+        path: str = request.scope["path"]
+        if exc.status_code == 405:
+            allowed = _ROUTES[_route_path(request.scope)]
             if "GET" in allowed:
                 allowed = (*allowed, "HEAD")
-            response = _error(
-                405,
-                "method_not_allowed",
-                f"method must be {' or '.join(allowed)} for {path}, got {method}",
+            message = f"method must be {' or '.join(allowed)} for {path}, got {request.method}"
+            answer = _error(
+                405, "method_not_allowed", message, headers={"allow": ", ".join(allowed)}
             )
-            return attrs.evolve(response, headers=(("allow", ", ".join(allowed)),))
-        if path == "/v1/prefill":
-            return await self._prefill(scope, receive)
-        if path == "/v1/stats":
-            return _json(200, await self.stats_document())
-        if path == "/healthz":
-            return _json(200, {"status": "ok"})
-        if path == "/readyz":
-            if self.ready:
-                return _json(200, {"status": "ready"})
-            return _json(503, {"status": "draining"}, **{"retry-after": self._retry_after})
-        accept = b", ".join(v for k, v in scope["headers"] if k.lower() == b"accept")
-        body, content_type = await self.metrics(accept.decode("latin-1"))
-        return _Response(status=200, body=body, content_type=content_type)
+        elif exc.status_code == 404:
+            shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path):,} characters)"
+            answer = _error(
+                404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {shown}"
+            )
+        else:
+            answer = _error(exc.status_code, "http_error", exc.detail)
+        request.scope[_LOG_FIELDS] = answer.log_fields
+        return answer
+
+    async def _stats(self, request: Request) -> _Answer:
+        return _json(200, await self.stats_document())
+
+    async def _healthz(self, request: Request) -> _Answer:
+        return _json(200, {"status": "ok"})
+
+    async def _readyz(self, request: Request) -> _Answer:
+        if self.ready:
+            return _json(200, {"status": "ready"})
+        return _json(503, {"status": "draining"}, **{"retry-after": self._retry_after})
+
+    async def _metrics(self, request: Request) -> _Answer:
+        body, content_type = await self.metrics(request.headers.get("accept", ""))
+        return _Answer(200, body, media_type=content_type)
 
     @property
     def _retry_after(self) -> str:
         return str(self.settings.retry_after_s)
 
-    def _draining_response(self) -> _Response:
+    def _draining_response(self) -> _Answer:
         self._rejected["draining"] += 1
-        return attrs.evolve(
-            _error(503, "draining", "server is draining: retry on another instance"),
-            headers=(("retry-after", self._retry_after),),
+        return _error(
+            503,
+            "draining",
+            "server is draining: retry on another instance",
+            headers={"retry-after": self._retry_after},
         )
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.max_body_bytes
-        for name, value in scope.get("headers", ()):
-            if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
-                msg = f"body must be at most {limit} bytes, got content-length {int(value)}"
-                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
+    async def _read_body(self, receive: Receive) -> bytes:
+        """The request's body, arriving within ``body_timeout_s`` (its size is bounded by
+        :class:`_BodyLimit`, which raises :class:`InvalidRequestError` past it)."""
         chunks: list[bytes] = []
         size = 0
         timeout = self.settings.body_timeout_s
@@ -460,12 +392,6 @@ class PipelineApp:
                         raise _ClientDisconnectedError
                     chunk: bytes = message.get("body", b"")
                     size += len(chunk)
-                    if size > limit:
-                        # Stop here: a client streaming gigabytes is refused after `limit` bytes.
-                        msg = f"body must be at most {limit} bytes, got more than {limit}"
-                        raise InvalidRequestError(
-                            msg, field="body", error="body_too_large", status=413
-                        )
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
@@ -481,22 +407,24 @@ class PipelineApp:
         :data:`ANSWER_MARGIN_S`) before an early answer: answered over an unread body, HTTP/2
         data for the finished stream broke hypercorn's connection (issue #329) and HTTP/1.1 reset
         it, losing the answer."""
-        size = 0
         with trio.move_on_after(ANSWER_MARGIN_S):
-            while size <= self.settings.max_body_bytes:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                size += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    return
+            try:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    if not message.get("more_body", False):
+                        return
+            except InvalidRequestError:  # past max_body_bytes: stop reading
+                return
 
-    async def _prefill(self, scope: Scope, receive: Receive) -> _Response:
+    async def _prefill(self, http_request: Request) -> _Answer:
+        receive = http_request.receive
         if not self.ready:
             await self._discard_body(receive)
             return self._draining_response()
         try:
-            body = await self._read_body(scope, receive)
+            body = await self._read_body(receive)
             request = parse_prefill_request(
                 body, max_tokens=self.max_tokens, tokenizer=self.tokenizer
             )
@@ -510,16 +438,14 @@ class PipelineApp:
                 f"inflight prefills must stay <= max_inflight ({self.settings.max_inflight}): "
                 "retry later"
             )
-            return attrs.evolve(
-                _error(503, "overloaded", message), headers=(("retry-after", self._retry_after),)
-            )
+            return _error(503, "overloaded", message, headers={"retry-after": self._retry_after})
         self._inflight += 1
         try:
             return await self._run_prefill(request, receive)
         finally:
             self._inflight -= 1
 
-    async def _run_prefill(self, request: PrefillBody, receive: Receive) -> _Response:
+    async def _run_prefill(self, request: PrefillBody, receive: Receive) -> _Answer:
         started = trio.current_time()
         if request.request_id is None:
             # Named here, not by the pipeline, so a cancelled or failed request logs its id too.
@@ -532,11 +458,11 @@ class PipelineApp:
                 pass
             cancel_scope.cancel()
 
-        request_fields: tuple[tuple[str, object], ...] = (
-            ("session_id", request.session_id),
-            ("request_id", request.request_id),
-            ("tokens", int(request.tokens.size)),
-        )
+        request_fields: dict[str, object] = {
+            "session_id": request.session_id,
+            "request_id": request.request_id,
+            "tokens": int(request.tokens.size),
+        }
         error: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
@@ -559,7 +485,8 @@ class PipelineApp:
             nursery.cancel_scope.cancel()
         if error is not None:
             response = self._prefill_error(error, request)
-            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
+            response.log_fields = {**request_fields, **response.log_fields}
+            return response
         if shutdown_scope.cancelled_caught:
             log.warning(
                 "prefill_cancelled",
@@ -572,11 +499,11 @@ class PipelineApp:
                 f"server shut down before the prefill finished (shutdown_timeout_s="
                 f"{self.settings.shutdown_timeout_s}): retry on another instance"
             )
-            response = attrs.evolve(
-                _error(503, "shutdown_timeout", message),
-                headers=(("retry-after", self._retry_after),),
+            response = _error(
+                503, "shutdown_timeout", message, headers={"retry-after": self._retry_after}
             )
-            return attrs.evolve(response, log_fields=request_fields + response.log_fields)
+            response.log_fields = {**request_fields, **response.log_fields}
+            return response
         if result is None:
             # Only the disconnect watcher cancels the nursery before a result exists.
             log.info(
@@ -608,23 +535,24 @@ class PipelineApp:
             # A model with an output head (a Llama stage): the likeliest next tokens, best first.
             best = np.argsort(result.logits)[::-1][:TOP_TOKENS]
             document["top_tokens"] = [int(token) for token in best]
-        return attrs.evolve(
-            _json(200, document),
-            log_fields=(
-                ("session_id", request.session_id),
-                ("request_id", result.request_id),
-                ("tokens", result.tokens),
-                ("restored_tokens", {r.stage_id: r.restored_tokens for r in result.stages}),
-            ),
-        )
+        answer = _json(200, document)
+        answer.log_fields = {
+            "session_id": request.session_id,
+            "request_id": result.request_id,
+            "tokens": result.tokens,
+            "restored_tokens": {r.stage_id: r.restored_tokens for r in result.stages},
+        }
+        return answer
 
-    def _prefill_error(self, error: Exception, request: PrefillBody) -> _Response:
+    def _prefill_error(self, error: Exception, request: PrefillBody) -> _Answer:
         if isinstance(error, trio.ClosedResourceError):
             # The pipeline started draining between our readiness check and its admission.
             self._rejected["draining"] += 1
-            return attrs.evolve(
-                _error(503, "draining", "pipeline is draining: retry on another instance"),
-                headers=(("retry-after", self._retry_after),),
+            return _error(
+                503,
+                "draining",
+                "pipeline is draining: retry on another instance",
+                headers={"retry-after": self._retry_after},
             )
         log.error(
             "request_failed",
@@ -879,6 +807,174 @@ _MAILBOX_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
 )
 
 
+def _route_path(scope: Scope) -> str:
+    """The request's path below the app's mount point (the whole path when not mounted)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+class _BodyLimit:
+    """Bounds what a client may send as a body: ``max_body_bytes``, refused as ``413`` when the
+    ``content-length`` says more (before anything is read) or when more arrives, so a client
+    streaming gigabytes is cut off after the limit. The endpoint reading the body gets an
+    :class:`InvalidRequestError` from ``receive``; one that never reads reads nothing."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        declared = next(
+            (int(v) for k, v in scope["headers"] if k.lower() == b"content-length" and v.isdigit()),
+            None,
+        )
+        received = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            if declared is not None and declared > limit:
+                msg = f"body must be at most {limit} bytes, got content-length {declared}"
+                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                msg = f"body must be at most {limit} bytes, got more than {limit}"
+                raise InvalidRequestError(msg, field="body", error="body_too_large", status=413)
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
+@attrs.define(eq=False)
+class _GuardedSend:
+    """``send`` for one answer: a client that does not take it within ``body_timeout_s`` (or
+    once a shutdown's margin is over) loses it, one that hung up is noticed, and a ``HEAD``
+    answer keeps its headers but drops its body."""
+
+    send: Send
+    served: PipelineApp
+    head: bool
+    status: int | None = None
+    complete: bool = False
+    abandoned: bool = False
+    timed_out: bool = False
+    _deadline: float = math.inf
+
+    async def __call__(self, message: Message) -> None:
+        if self.abandoned:
+            return
+        served = self.served
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self._deadline = trio.current_time() + (
+                served.settings.body_timeout_s if not served.draining else ANSWER_MARGIN_S
+            )
+        elif self.head and message.get("body"):
+            message = {**message, "body": b""}
+        # A client that does not take its answer (or a connection hypercorn closed under it,
+        # over HTTP/2) would hold this task forever: bounded like a body's arrival.
+        with trio.CancelScope(deadline=min(self._deadline, served._answer_deadline)) as sending:
+            served._sends.add(sending)
+            try:
+                await self.send(message)
+            except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
+                # The client hung up while the answer was being written (hypercorn can then
+                # race its own close against our write); nobody is left to read it.
+                self.abandoned = True
+            finally:
+                served._sends.discard(sending)
+        if sending.cancelled_caught:
+            self.abandoned = self.timed_out = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = not self.abandoned
+
+
+class _ServedRequests:
+    """Accounts for every HTTP request: counts it while it runs (:meth:`PipelineApp.wait_quiet`),
+    answers a bug with a JSON ``500`` (the traceback goes to the log, not the client), bounds the
+    answer's write (:class:`_GuardedSend`), and logs one ``request_served`` event with the
+    status (``499`` when the client hung up) and counts it by route, or ``request_dropped``
+    when a forced shutdown cancels it."""
+
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], served: PipelineApp
+    ) -> None:
+        self.app = app
+        self.served = served
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        served = self.served
+        served._active += 1
+        try:
+            await self._handle(scope, receive, send)
+        finally:
+            served._active -= 1
+            if not served._active and served._quiet is not None:
+                served._quiet.set()
+                served._quiet = None
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = trio.current_time()
+        method: str = scope["method"]
+        path: str = scope["path"]
+        try:
+            await self._serve(scope, receive, send, started, method, path)
+        except (trio.Cancelled, BaseExceptionGroup) as exc:
+            # A Cancelled, or (out of the prefill's nursery) a group of nothing else.
+            if isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is not None:
+                raise
+            self.served._dropped += 1
+            log.warning(
+                "request_dropped",
+                method=method,
+                path=path,
+                elapsed_s=round(trio.current_time() - started, 6),
+            )
+            raise
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, started: float, method: str, path: str
+    ) -> None:
+        writer = _GuardedSend(send=send, served=self.served, head=method == "HEAD")
+        fields: dict[str, object]
+        try:
+            await self.app(scope, receive, writer)
+            fields = dict(scope.get(_LOG_FIELDS, {}))
+        except _ClientDisconnectedError as exc:
+            fields = dict(exc.log_fields)
+        except Exception:
+            # Bugs must not take the server down; the client gets a 500 and the log a traceback
+            # (the exception's text stays in the log: it may show internals).
+            log.exception("request_failed", method=method, path=path)
+            answer = _error(500, "internal_error", "internal server error: see the server log")
+            fields = dict(answer.log_fields)
+            if writer.status is None:
+                await answer(scope, receive, writer)
+        if writer.timed_out:
+            fields["send_timed_out"] = True
+        status = writer.status if writer.complete and writer.status else CLIENT_CLOSED_REQUEST
+        route_path = _route_path(scope)
+        route = route_path if route_path in _ROUTES else "other"
+        self.served._responses[(route, status)] += 1
+        emit = log.debug if route_path in _PROBE_PATHS and status < 500 else log.info
+        emit(
+            "request_served",
+            method=method,
+            path=path,
+            status=status,
+            elapsed_s=round(trio.current_time() - started, 6),
+            **fields,
+        )
+
+
 def create_app(
     pipeline: ServedPipeline,
     *,
@@ -893,7 +989,8 @@ def create_app(
         tokenizer: Tokenizer for the ``"text"`` field; the byte-level one when ``None``.
 
     Returns:
-        The ASGI application; serve it with :func:`stage_runtime.server.serve` or any ASGI server.
+        The ASGI application; serve it with :func:`stage_runtime.server.serve`, or mount it in
+        your own Starlette or FastAPI app (``Mount("/pipeline", app=...)``).
     """
     return PipelineApp(
         pipeline=pipeline,

@@ -29,7 +29,7 @@ from stage_runtime.errors import ConfigError
 
 __all__ = ["add_serve_arguments", "configure_logging", "run_serve"]
 
-SERVER_MODULES = ("hypercorn", "hypercorn.trio", "prometheus_client")
+SERVER_MODULES = ("hypercorn", "hypercorn.trio", "prometheus_client", "starlette")
 """What serving imports beyond the base install (the ``server`` extra)."""
 
 

@@ -27,11 +27,13 @@ import structlog
 import trio
 
 from stage_runtime.errors import ConfigError, sole_exception
-from stage_runtime.server.app import ANSWER_MARGIN_S, PipelineApp, ServerSettings
+from stage_runtime.server.settings import ANSWER_MARGIN_S, ServerSettings
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
     from hypercorn.typing import ASGIFramework
+
+    from stage_runtime.server.app import PipelineApp
 
 __all__ = ["RunningServer", "open_server", "serve"]
 

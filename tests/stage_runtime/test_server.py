@@ -44,8 +44,8 @@ from stage_runtime.models import ModelFactory, StageModel, reference_model_facto
 from stage_runtime.pipeline import Pipeline, PipelineStats, PrefillResult, open_pipeline
 from stage_runtime.server import RunningServer, ServerSettings, create_app, open_server
 from stage_runtime.server import serve as real_serve
-from stage_runtime.server.app import ANSWER_MARGIN_S
 from stage_runtime.server.command import add_serve_arguments, run_serve
+from stage_runtime.server.settings import ANSWER_MARGIN_S
 from tests.benchmark_scripts import load_example
 from tests.stage_runtime.pipeline_helpers import WrappedModel
 
