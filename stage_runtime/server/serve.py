@@ -151,12 +151,16 @@ async def _serve_connections(
     """Serve HTTP on ``sock`` with hypercorn's trio connection handler until ``shutdown_trigger``.
 
     This is hypercorn's trio worker loop (``hypercorn.trio.serve``) with two differences. Each
-    connection arms its keep-alive timeout without a task per request (see
-    :mod:`stage_runtime.server._connection`). An exception from one connection drops that
-    connection only. Hypercorn's own loop lets it end
-    the server, and its HTTP/2 code raises on body data for a stream already answered (hypercorn
-    issue #329), so one HTTP/2 client could stop every other request. The app needs no lifespan
-    events. Once triggered: the listener closes, idle connections close, and connections still
+    connection arms its keep-alive timeout without a task per request, and ends as soon as its
+    client closes it (see :mod:`stage_runtime.server._connection`). An exception from one
+    connection drops that connection only. Hypercorn's own loop lets it end the server, and its
+    HTTP/2 code raises on body data for a stream already answered (hypercorn issue #329), so one
+    HTTP/2 client could stop every other request. Served through ``hypercorn.trio.serve``
+    instead, the server fails exactly the three tests that pin these two behaviours
+    (``test_a_body_arriving_after_an_http2_answer_does_not_stop_the_server``, twice, and
+    ``test_a_connection_the_client_closes_ends_at_once``); hence the private
+    ``TCPServer``, ``WorkerContext`` and ``ASGIWrapper`` here, and the pin on hypercorn 0.18.
+    The app needs no lifespan events. Once triggered: the listener closes, idle connections close, and connections still
     answering get ``config.graceful_timeout`` before they are cancelled; once no request is being
     answered, the remaining (idle) connections are closed at once.
     """
