@@ -160,9 +160,10 @@ async def _serve_connections(
     (``test_a_body_arriving_after_an_http2_answer_does_not_stop_the_server``, twice, and
     ``test_a_connection_the_client_closes_ends_at_once``); hence the private
     ``TCPServer``, ``WorkerContext`` and ``ASGIWrapper`` here, and the pin on hypercorn 0.18.
-    The app needs no lifespan events. Once triggered: the listener closes, idle connections close, and connections still
-    answering get ``config.graceful_timeout`` before they are cancelled; once no request is being
-    answered, the remaining (idle) connections are closed at once.
+    The app needs no lifespan events. Once triggered: the listener closes, idle connections
+    close, and connections still answering get ``config.graceful_timeout`` before they are
+    cancelled; once no request is being answered, the remaining (idle) connections are closed at
+    once.
     """
     from hypercorn.app_wrappers import ASGIWrapper
     from hypercorn.trio.worker_context import WorkerContext
