@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
 
 import numpy as np
@@ -12,7 +13,10 @@ from stage_runtime.cache.paged.results import EntryKind, Payload, _entry_name, _
 _SHARED_SEGMENTS = 4096
 """Token segments :func:`_shared_segment` remembers: the stages of a pipeline record the same
 prompts one after the other, so a short memory lets them all keep one copy of each segment."""
-_recent_segments: dict[bytes, bytes] = {}
+_recent_segments: OrderedDict[bytes, bytes] = OrderedDict()
+"""An ordered dict, not a dict: ``next(iter(d))`` on a plain dict whose oldest keys were deleted
+walks over their empty slots first, which made forgetting the oldest segment cost more than
+everything else a stored page does."""
 
 
 def _shared_segment(data: bytes) -> bytes:
@@ -22,7 +26,7 @@ def _shared_segment(data: bytes) -> bytes:
         return known
     _recent_segments[data] = data
     if len(_recent_segments) > _SHARED_SEGMENTS:
-        del _recent_segments[next(iter(_recent_segments))]
+        _recent_segments.popitem(last=False)
     return data
 
 
