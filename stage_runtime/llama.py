@@ -709,6 +709,9 @@ class LlamaModelFactory:
 
     path: str
     thread_threshold_macs: int = THREAD_THRESHOLD_MACS
+    vocab_size: int | None = None
+    """The model's vocabulary: the pipeline refuses token ids outside it before any stage runs
+    (a ``400`` over HTTP), instead of the first stage failing on them."""
 
     def __call__(self, config: StageConfig) -> StageModel:
         return LlamaStageModel.load(
@@ -731,8 +734,8 @@ def llama_model_factory(
     Raises:
         ConfigError: the directory has no readable, supported ``config.json``.
     """
-    LlamaConfig.from_file(Path(path) / "config.json")
-    return LlamaModelFactory(os.fspath(path), thread_threshold_macs)
+    config = LlamaConfig.from_file(Path(path) / "config.json")
+    return LlamaModelFactory(os.fspath(path), thread_threshold_macs, config.vocab_size)
 
 
 def split_stages(

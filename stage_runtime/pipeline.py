@@ -122,6 +122,9 @@ class Pipeline:
     _stages: RunningStages = attrs.field(alias="stages")
     placement: Placement = attrs.field(factory=LocalPlacement)
     """Where the stages run."""
+    vocab_size: int | None = None
+    """Token ids a prompt may hold are ``0..vocab_size-1`` when the model factory declares its
+    vocabulary (a ``vocab_size`` attribute, as the Llama factory does); None: any int32."""
     _pending: set[PrefillRequest] = attrs.field(factory=set, init=False)
     _draining: bool = attrs.field(default=False, init=False)
     _idle: trio.Event = attrs.field(factory=trio.Event, init=False)
@@ -212,6 +215,9 @@ class Pipeline:
                 f"tokens, the smallest ctx_size), got {token_array.size:,}"
             )
             raise ConfigError(msg)
+        out_of_vocabulary = vocabulary_violation(token_array, self.vocab_size)
+        if out_of_vocabulary is not None:
+            raise ConfigError(out_of_vocabulary)
         # Non-empty, as over HTTP: an empty id names nothing in the logs.
         if not isinstance(session_id, str) or not session_id:
             msg = f"session_id must be a non-empty string, got {session_id!r}"
@@ -315,6 +321,19 @@ class Pipeline:
 def context_tokens(stages: Sequence[StageConfig]) -> int:
     """The longest prompt a pipeline of ``stages`` can take: their smallest ``ctx_size``."""
     return min(config.ctx_size for config in stages)
+
+
+def vocabulary_violation(tokens: npt.NDArray[np.int32], vocab_size: int | None) -> str | None:
+    """Why ``tokens`` holds an id outside ``0..vocab_size-1`` (naming the first), or None."""
+    if vocab_size is None or not tokens.size:
+        return None
+    if int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size:
+        return None
+    index = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+    return (
+        f"tokens[{index}] must be an id in [0, {vocab_size}) for this model's vocabulary, "
+        f"got {int(tokens[index])}"
+    )
 
 
 def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
@@ -426,7 +445,13 @@ async def open_pipeline(
     pipeline: Pipeline | None = None
     try:
         async with opened as running:
-            pipeline = Pipeline(stage_configs=tuple(configs), stages=running, placement=placement)
+            vocab = getattr(model_factory, "vocab_size", None)
+            pipeline = Pipeline(
+                stage_configs=tuple(configs),
+                stages=running,
+                placement=placement,
+                vocab_size=vocab if isinstance(vocab, int) else None,
+            )
             yield pipeline
             await pipeline._drain()
     except BaseException as exc:

@@ -426,7 +426,10 @@ class PipelineApp:
         try:
             body = await self._read_body(receive)
             request = parse_prefill_request(
-                body, max_tokens=self.max_tokens, tokenizer=self.tokenizer
+                body,
+                max_tokens=self.max_tokens,
+                tokenizer=self.tokenizer,
+                vocab_size=getattr(self.pipeline, "vocab_size", None),
             )
         except InvalidRequestError as exc:
             return _error(exc.status, exc.error, str(exc), field=exc.field)

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
 from stage_runtime.errors import ConfigError, json_error_detail
+from stage_runtime.pipeline import vocabulary_violation
 from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 __all__ = ["InvalidRequestError", "PrefillBody", "parse_prefill_request"]
@@ -204,6 +205,7 @@ def parse_prefill_request(
     *,
     max_tokens: int | None = None,
     tokenizer: TextTokenizer | None = None,
+    vocab_size: int | None = None,
 ) -> PrefillBody:
     """Validate a ``POST /v1/prefill`` body.
 
@@ -217,6 +219,8 @@ def parse_prefill_request(
         body: The raw request body.
         max_tokens: Longest accepted prompt in tokens (the pipeline's context size), or ``None``.
         tokenizer: Tokenizer for ``"text"``; the byte-level one by default.
+        vocab_size: The model's vocabulary size, when it has one: ids outside ``0..vocab_size-1``
+            are refused (``field`` ``"tokens"``).
 
     Returns:
         The validated request.
@@ -276,6 +280,9 @@ def parse_prefill_request(
     else:
         _missing("tokens", "give a non-empty array of token ids, or a text")
 
+    out_of_vocabulary = vocabulary_violation(tokens, vocab_size)
+    if out_of_vocabulary is not None:
+        _invalid(source, out_of_vocabulary)
     session_id = _parse_id(document, "session_id")
     if session_id is None:
         _missing("session_id", "a non-empty string naming the client's session")

@@ -278,6 +278,31 @@ async def test_a_topology_names_its_model_and_serve_answers_top_tokens(tmp_path:
     assert [s["restored_tokens"] for s in answer.json()["stages"]] == [12, 12]
 
 
+async def test_out_of_vocabulary_ids_are_refused_before_any_stage_runs(tmp_path: Path) -> None:
+    """The pipeline knows the model's vocabulary from its factory: an id outside it is a
+    ConfigError naming the first (nothing runs, the pipeline stays usable), and over HTTP a
+    400 naming the field, where the first stage's failure used to be a 500."""
+    write_random_llama(tmp_path / "weights", num_hidden_layers=2, vocab_size=64)
+    topology = _topology(tmp_path, "[model]\nkind = 'llama'\npath = 'weights'")
+    async with open_pipeline(topology, environ={}) as pipeline:
+        assert pipeline.vocab_size == 64
+        with pytest.raises(ConfigError, match=r"^tokens\[2\] must be an id in \[0, 64\).*got 64$"):
+            await pipeline.prefill([1, 2, 64, -1], session_id="t")
+        assert (await pipeline.prefill([1, 2, 63], session_id="t")).logits is not None
+        async with (
+            open_server(create_app(pipeline), bind="127.0.0.1:0") as server,
+            httpx.AsyncClient(base_url=server.url) as client,
+        ):
+            refused = await client.post("/v1/prefill", json={"tokens": [5, -3], "session_id": "h"})
+            answered = await client.post("/v1/prefill", json={"tokens": [5, 6], "session_id": "h"})
+        stats = await pipeline.statistics()
+    assert refused.status_code == 400
+    assert refused.json()["field"] == "tokens"
+    assert "tokens[1] must be an id in [0, 64)" in refused.json()["message"]
+    assert answered.status_code == 200
+    assert all(stage.cache is None or stage.cache.lookups >= 1 for stage in stats.stages)
+
+
 @pytest.mark.parametrize(
     ("table", "message"),
     [
