@@ -10,7 +10,7 @@ The limits themselves live in :mod:`stage_runtime.limits`.
 
 from __future__ import annotations
 
-from typing import Any, Final, SupportsInt, cast
+from typing import Any, Final, TypeGuard
 
 import numpy as np
 
@@ -21,10 +21,12 @@ __all__ = [
     "AttrsValidator",
     "at_least",
     "check_int",
+    "check_int_in",
     "check_non_negative_int",
     "check_positive_int",
     "i32",
     "int_in",
+    "int_range",
     "is_int",
     "non_negative_int",
     "optional_int_in",
@@ -40,7 +42,7 @@ AttrsValidator = Any
 --strict cannot mix typed callables with attrs' own validators in one field."""
 
 
-def is_int(value: object, *, numpy: bool = False) -> bool:
+def is_int(value: object, *, numpy: bool = False) -> TypeGuard[int | np.integer[Any]]:
     """Whether ``value`` is an integer: an ``int`` that is not a ``bool`` (and, with ``numpy``,
     a numpy integer scalar)."""
     if type(value) is int:  # the usual case, decided at once
@@ -72,7 +74,7 @@ def check_int(
             ``"... an integer in [low, high] ..."`` when there is an upper bound.
     """
     if is_int(value, numpy=numpy):
-        number = int(cast("SupportsInt", value))
+        number = int(value)
         if number >= low and (high is None or number <= high):
             return number
     msg = f"{name} must be {_rule(low, high)}, got {shown(value)}"
@@ -89,29 +91,47 @@ def check_positive_int(name: str, value: object, *, numpy: bool = False) -> int:
     return check_int(name, value, low=1, numpy=numpy)
 
 
+def check_int_in(
+    name: str,
+    value: object,
+    *,
+    low: int,
+    high: int,
+    numpy: bool = False,
+    error: type[ValueError] = ConfigError,
+) -> int:
+    """``value`` as an ``int`` when it is an integer (see :func:`is_int`) within
+    ``[low, high]``; the message says which rule failed.
+
+    Raises:
+        ConfigError: (or ``error``) ``"{name} must be an integer, got 'x'"``,
+            ``"{name} must be >= {low}, got 0"`` or ``"{name} must be <= {high}, got 256"``.
+    """
+    if type(value) is int and low <= value <= high:  # the usual case, decided at once
+        return value
+    if not is_int(value, numpy=numpy):
+        msg = f"{name} must be an integer, got {shown(value)}"
+        raise error(msg)
+    number = int(value)
+    if number < low:
+        msg = f"{name} must be >= {low}, got {shown(value)}"
+        raise error(msg)
+    if number > high:
+        msg = f"{name} must be <= {high}, got {shown(value)}"
+        raise error(msg)
+    return number
+
+
 def int_in(
     low: int, high: int, *, numpy: bool = False, error: type[ValueError] = ConfigError
 ) -> AttrsValidator:
-    """An attrs validator: an integer (not ``bool``) within ``[low, high]``.
-
-    The message says which rule failed: ``"max_entries must be an integer, got 'x'"``,
-    ``"max_entries must be >= 1, got 0"`` or ``"max_entries must be <= 255, got 256"``.
-    """
+    """An attrs validator: an integer (not ``bool``) within ``[low, high]``, in the words of
+    :func:`check_int_in` (``"max_entries must be >= 1, got 0"``)."""
 
     def check(_instance: object, attribute: Any, value: object) -> None:
         if type(value) is int and low <= value <= high:  # the usual case, decided at once
             return
-        name = attribute.name
-        if not is_int(value, numpy=numpy):
-            msg = f"{name} must be an integer, got {shown(value)}"
-            raise error(msg)
-        number = int(cast("SupportsInt", value))
-        if number < low:
-            msg = f"{name} must be >= {low}, got {shown(value)}"
-            raise error(msg)
-        if number > high:
-            msg = f"{name} must be <= {high}, got {shown(value)}"
-            raise error(msg)
+        check_int_in(attribute.name, value, low=low, high=high, numpy=numpy, error=error)
 
     return check
 
@@ -127,16 +147,29 @@ def optional_int_in(low: int, high: int) -> AttrsValidator:
     return check
 
 
-def at_least(low: int) -> AttrsValidator:
-    """An attrs validator: an integer (not ``bool``) >= ``low``, in the words of
-    :func:`check_int`, naming the keyword the caller used (the attribute's alias)."""
+def int_range(
+    low: int,
+    high: int | None = None,
+    *,
+    numpy: bool = False,
+    error: type[ValueError] = ConfigError,
+) -> AttrsValidator:
+    """An attrs validator: an integer (not ``bool``) within ``[low, high]`` (no upper bound when
+    ``high`` is None), in the words of :func:`check_int`, naming the keyword the caller used
+    (the attribute's alias)."""
 
     def check(_instance: object, attribute: Any, value: object) -> None:
-        if type(value) is int and value >= low:
+        if type(value) is int and value >= low and (high is None or value <= high):
             return
-        check_int(attribute.alias or attribute.name, value, low=low)
+        name = attribute.alias or attribute.name
+        check_int(name, value, low=low, high=high, numpy=numpy, error=error)
 
     return check
+
+
+def at_least(low: int) -> AttrsValidator:
+    """:func:`int_range` without an upper bound."""
+    return int_range(low)
 
 
 u64: Final[AttrsValidator] = int_in(0, U64_MAX)

@@ -39,6 +39,7 @@ import structlog
 import trio
 
 from actors import ActorStoppedError
+from stage_runtime._validators import check_non_negative_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (
     ConfigProblemError,
@@ -385,10 +386,8 @@ async def open_pipeline(
     if not callable(model_factory):
         msg = f"model_factory must be callable, got {type(model_factory).__name__}"
         raise ConfigError(msg)
-    for name, value in (("channel_size", channel_size), ("mailbox_size", mailbox_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            msg = f"{name} must be an integer >= 0, got {value!r}"
-            raise ConfigError(msg)
+    check_non_negative_int("channel_size", channel_size)
+    check_non_negative_int("mailbox_size", mailbox_size)
     if placement is None:
         placement = LocalPlacement()
     if not isinstance(placement, LocalPlacement | RayPlacement):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import attrs
 
 from actors import RestartPolicy
+from stage_runtime._validators import positive_int
 from stage_runtime.errors import ConfigError, shown
 
 if TYPE_CHECKING:
@@ -75,12 +76,6 @@ def _cpus(_instance: object, attribute: attrs.Attribute[Any], value: object) -> 
         or value < 0
     ):
         msg = f"{attribute.name} must be a finite number >= 0, got {shown(value)}"
-        raise ConfigError(msg)
-
-
-def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{attribute.name} must be an integer >= 1, got {shown(value)}"
         raise ConfigError(msg)
 
 
@@ -167,7 +162,7 @@ class RayPlacement:
     """What to do when a stage process dies: recreate it (with an empty cache) up to the
     policy's limit, or, with None, stop the pipeline."""
 
-    max_in_flight: int = attrs.field(default=16, validator=_positive_int)
+    max_in_flight: int = attrs.field(default=16, validator=positive_int)
     """Prefills the pipeline keeps in flight at once; later callers wait for a slot (Ray queues
     actor calls without limit, the pipeline does not)."""
 
