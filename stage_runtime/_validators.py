@@ -10,7 +10,7 @@ The limits themselves live in :mod:`stage_runtime.limits`.
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeGuard
+from typing import Any, Final, Literal, TypeGuard, overload
 
 import numpy as np
 
@@ -40,6 +40,14 @@ __all__ = [
 AttrsValidator = Any
 """An attrs validator ``(instance, attribute, value) -> None``: typed ``Any`` because mypy
 --strict cannot mix typed callables with attrs' own validators in one field."""
+
+
+@overload
+def is_int(value: object, *, numpy: Literal[False] = False) -> TypeGuard[int]: ...
+
+
+@overload
+def is_int(value: object, *, numpy: bool) -> TypeGuard[int | np.integer[Any]]: ...
 
 
 def is_int(value: object, *, numpy: bool = False) -> TypeGuard[int | np.integer[Any]]:
