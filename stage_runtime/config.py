@@ -852,8 +852,10 @@ class ConfigProblem:
     ``"{path} must be >= 1, got 0"``."""
 
     def render(self, root: KeyPath = ()) -> str:
-        """The message with the key path under ``root`` filled in."""
-        return self.message.format(path=key_path(root + self.path))
+        """The message with the key path under ``root`` filled in (``config`` for the document
+        itself, at no key)."""
+        path = root + self.path
+        return self.message.format(path=key_path(path) if path else "config")
 
 
 def _problems(exc: BaseException, path: KeyPath, cls: object) -> list[ConfigProblem]:
@@ -948,9 +950,12 @@ class ConfigProblemError(ConfigError):
         self, problem: ConfigProblem, *, root: KeyPath = (), source: str | None = None
     ) -> None:
         where = f"{source}: " if source else ""
-        text = problem.render(root) if root or problem.path else problem.render(("config",))
-        super().__init__(where + text)
+        super().__init__(where + problem.render(root))
         self.problem = problem
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str]]:
+        # Pickled (to another process) as the plain ConfigError it is to users.
+        return ConfigError, (str(self),)
 
 
 def structure(cls: type[_T], document: object) -> _T:
@@ -976,4 +981,5 @@ def _build(cls: type[_T], document: object, *, source: str | None, root: KeyPath
     try:
         return structure(cls, document)
     except ConfigProblemError as exc:
-        raise ConfigProblemError(exc.problem, root=root, source=source) from None
+        where = f"{source}: " if source else ""
+        raise ConfigError(where + exc.problem.render(root)) from None

@@ -571,7 +571,8 @@ def _read_topology_file(source: str) -> _TopologyFile:
     try:
         return structure(_TopologyFile, document)
     except ConfigProblemError as exc:
-        raise ConfigProblemError(exc.problem, source=source) from None
+        msg = f"{source}: {exc}"
+        raise ConfigError(msg) from None
 
 
 def load_placement(path: str | os.PathLike[str]) -> Placement | None:
@@ -661,7 +662,8 @@ def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
     try:
         model = structure(shape, table)
     except ConfigProblemError as exc:
-        raise ConfigProblemError(exc.problem, root=("model",), source=source) from None
+        msg = f"{source}: {exc.problem.render(('model',))}"
+        raise ConfigError(msg) from None
     try:
         if isinstance(model, _ReferenceModelTable):
             return reference_model_factory(width=model.width, seed=model.seed)

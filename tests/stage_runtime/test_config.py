@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -590,3 +591,13 @@ def test_an_unknown_table_is_named_with_its_key_path(
     path.write_text('stage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n' + text)
     with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}: {message}')}"):
         StageConfig.load(path)
+
+
+def test_a_config_error_pickles_as_a_config_error() -> None:
+    """Errors cross process boundaries (Ray placement): unpickled, a loading error is the
+    ConfigError users catch, with its message."""
+    with pytest.raises(ConfigError) as caught:
+        StageConfig.from_mapping({**BASE, "kv_cache": {"max_entries": 0}})
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert type(again) is ConfigError
+    assert str(again) == str(caught.value) == "kv_cache.max_entries must be >= 1, got 0"
