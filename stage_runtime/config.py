@@ -840,9 +840,18 @@ for _kind in _PASSED_AS_IS:
 _converter.register_structure_hook(KvCacheConfig | None, _to_kv_cache_table)
 
 
+_KINDS: Final = ("misplaced", "unknown", "missing", "value")
+"""Kinds of :class:`ConfigProblem`, the one reported first first: a key written under the wrong
+table explains the rest (it is unknown where it is and missing where it belongs), and an
+unknown key (a typo) explains a missing one."""
+
+
 @attrs.frozen
 class ConfigProblem:
     """One thing wrong in a configuration document, located by key path."""
+
+    kind: str
+    """One of :data:`_KINDS`."""
 
     path: KeyPath
     """The key at fault (for a value error, the field; for a missing key, where it belongs)."""
@@ -878,46 +887,35 @@ def _problems(exc: BaseException, path: KeyPath, cls: object) -> list[ConfigProb
         known = ", ".join(sorted(attrs.fields_dict(exc.cl)))
         return [
             ConfigProblem(
+                "unknown",
                 (*path, key if isinstance(key, str) else repr(key)),
                 f"unknown field {{path}} (known fields: {known})",
             )
             for key in sorted(exc.extra_fields, key=str)
         ]
     if isinstance(exc, KeyError):  # cattrs' note named the missing field: the last part
-        return [ConfigProblem(path, "missing required field {path}")]
+        return [ConfigProblem("missing", path, "missing required field {path}")]
     text = str(exc).replace("{", "{{").replace("}", "}}")
     # Validators and converters start their message with the field's name
     # ("ctx_size must be >= 1, got 0"); a hook's error names the attribute cattrs noted.
     if path and isinstance(path[-1], str) and text.startswith(f"{path[-1]} "):
-        return [ConfigProblem(path, "{path}" + text[len(path[-1]) :])]
+        return [ConfigProblem("value", path, "{path}" + text[len(path[-1]) :])]
     fields = attrs.fields_dict(cls) if isinstance(cls, type) and attrs.has(cls) else {}
     field = next((name for name in fields if text.startswith(f"{name} ")), None)
     if field is not None:
-        return [ConfigProblem((*path, field), "{path}" + text[len(field) :])]
-    return [ConfigProblem(path, "{path}: " + text if path else text)]
+        return [ConfigProblem("value", (*path, field), "{path}" + text[len(field) :])]
+    return [ConfigProblem("value", path, "{path}: " + text if path else text)]
 
 
 def _first(problems: list[ConfigProblem]) -> ConfigProblem:
-    """The problem to report: a key written under the wrong table first (it explains the
-    others: it is unknown where it is and missing where it belongs), then an unknown key, then
-    a missing one, then the first bad value."""
-    for problem in problems:
-        if (
-            problem.message.startswith("missing required field")
-            and "it is under" in problem.message
-        ):
-            return problem
-    for start in ("unknown field", "missing required field"):
-        for problem in problems:
-            if problem.message.startswith(start):
-                return problem
-    return problems[0]
+    """The problem to report: the first of the kind that comes first in :data:`_KINDS`."""
+    return min(problems, key=lambda problem: _KINDS.index(problem.kind))
 
 
 def _missing_hint(problem: ConfigProblem, document: Mapping[Any, Any]) -> ConfigProblem:
     """A required key missing here but present in a sub-table: in TOML every key after a
     ``[table]`` header belongs to that table, so say so and point at it."""
-    if not problem.message.startswith("missing required field"):
+    if problem.kind != "missing":
         return problem
     *parent, field = problem.path
     table: Any = document
@@ -934,6 +932,7 @@ def _missing_hint(problem: ConfigProblem, document: Mapping[Any, Any]) -> Config
         if isinstance(value, Mapping) and field in value:
             under = key_path((*parent, key))
             return ConfigProblem(
+                "misplaced",
                 problem.path,
                 f"missing required field {{path}}: it is under {under} (in TOML, the keys "
                 f"after a table's header belong to that table: move {field} above the "
@@ -946,11 +945,8 @@ class ConfigProblemError(ConfigError):
     """A :class:`ConfigError` that also carries its :class:`ConfigProblem`, for callers that
     put the key path under a root of their own (as the topology loader does)."""
 
-    def __init__(
-        self, problem: ConfigProblem, *, root: KeyPath = (), source: str | None = None
-    ) -> None:
-        where = f"{source}: " if source else ""
-        super().__init__(where + problem.render(root))
+    def __init__(self, problem: ConfigProblem) -> None:
+        super().__init__(problem.render())
         self.problem = problem
 
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str]]:
@@ -965,7 +961,7 @@ def structure(cls: type[_T], document: object) -> _T:
         ConfigProblemError: what is wrong and where, as a :class:`ConfigProblem`.
     """
     if not isinstance(document, Mapping):
-        problem = ConfigProblem((), f"{{path}} must be a table, got {shown(document)}")
+        problem = ConfigProblem("value", (), f"{{path}} must be a table, got {shown(document)}")
         raise ConfigProblemError(problem)
     try:
         return _converter.structure(document, cls)
