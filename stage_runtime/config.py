@@ -1,8 +1,9 @@
 """Stage and cache configuration, loaded from mappings, TOML, JSON or the environment.
 
 Every class here is a frozen attrs class whose validators raise :class:`ConfigError` naming the
-field and the bad value; derive variants with :func:`attrs.evolve`. Loading from a file adds the
-file name to the message.
+field and the bad value; derive variants with :func:`attrs.evolve`. Mappings and files are
+structured with cattrs (unknown keys refused): an error names the key path of the value
+(``kv_cache.max_entries``), and the file name when loading from a file.
 """
 
 from __future__ import annotations
