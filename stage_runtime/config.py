@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -819,9 +820,15 @@ def _to_kv_cache_table(value: object, _type: object) -> KvCacheConfig | None:
 
 
 _converter: Final = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
-_converter.register_structure_hook_func(
-    lambda kind: not attrs.has(kind) and kind != KvCacheConfig | None, _as_is
-)
+
+
+def _holds_attrs_class(kind: object) -> bool:
+    """Whether ``kind`` is an attrs class or a union with one (``RestartPolicy | None``):
+    cattrs structures those from tables; everything else goes to the class as it is."""
+    return attrs.has(kind) or any(attrs.has(arg) for arg in typing.get_args(kind))  # type: ignore[arg-type]
+
+
+_converter.register_structure_hook_func(lambda kind: not _holds_attrs_class(kind), _as_is)
 # cattrs dispatches these classes before any predicate: name them. (Its enum hook would also
 # refuse "LOOKUP_RECORD", which the fields' converters accept, and not name the choices.)
 _PASSED_AS_IS: Final[tuple[type, ...]] = (

@@ -533,8 +533,16 @@ within_s = 60
         ('engine = "local"\naddress = "auto"', r"toml: placement\.address .* \(a Ray setting\)"),
         ('engine = "kubernetes"', r"toml: placement\.engine must be 'local' or 'ray'"),
         ('engine = "ray"\nnum_cpus = -2', r"toml: placement\.num_cpus must be a finite"),
-        ('engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }', "max_restarts must be"),
-        ('engine = "ray"\nrestart = { tries = 1 }', r"placement\.restart must be a table of"),
+        (
+            'engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }',
+            r"placement\.restart\.max_restarts must be >= 0, got -1$",
+        ),
+        (
+            'engine = "ray"\nrestart = { tries = 1 }',
+            r"unknown field placement\.restart\.tries \(known fields: backoff_s, max_restarts",
+        ),
+        ('engine = "ray"\nrestart = 3', r"placement\.restart must be a table of .*, got 3$"),
+        ('engine = "ray"\nmax_in_flight = true', r"placement\.max_in_flight must be an integer"),
     ],
 )
 def test_a_bad_placement_table_names_file_and_key_path(
