@@ -39,6 +39,7 @@ import numpy.typing as npt
 import structlog
 
 from actors import Actor, Asks
+from stage_runtime._validators import check_non_negative_int
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry, ResidentCacheStats
 from stage_runtime.cache.results import (
@@ -175,18 +176,12 @@ def _check_common(
     if not isinstance(message.base, MessageBase):
         msg = f"base must be a MessageBase, got {type(message.base).__name__}"
         raise ConfigError(msg)
-    width = message.activation_width
-    if not isinstance(width, int | np.integer) or isinstance(width, bool) or width < 0:
-        msg = f"activation_width must be an integer >= 0, got {width!r}"
-        raise ConfigError(msg)
-    start = message.token_start
-    if not isinstance(start, int | np.integer) or isinstance(start, bool) or start < 0:
-        msg = f"token_start must be an integer >= 0, got {start!r}"
-        raise ConfigError(msg)
+    width = check_non_negative_int("activation_width", message.activation_width, numpy=True)
+    start = check_non_negative_int("token_start", message.token_start, numpy=True)
     tokens = message.tokens
     if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1):
         tokens = as_token_array(tokens)  # else the pipeline validated it once at entry
-    return tokens, int(start), int(width)
+    return tokens, start, width
 
 
 CacheMessage = (

@@ -1,8 +1,9 @@
 """Stage and cache configuration, loaded from mappings, TOML, JSON or the environment.
 
 Every class here is a frozen attrs class whose validators raise :class:`ConfigError` naming the
-field and the bad value; derive variants with :func:`attrs.evolve`. Loading from a file adds the
-file name to the message.
+field and the bad value; derive variants with :func:`attrs.evolve`. Mappings and files are
+structured with cattrs (unknown keys refused): an error names the key path of the value
+(``kv_cache.max_entries``), and the file name when loading from a file.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, NoReturn, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
+import cattrs
+from cattrs.errors import ForbiddenExtraKeysError
 
+from stage_runtime._validators import i32, optional_int_in, positive_u32, positive_u64, u32, u64
 from stage_runtime.errors import ConfigError, shown
-from stage_runtime.limits import I32_MAX as _I32_MAX
-from stage_runtime.limits import I32_MIN as _I32_MIN
 from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
@@ -39,8 +42,6 @@ __all__ = [
 
 SCHEMA_VERSION: Final = 1
 """Version of the stage message schema carried in :attr:`MessageBase.schema_version`."""
-
-_U32_MAX: Final = 2**32 - 1
 
 
 class CacheMode(enum.StrEnum):
@@ -110,23 +111,6 @@ class PageEviction(enum.StrEnum):
 _E = TypeVar("_E", bound=enum.StrEnum)
 
 
-def _int_in(low: int, high: int) -> Any:
-    """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``."""
-
-    def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            msg = f"{attribute.name} must be an integer, got {shown(value)}"
-            raise ConfigError(msg)
-        if value < low:
-            msg = f"{attribute.name} must be >= {low}, got {shown(value)}"
-            raise ConfigError(msg)
-        if value > high:
-            msg = f"{attribute.name} must be <= {high}, got {shown(value)}"
-            raise ConfigError(msg)
-
-    return check
-
-
 def _str(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, str):
         msg = f"{attribute.name} must be a string, got {shown(value)}"
@@ -189,16 +173,6 @@ def _optional_bool(_instance: object, attribute: attrs.Attribute[Any], value: ob
     if value is not None and not isinstance(value, bool):
         msg = f"{attribute.name} must be true, false or absent, got {shown(value)}"
         raise ConfigError(msg)
-
-
-def _optional_int(low: int, high: int) -> Any:
-    inner = _int_in(low, high)
-
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is not None:
-            inner(instance, attribute, value)
-
-    return check
 
 
 def _enum(kind: type[_E], name: str, value: object) -> _E:
@@ -380,25 +354,25 @@ class KvCacheConfig:
     payload: CachePayload = attrs.field(default=CachePayload.AUTO, converter=_to_cache_payload)
     """Upstream payload kind; kept for parity, it does not change activation caching."""
 
-    max_entries: int = attrs.field(default=64, validator=_int_in(1, _U64_MAX))
+    max_entries: int = attrs.field(default=64, validator=positive_u64)
     """Entries kept before the least recently used is evicted."""
 
-    max_bytes: int = attrs.field(default=0, validator=_int_in(0, _U64_MAX))
+    max_bytes: int = attrs.field(default=0, validator=u64)
     """Byte bound on resident payloads; ``0`` means unbounded."""
 
-    min_tokens: int = attrs.field(default=64, validator=_int_in(0, _U64_MAX))
+    min_tokens: int = attrs.field(default=64, validator=u64)
     """Shortest prefix worth caching; also the lowest rung and the grid's page size."""
 
-    shared_prefix_stride_tokens: int = attrs.field(default=128, validator=_int_in(0, _U64_MAX))
+    shared_prefix_stride_tokens: int = attrs.field(default=128, validator=u64)
     """Spacing of the lookup grid (capped at ``min_tokens``; 0 acts as 1)."""
 
-    shared_prefix_record_limit: int = attrs.field(default=2, validator=_int_in(0, _U64_MAX))
+    shared_prefix_record_limit: int = attrs.field(default=2, validator=u64)
     """How many prefix lengths one record stores; ``0`` means every lookup candidate."""
 
     index: CacheIndex = attrs.field(default=CacheIndex.LADDER, converter=_to_cache_index)
     """``ladder`` (the upstream, the default) or ``paged`` (shared pages; not in the upstream)."""
 
-    page_tokens: int | None = attrs.field(default=None, validator=_optional_int(1, _U64_MAX))
+    page_tokens: int | None = attrs.field(default=None, validator=optional_int_in(1, _U64_MAX))
     """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
@@ -422,7 +396,7 @@ class KvCacheConfig:
             ConfigError: an unknown key or a bad value; the message names the field, the value
                 and ``source`` when given.
         """
-        return _build(cls, mapping, source=source, prefix="kv_cache.")
+        return _build(cls, mapping, source=source, root=("kv_cache",))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KvCacheConfig | None:
@@ -521,13 +495,13 @@ class StageConfig:
     model_id: str = attrs.field(validator=_nonempty_str)
     """Model name (identity)."""
 
-    layer_start: int = attrs.field(validator=_int_in(0, _U32_MAX))
+    layer_start: int = attrs.field(validator=u32)
     """First layer this stage runs (identity)."""
 
-    layer_end: int = attrs.field(validator=_int_in(0, _U32_MAX))
+    layer_end: int = attrs.field(validator=u32)
     """One past the last layer this stage runs (identity); must be > ``layer_start``."""
 
-    stage_index: int = attrs.field(default=0, validator=_int_in(0, _U32_MAX))
+    stage_index: int = attrs.field(default=0, validator=u32)
     """Position of the stage in the pipeline (identity)."""
 
     run_id: str = attrs.field(default="", validator=_str)
@@ -548,10 +522,10 @@ class StageConfig:
     load_mode: LoadMode = attrs.field(default=LoadMode.RUNTIME_SLICE, converter=_to_load_mode)
     """How the weights were loaded (identity)."""
 
-    ctx_size: int = attrs.field(default=8192, validator=_int_in(1, _U32_MAX))
+    ctx_size: int = attrs.field(default=8192, validator=positive_u32)
     """Context length (identity, as ``ctx:{ctx_size}``); also sets the record-ladder budget."""
 
-    lane_count: int = attrs.field(default=1, validator=_int_in(1, _U32_MAX))
+    lane_count: int = attrs.field(default=1, validator=positive_u32)
     """Concurrent sequences the stage serves."""
 
     cache_type_k: str = attrs.field(default="f16", validator=_nonempty_str)
@@ -565,7 +539,7 @@ class StageConfig:
     )
     """Flash-attention setting (identity)."""
 
-    n_gpu_layers: int = attrs.field(default=0, validator=_int_in(_I32_MIN, _I32_MAX))
+    n_gpu_layers: int = attrs.field(default=0, validator=i32)
     """Layers offloaded to the GPU; negative means all (identity)."""
 
     selected_device: str | None = attrs.field(default=None, validator=_optional_str)
@@ -603,7 +577,7 @@ class StageConfig:
             ConfigError: a missing or unknown key, or a bad value; the message names the field,
                 the value and ``source``.
         """
-        return _build(cls, mapping, source=source, prefix="")
+        return _build(cls, mapping, source=source)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> StageConfig:
@@ -611,43 +585,30 @@ class StageConfig:
 
         Raises:
             ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
-                a bad value; the message starts with the file name, then the line (the
-                parser's for a syntax error; the field's for a bad, unknown or misplaced
-                field), and names the field and value.
+                a bad, unknown or misplaced key; the message starts with the file name (then
+                the parser's line and column for a syntax error) and names the key path
+                (``kv_cache.max_entries``) and the value.
         """
         source = os.fspath(path)
-        text = _read_text(source)
-        document = _parse_toml(text, source=source)
-        return _build(cls, document, source=source, prefix="", locate=_toml_locator(text))
+        document = _parse_toml(_read_text(source), source=source)
+        return _build(cls, document, source=source)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> StageConfig:
         """Load from a JSON file holding one object.
 
         Raises:
-            ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
-                a bad value; the message starts with the file name, then the line (the
-                parser's for a syntax error; the field's for a bad, unknown or misplaced
-                field), and names the field and value.
+            ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, repeats a
+                key in an object, or holds a bad value; the message starts with the file name
+                (then the parser's line and column for a syntax error) and names the key path
+                (``kv_cache.max_entries``) and the value.
         """
         source = os.fspath(path)
-        text = _read_text(source)
-        try:
-            document = json.loads(text, object_pairs_hook=_unique_keys)
-        except _DuplicateKeyError as exc:
-            raise _duplicate_key(text, source, exc.key) from None
-        except json.JSONDecodeError as exc:
-            msg = f"{source}: invalid JSON: {exc}"
-            raise ConfigError(msg) from exc
-        except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
-            raise _unreadable_number(text, source, exc) from None
-        except RecursionError:
-            msg = f"{source}: invalid JSON: arrays or objects nested too deeply"
-            raise ConfigError(msg) from None
+        document = _parse_json(_read_text(source), source=source)
         if not isinstance(document, dict):
             msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
             raise ConfigError(msg)
-        return _build(cls, document, source=source, prefix="", locate=_json_locator(text))
+        return _build(cls, document, source=source)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> StageConfig:
@@ -673,7 +634,7 @@ class MessageBase:
     cache namespace (so prompts are shared across sessions by design).
     """
 
-    schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=_int_in(0, _U32_MAX))
+    schema_version: int = attrs.field(default=SCHEMA_VERSION, validator=u32)
     """Message schema version."""
 
     run_id: str = attrs.field(default="", validator=_str)
@@ -688,7 +649,7 @@ class MessageBase:
     stage_id: str = attrs.field(default="", validator=_str)
     """Stage the message is addressed to."""
 
-    stage_index: int = attrs.field(default=0, validator=_int_in(0, _U32_MAX))
+    stage_index: int = attrs.field(default=0, validator=u32)
     """Index of that stage."""
 
     topology_id: str = attrs.field(default="", validator=_str)
@@ -703,7 +664,7 @@ class MessageBase:
     chat_template_id: str | None = attrs.field(default=None, validator=_optional_str)
     """Cache namespace: hashed into every prefix identity when present."""
 
-    seq: int | None = attrs.field(default=None, validator=_optional_int(0, _U64_MAX))
+    seq: int | None = attrs.field(default=None, validator=optional_int_in(0, _U64_MAX))
     """Sequence number of the message within its request."""
 
     cache_salt: str | None = attrs.field(default=None, validator=_optional_nonempty_str)
@@ -721,14 +682,14 @@ _MAX_DIGITS: Final = 4300
 """Python's default limit on the digits int() converts (sys.get_int_max_str_digits)."""
 
 
-def _unreadable_number(text: str, source: str, exc: ValueError) -> ConfigError:
-    """The error for a number the parser could not convert, naming its line when found."""
-    found = re.search(rf"[0-9][0-9_]{{{_MAX_DIGITS},}}", text)
-    if found is None:
-        return ConfigError(f"{source}: {exc}")
-    line = text.count("\n", 0, found.start()) + 1
-    digits = len(found.group().replace("_", ""))
-    return ConfigError(f"{source}: line {line}: integer of {digits} digits is out of range")
+def _unreadable_number(source: str, exc: ValueError) -> ConfigError:
+    """The error for a number the parser could not convert (it does not say where)."""
+    if "integer string conversion" in str(exc):
+        return ConfigError(
+            f"{source}: an integer of more than {_MAX_DIGITS} digits is out of range "
+            f"(no setting takes one)"
+        )
+    return ConfigError(f"{source}: {exc}")
 
 
 class _DuplicateKeyError(Exception):
@@ -748,24 +709,57 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return document
 
 
-def _duplicate_key(text: str, source: str, key: str) -> ConfigError:
-    """The error for a key a JSON object repeats, with the line of its second occurrence."""
-    found = list(re.finditer(rf'"{re.escape(json.dumps(key)[1:-1])}"\s*:', text))
-    where = f"line {text.count(chr(10), 0, found[1].start()) + 1}: " if len(found) > 1 else ""
-    return ConfigError(f"{source}: {where}key {key!r} appears twice in one object")
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object as the parser read it, keys in order and repeats kept (see
+    :func:`_unique_objects`)."""
+
+
+def _unique_objects(value: Any, path: str) -> Any:
+    """``value`` with every :class:`_Pairs` turned into a dict; a ConfigError names the key
+    path of a key an object repeats."""
+    if isinstance(value, _Pairs):
+        document: dict[str, Any] = {}
+        for key, item in value:
+            where = f"{path}.{key}" if path else key
+            if key in document:
+                msg = f"key {where} appears twice in one object"
+                raise ConfigError(msg)
+            document[key] = _unique_objects(item, where)
+        return document
+    if isinstance(value, list):
+        return [_unique_objects(item, f"{path}[{index}]") for index, item in enumerate(value)]
+    return value
 
 
 def _parse_toml(text: str, *, source: str) -> dict[str, Any]:
-    """Parse TOML ``text`` read from ``source``; a ConfigError names the file and the line."""
+    """Parse TOML ``text`` read from ``source``; a ConfigError names the file (and the parser
+    says the line of a syntax error)."""
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         msg = f"{source}: invalid TOML: {exc}"
         raise ConfigError(msg) from exc
     except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
-        raise _unreadable_number(text, source, exc) from None
+        raise _unreadable_number(source, exc) from None
     except RecursionError:
         msg = f"{source}: invalid TOML: arrays or tables nested too deeply"
+        raise ConfigError(msg) from None
+
+
+def _parse_json(text: str, *, source: str) -> Any:
+    """Parse JSON ``text`` read from ``source``, refusing repeated keys."""
+    try:
+        return _unique_objects(json.loads(text, object_pairs_hook=_Pairs), "")
+    except ConfigError as exc:
+        msg = f"{source}: {exc}"
+        raise ConfigError(msg) from None
+    except json.JSONDecodeError as exc:
+        msg = f"{source}: invalid JSON: {exc}"
+        raise ConfigError(msg) from exc
+    except ValueError as exc:  # an integer too long for int() (over 4,300 digits)
+        raise _unreadable_number(source, exc) from None
+    except RecursionError:
+        msg = f"{source}: invalid JSON: arrays or objects nested too deeply"
         raise ConfigError(msg) from None
 
 
@@ -789,153 +783,207 @@ def _read_text(source: str) -> str:
         raise ConfigError(msg) from None
 
 
+# --------------------------------------------------------------------------------------------
+# structuring with cattrs: the attrs classes' own converters and validators judge each value;
+# cattrs walks the tables, refuses unknown and missing keys, and says where each error is.
+
 _T = TypeVar("_T")
 
-_Locator = Callable[[str], int | None]
-"""The line of a dotted field (``kv_cache.max_entries``) in a config file, if it can be found."""
+KeyPath = tuple[str | int, ...]
+"""Where a value sits in a document: ``("stage", 2, "kv_cache", "max_entries")``."""
 
 
-def _build(
-    cls: Callable[..., _T],
-    mapping: Mapping[str, Any],
-    *,
-    source: str | None,
-    prefix: str,
-    locate: _Locator | None = None,
-    subject: str | None = None,
-) -> _T:
-    """Construct ``cls`` from ``mapping``; errors name ``source``, the field's line when
-    ``locate`` finds it, ``subject`` (what in the file is built), ``prefix + field`` and the
-    value."""
-
-    def fail(message: str, field: str) -> NoReturn:
-        where = f"{source}: " if source else ""
-        line = locate(field) if locate is not None and field else None
-        if line is not None:
-            where += f"line {line}: "
-        if subject:
-            where += f"{subject}: "
-        raise ConfigError(where + message) from None
-
-    if not isinstance(mapping, Mapping):
-        name = prefix.rstrip(".")
-        fail(f"{name or 'config'} must be a table, got {shown(mapping)}", name)
-    fields = attrs.fields_dict(cls)  # type: ignore[arg-type]
-    for key in mapping:
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            name = key if isinstance(key, str) else repr(key)
-            fail(f"unknown field {prefix}{name} (known fields: {known})", prefix + name)
-    missing = [
-        name
-        for name, field in fields.items()
-        if field.default is attrs.NOTHING and name not in mapping
-    ]
-    if missing:
-        field = missing[0]
-        for key, value in mapping.items():
-            if isinstance(value, Mapping) and field in value:
-                # In TOML every key after a [table] header belongs to that table.
-                fail(
-                    f"missing required field {prefix}{field}: it is under {prefix}{key} (in "
-                    f"TOML, the keys after a table's header belong to that table: move "
-                    f"{field} above the [{key}] header)",
-                    f"{prefix}{key}.{field}",
-                )
-        fail(f"missing required field {prefix}{field}", "")
-    values = dict(mapping)
-    if "kv_cache" in values and isinstance(values["kv_cache"], Mapping):
-        values["kv_cache"] = _build(
-            KvCacheConfig,
-            values["kv_cache"],
-            source=source,
-            prefix=prefix + "kv_cache.",
-            locate=locate,
-            subject=subject,
-        )
-    try:
-        return cls(**values)
-    except ConfigError as exc:
-        # Value errors start with the field's name ("ctx_size must be >= 1, got 0").
-        text = str(exc)
-        field = next((key for key in values if text.startswith(f"{key} ")), "")
-        fail(f"{prefix}{exc}", prefix + field if field else "")
+def key_path(path: KeyPath) -> str:
+    """``("stage", 2, "kv_cache", "max_entries")`` as ``stage[2].kv_cache.max_entries``."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text
 
 
-_TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\[\]]+?)\s*\]\]?\s*(?:#.*)?$")
-_TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_.\-\"' ]+?)\s*=")
-
-_KeyPath = tuple[str | int, ...]
-
-
-def _toml_key(key: str) -> list[str]:
-    return [part.strip().strip("\"'") for part in key.split(".")]
+def _as_is(value: object, _type: object) -> object:
+    """Hand a value to the attrs class unchanged: its converters and validators judge it (a
+    cattrs ``str`` hook would turn 7 into ``"7"``, an ``int`` hook ``True`` into 1)."""
+    return value
 
 
-def _toml_key_lines(text: str) -> list[tuple[int, _KeyPath, str]]:
-    """``(line number, full key path, line)`` of each ``key = value`` line and each table
-    header of TOML ``text``.
+def _to_kv_cache_table(value: object, _type: object) -> KvCacheConfig | None:
+    if value is None or isinstance(value, KvCacheConfig):
+        return value
+    if isinstance(value, Mapping):
+        return _converter.structure(value, KvCacheConfig)
+    msg = f"kv_cache must be a table of cache settings or absent, got {shown(value)}"
+    raise ConfigError(msg)
 
-    A path counts the elements of arrays of tables: the ``layer_end`` of the second
-    ``[[stage]]`` is ``("stage", 1, "layer_end")``, and a ``[stage.kv_cache]`` table belongs to
-    the latest ``[[stage]]``.
+
+_converter: Final = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+
+def _holds_attrs_class(kind: object) -> bool:
+    """Whether ``kind`` is an attrs class or a union with one (``RestartPolicy | None``):
+    cattrs structures those from tables; everything else goes to the class as it is."""
+    return attrs.has(kind) or any(attrs.has(arg) for arg in typing.get_args(kind))  # type: ignore[arg-type]
+
+
+_converter.register_structure_hook_func(lambda kind: not _holds_attrs_class(kind), _as_is)
+# cattrs dispatches these classes before any predicate: name them. (Its enum hook would also
+# refuse "LOOKUP_RECORD", which the fields' converters accept, and not name the choices.)
+_PASSED_AS_IS: Final[tuple[type, ...]] = (
+    int,
+    float,
+    str,
+    bool,
+    CacheMode,
+    CachePayload,
+    LoadMode,
+    FlashAttention,
+    CacheIndex,
+    PageEviction,
+)
+for _kind in _PASSED_AS_IS:
+    _converter.register_structure_hook(_kind, _as_is)
+_converter.register_structure_hook(KvCacheConfig | None, _to_kv_cache_table)
+
+
+_KINDS: Final = ("misplaced", "unknown", "missing", "value")
+"""Kinds of :class:`ConfigProblem`, the one reported first first: a key written under the wrong
+table explains the rest (it is unknown where it is and missing where it belongs), and an
+unknown key (a typo) explains a missing one."""
+
+
+@attrs.frozen
+class ConfigProblem:
+    """One thing wrong in a configuration document, located by key path."""
+
+    kind: str
+    """One of :data:`_KINDS`."""
+
+    path: KeyPath
+    """The key at fault (for a value error, the field; for a missing key, where it belongs)."""
+
+    message: str
+    """What is wrong, with ``{path}`` where the key path goes:
+    ``"{path} must be >= 1, got 0"``."""
+
+    def render(self, root: KeyPath = ()) -> str:
+        """The message with the key path under ``root`` filled in (``config`` for the document
+        itself, at no key)."""
+        path = root + self.path
+        return self.message.format(path=key_path(path) if path else "config")
+
+
+def _problems(exc: BaseException, path: KeyPath, cls: object) -> list[ConfigProblem]:
+    """The problems in an error cattrs raised while structuring ``cls`` at ``path``."""
+    if isinstance(exc, BaseExceptionGroup):
+        inner = getattr(exc, "cl", cls)  # the class a ClassValidationError was building
+        out: list[ConfigProblem] = []
+        for sub in exc.exceptions:
+            sub_path = path
+            for note in getattr(sub, "__notes__", ()):
+                name = getattr(note, "name", None)  # cattrs' AttributeValidationNote
+                index = getattr(note, "index", None)  # cattrs' IterableValidationNote
+                if isinstance(name, str):
+                    sub_path += (name,)
+                elif isinstance(index, int):
+                    sub_path += (index,)
+            out.extend(_problems(sub, sub_path, inner))
+        return out
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = ", ".join(sorted(attrs.fields_dict(exc.cl)))
+        return [
+            ConfigProblem(
+                "unknown",
+                (*path, key if isinstance(key, str) else repr(key)),
+                f"unknown field {{path}} (known fields: {known})",
+            )
+            for key in sorted(exc.extra_fields, key=str)
+        ]
+    if isinstance(exc, KeyError):  # cattrs' note named the missing field: the last part
+        return [ConfigProblem("missing", path, "missing required field {path}")]
+    text = str(exc).replace("{", "{{").replace("}", "}}")
+    # Validators and converters start their message with the field's name
+    # ("ctx_size must be >= 1, got 0"); a hook's error names the attribute cattrs noted.
+    if path and isinstance(path[-1], str) and text.startswith(f"{path[-1]} "):
+        return [ConfigProblem("value", path, "{path}" + text[len(path[-1]) :])]
+    fields = attrs.fields_dict(cls) if isinstance(cls, type) and attrs.has(cls) else {}
+    field = next((name for name in fields if text.startswith(f"{name} ")), None)
+    if field is not None:
+        return [ConfigProblem("value", (*path, field), "{path}" + text[len(field) :])]
+    return [ConfigProblem("value", path, "{path}: " + text if path else text)]
+
+
+def _first(problems: list[ConfigProblem]) -> ConfigProblem:
+    """The problem to report: the first of the kind that comes first in :data:`_KINDS`."""
+    return min(problems, key=lambda problem: _KINDS.index(problem.kind))
+
+
+def _missing_hint(problem: ConfigProblem, document: Mapping[Any, Any]) -> ConfigProblem:
+    """A required key missing here but present in a sub-table: in TOML every key after a
+    ``[table]`` header belongs to that table, so say so and point at it."""
+    if problem.kind != "missing":
+        return problem
+    *parent, field = problem.path
+    table: Any = document
+    for part in parent:
+        if isinstance(table, Mapping):
+            table = table.get(part)
+        elif isinstance(table, list) and isinstance(part, int):
+            table = table[part]
+        else:
+            table = None
+    if not isinstance(table, Mapping):
+        return problem
+    for key, value in table.items():
+        if isinstance(value, Mapping) and field in value:
+            under = key_path((*parent, key))
+            return ConfigProblem(
+                "misplaced",
+                problem.path,
+                f"missing required field {{path}}: it is under {under} (in TOML, the keys "
+                f"after a table's header belong to that table: move {field} above the "
+                f"[{key}] header)",
+            )
+    return problem
+
+
+class ConfigProblemError(ConfigError):
+    """A :class:`ConfigError` that also carries its :class:`ConfigProblem`, for callers that
+    put the key path under a root of their own (as the topology loader does)."""
+
+    def __init__(self, problem: ConfigProblem) -> None:
+        super().__init__(problem.render())
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str]]:
+        # Pickled (to another process) as the plain ConfigError it is to users.
+        return ConfigError, (str(self),)
+
+
+def structure(cls: type[_T], document: object) -> _T:
+    """Build attrs class ``cls`` from a mapping (a parsed TOML or JSON table).
+
+    Raises:
+        ConfigProblemError: what is wrong and where, as a :class:`ConfigProblem`.
     """
-    arrays: dict[tuple[str, ...], int] = {}
-    table: _KeyPath = ()
-    out: list[tuple[int, _KeyPath, str]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        header = _TOML_HEADER.match(line)
-        if header is not None:
-            parts = _toml_key(header.group(2))
-            if header.group(1) == "[[":
-                arrays[tuple(parts)] = arrays.get(tuple(parts), -1) + 1
-            path: list[str | int] = []
-            for i, part in enumerate(parts):
-                path.append(part)
-                index = arrays.get(tuple(parts[: i + 1]))
-                if index is not None:
-                    path.append(index)
-            table = tuple(path)
-            out.append((number, table, line))  # the table itself (an unknown [table] is here)
-            continue
-        key = _TOML_KEY.match(line)
-        if key is not None:
-            out.append((number, table + tuple(_toml_key(key.group(1))), line))
-    return out
+    if not isinstance(document, Mapping):
+        problem = ConfigProblem("value", (), f"{{path}} must be a table, got {shown(document)}")
+        raise ConfigProblemError(problem)
+    try:
+        return _converter.structure(document, cls)
+    except ConfigError as exc:  # not raised inside an attrs class (cattrs did not wrap it)
+        raise ConfigProblemError(_problems(exc, (), cls)[0]) from None
+    except cattrs.BaseValidationError as exc:
+        problems = [_missing_hint(problem, document) for problem in _problems(exc, (), cls)]
+        raise ConfigProblemError(_first(problems)) from None
 
 
-def _toml_locator(text: str, *tables: _KeyPath) -> _Locator:
-    """Find a field's line in TOML ``text``: a ``key =`` line under the field's table (or a
-    dotted key), or the line of an inline table that assigns it; the field is looked for under
-    each of ``tables`` in turn (default: the top level). Best effort: None when the text does
-    not say it in one of these plain ways. The text is scanned only when a field is looked
-    for (an error), not when the locator is made."""
-
-    def locate(field: str) -> int | None:
-        keys = _toml_key_lines(text)
-        for table in tables or ((),):
-            want = table + tuple(field.split("."))
-            for number, path, line in keys:
-                if path == want:
-                    return number
-                inline = re.search(rf"[{{,]\s*{re.escape(str(want[-1]))}\s*=", line)
-                if path == want[: len(path)] and inline is not None:
-                    return number
-        return None
-
-    return locate
-
-
-def _json_locator(text: str) -> _Locator:
-    """Find a field's line in JSON ``text``: its key after its parent's key. Best effort."""
-
-    def locate(field: str) -> int | None:
-        position = 0
-        for part in field.split("."):
-            found = re.compile(rf'"{re.escape(part)}"\s*:').search(text, position)
-            if found is None:
-                return None
-            position = found.start()
-        return text.count("\n", 0, position) + 1
-
-    return locate
+def _build(cls: type[_T], document: object, *, source: str | None, root: KeyPath = ()) -> _T:
+    """:func:`structure`, errors naming ``source`` and the key path under ``root``."""
+    try:
+        return structure(cls, document)
+    except ConfigProblemError as exc:
+        where = f"{source}: " if source else ""
+        raise ConfigError(where + exc.problem.render(root)) from None

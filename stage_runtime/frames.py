@@ -17,9 +17,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import check_int, int_range, is_int
 from stage_runtime.errors import FrameError
 from stage_runtime.limits import I32_MAX as _I32_MAX
 from stage_runtime.limits import I32_MIN as _I32_MIN
+from stage_runtime.limits import U32_MAX as _U32_MAX
 from stage_runtime.limits import U64_MAX as _U64_MAX
 
 __all__ = [
@@ -28,8 +30,6 @@ __all__ = [
     "ActivationFrame",
     "ActivationLayout",
 ]
-
-_U32_MAX: Final = 2**32 - 1
 
 
 class ActivationDType(enum.IntEnum):
@@ -64,19 +64,9 @@ _MAX_VIRTUAL_BYTES: Final = 2**63 - 1
 
 
 def _int_in(low: int, high: int) -> Any:
-    """An attrs validator: an ``int`` (not ``bool``) within ``[low, high]``, else FrameError."""
-
-    def check(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if type(value) is int and low <= value <= high:  # the usual case, decided at once
-            return
-        if not isinstance(value, int | np.integer) or isinstance(value, bool):
-            msg = f"{attribute.name} must be an integer, got {value!r}"
-            raise FrameError(msg)
-        if not low <= int(value) <= high:
-            msg = f"{attribute.name} must be in [{low}, {high}], got {value}"
-            raise FrameError(msg)
-
-    return check
+    """An attrs validator: an integer (numpy's too, not ``bool``) within ``[low, high]``, else
+    FrameError."""
+    return int_range(low, high, numpy=True, error=FrameError)
 
 
 def _to_dtype(value: object) -> ActivationDType:
@@ -351,12 +341,8 @@ class ActivationFrame:
             FrameError: a count is negative or ``fill`` is not a byte value.
         """
         for name, value in (("token_count", token_count), ("bytes_per_token", bytes_per_token)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                msg = f"{name} must be an integer >= 0, got {value!r}"
-                raise FrameError(msg)
-        if not isinstance(fill, int) or isinstance(fill, bool) or not 0 <= fill <= 255:
-            msg = f"fill must be an integer in [0, 255], got {fill!r}"
-            raise FrameError(msg)
+            check_int(name, value, low=0, error=FrameError)
+        check_int("fill", fill, low=0, high=255, error=FrameError)
         size = token_count * bytes_per_token
         if size > _MAX_VIRTUAL_BYTES:
             msg = (
@@ -472,7 +458,7 @@ class ActivationFrame:
 
     def prefix_error(self, token_count: int) -> str | None:
         """Why :meth:`prefix` would refuse ``token_count``, or None when it would succeed."""
-        if not isinstance(token_count, int | np.integer) or isinstance(token_count, bool):
+        if not is_int(token_count, numpy=True):
             return f"token_count must be an integer, got {token_count!r}"
         frame_tokens = self.desc.token_count
         if token_count == frame_tokens:
@@ -499,7 +485,7 @@ class ActivationFrame:
         Raises:
             FrameError: the frame cannot be cut at ``token_count``; the message says why.
         """
-        if not isinstance(token_count, int | np.integer) or isinstance(token_count, bool):
+        if not is_int(token_count, numpy=True):
             msg = f"token_count must be an integer, got {token_count!r}"
             raise FrameError(msg)
         token_count = int(token_count)

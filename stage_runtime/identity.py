@@ -26,6 +26,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import check_int, check_non_negative_int, is_int
 from stage_runtime.config import FlashAttention, LoadMode, StageConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.limits import I32_MAX as _I32_MAX
@@ -208,7 +209,7 @@ _NOT_TOKENS: Final = frozenset({bool, np.bool_})
 def _raise_first_bad_token(values: Sequence[object], dtype: np.dtype[Any]) -> None:
     """Raise the ConfigError naming the first token that is not an int32 integer."""
     for index, value in enumerate(values):
-        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        if not is_int(value, numpy=True):
             msg = f"tokens must be integers, got {value!r} at index {index} (dtype {dtype})"
             raise ConfigError(msg)
         if not _I32_MIN <= int(value) <= _I32_MAX:
@@ -243,13 +244,7 @@ def _tri_state(value: bool | None) -> bytes:
 
 
 def _check_token_start(token_start: int) -> int:
-    if not isinstance(token_start, int | np.integer) or isinstance(token_start, bool):
-        msg = f"token_start must be an integer, got {token_start!r}"
-        raise ConfigError(msg)
-    if not 0 <= token_start <= _U64_MAX:
-        msg = f"token_start must be in [0, {_U64_MAX}], got {token_start}"
-        raise ConfigError(msg)
-    return int(token_start)
+    return check_int("token_start", token_start, low=0, high=_U64_MAX, numpy=True)
 
 
 def _check_namespace(namespace: str | None) -> None:
@@ -465,7 +460,7 @@ def activation_page_id(page_id: str, width: int) -> str:
     if not isinstance(page_id, str):
         msg = f"page_id must be a string, got {page_id!r}"
         raise ConfigError(msg)
-    if not isinstance(width, int | np.integer) or isinstance(width, bool):
+    if not is_int(width, numpy=True):
         msg = f"width must be an integer, got {width!r}"
         raise ConfigError(msg)
     return f"act:{page_id}:w{max(int(width), 0)}"
@@ -474,7 +469,4 @@ def activation_page_id(page_id: str, width: int) -> str:
 def _key_count(name: str, value: object) -> int:
     if type(value) is int and value >= 0:  # the usual case, decided at once
         return value
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
-        msg = f"{name} must be an integer >= 0, got {value!r}"
-        raise ConfigError(msg)
-    return int(value)
+    return check_non_negative_int(name, value, numpy=True)

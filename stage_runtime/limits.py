@@ -8,6 +8,9 @@ from typing import Final
 U64_MAX: Final = 2**64 - 1
 """Largest value of the upstream's u64 fields (counts, bounds, positions)."""
 
+U32_MAX: Final = 2**32 - 1
+"""Largest value of the upstream's u32 fields (layers, indices, versions)."""
+
 I32_MIN: Final = -(2**31)
 """Smallest int32 (token ids, widths)."""
 

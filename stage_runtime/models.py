@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from stage_runtime._validators import check_int
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame
@@ -372,10 +373,7 @@ class VirtualStageModel:
 
 def _int_at_least(name: str, value: object, minimum: int) -> int:
     """``value`` as an int when it is an integer (numpy's too) ``>= minimum``; else ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
-        raise ConfigError(msg)
-    return int(value)
+    return check_int(name, value, low=minimum, numpy=True)
 
 
 def _seconds(name: str, value: object) -> float:

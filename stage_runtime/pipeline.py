@@ -39,19 +39,23 @@ import structlog
 import trio
 
 from actors import ActorStoppedError
+from stage_runtime._validators import check_non_negative_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (
+    ConfigProblemError,
+    KeyPath,
     StageConfig,
-    _build,
     _parse_toml,
-    _toml_locator,
     check_id,
+    key_path,
+    structure,
     unrecognised_cache_mode,
 )
 from stage_runtime.errors import (
     ConfigError,
     PipelineStoppedError,
     StageFailedError,
+    shown,
     sole_exception,
 )
 from stage_runtime.frames import ActivationFrame
@@ -401,10 +405,8 @@ async def open_pipeline(
     if not callable(model_factory):
         msg = f"model_factory must be callable, got {type(model_factory).__name__}"
         raise ConfigError(msg)
-    for name, value in (("channel_size", channel_size), ("mailbox_size", mailbox_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            msg = f"{name} must be an integer >= 0, got {value!r}"
-            raise ConfigError(msg)
+    check_non_negative_int("channel_size", channel_size)
+    check_non_negative_int("mailbox_size", mailbox_size)
     if placement is None:
         placement = LocalPlacement()
     if not isinstance(placement, LocalPlacement | RayPlacement):
@@ -488,24 +490,29 @@ def validate_topology(stages: Sequence[StageConfig], *, source: str | None = Non
     Raises:
         ConfigError: naming the file (if any), the stage and the field.
     """
-    _validate_topology(stages, source=source, locate=None)
+    _validate_topology(stages, source=source, root=lambda position, _field: ("stages", position))
 
 
 def _validate_topology(
     stages: Sequence[StageConfig],
     *,
     source: str | None,
-    locate: Callable[[int, str], int | None] | None,
+    root: Callable[[int, str], KeyPath],
 ) -> None:
-    """:func:`validate_topology`; ``locate(position, field)`` gives the line of a stage's field
-    in ``source``, named in the message when known."""
+    """:func:`validate_topology`; ``root(position, field)`` is the key path of the table that
+    holds a stage's field (``stage[1]``, or ``defaults`` in a topology file), named in the
+    message."""
 
     where = f"{source}: " if source else ""
 
     def fail(position: int, field: str, problem: str) -> NoReturn:
-        line = None if locate is None else locate(position, field)
-        at = where if line is None else f"{where}line {line}: "
-        msg = f"{at}stage {stages[position].stage_id!r}: {problem}"
+        at = root(position, field)
+        stage_id = stages[position].stage_id
+        # A value from [defaults] is wrong for one stage: say which.
+        label = (
+            f"for stage[{position}] {stage_id!r}" if at == ("defaults",) else f"stage {stage_id!r}"
+        )
+        msg = f"{where}{key_path((*at, field))} {problem} ({label})"
         raise ConfigError(msg)
 
     if not stages:
@@ -517,19 +524,19 @@ def _validate_topology(
             msg = f"{where}stages[{position}] must be a StageConfig, got {type(config).__name__}"
             raise ConfigError(msg)
         if config.stage_id in seen:
-            fail(position, "stage_id", f"stage_id must be unique, got {config.stage_id!r} twice")
+            fail(position, "stage_id", f"must be unique, got {config.stage_id!r} twice")
         seen.add(config.stage_id)
         if config.stage_index != position:
             fail(
                 position,
                 "stage_index",
-                f"stage_index must equal its position {position}, got {config.stage_index}",
+                f"must equal its position {position}, got {config.stage_index}",
             )
         if position and config.layer_start != stages[position - 1].layer_end:
             fail(
                 position,
                 "layer_start",
-                f"layer_start must equal the previous stage's layer_end "
+                f"must equal the previous stage's layer_end "
                 f"{stages[position - 1].layer_end}, got {config.layer_start}",
             )
     # Frames go from each stage to the next in list order; peers naming other stages would
@@ -542,7 +549,7 @@ def _validate_topology(
                 fail(
                     position,
                     "upstream",
-                    f"upstream must be the previous stage {previous!r}, got {config.upstream!r}",
+                    f"must be the previous stage {previous!r}, got {config.upstream!r}",
                 )
         if position + 1 < len(stages) and config.downstream is not None:
             following = stages[position + 1].stage_id
@@ -550,8 +557,47 @@ def _validate_topology(
                 fail(
                     position,
                     "downstream",
-                    f"downstream must be the next stage {following!r}, got {config.downstream!r}",
+                    f"must be the next stage {following!r}, got {config.downstream!r}",
                 )
+
+
+def _table(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, dict):
+        msg = f"{attribute.name} must be a table, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _stage_tables(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        msg = f"stage must be a non-empty array of tables ([[stage]]), got {shown(value)}"
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class _TopologyFile:
+    """The top level of a topology file: each table is read by its own loader."""
+
+    defaults: dict[str, Any] = attrs.field(factory=dict, validator=_table)
+    """Keys merged under every stage."""
+
+    stage: list[dict[str, Any]] = attrs.field(factory=list, validator=_stage_tables)
+    """One table per stage, in pipeline order."""
+
+    placement: object = None
+    """Where the stages run (:func:`load_placement`)."""
+
+    model: object = None
+    """What the stages run (:func:`load_model`)."""
+
+
+def _read_topology_file(source: str) -> _TopologyFile:
+    """The parsed and structured top level of topology file ``source``."""
+    document = _parse_toml(_read_topology(source), source=source)
+    try:
+        return structure(_TopologyFile, document)
+    except ConfigProblemError as exc:
+        msg = f"{source}: {exc}"
+        raise ConfigError(msg) from None
 
 
 def load_placement(path: str | os.PathLike[str]) -> Placement | None:
@@ -561,22 +607,55 @@ def load_placement(path: str | os.PathLike[str]) -> Placement | None:
 
     Raises:
         ConfigError: the file cannot be read or parsed, or the table is invalid; names the
-            file, the line and the key.
+            file and the key path (``placement.num_cpus``).
     """
     source = os.fspath(path)
-    text = _read_topology(source)
-    document = _parse_toml(text, source=source)
-    table = document.get("placement")
+    table = _parse_toml(_read_topology(source), source=source).get("placement")
     if table is None:
         return None
     try:
         return placement_from_mapping(table)
     except ConfigError as exc:
-        key = str(exc).split(" ", 1)[0].removeprefix("placement.")
-        line = _toml_locator(text, ("placement",))(key) if key else None
-        at = f"line {line}: " if line is not None else ""
-        msg = f"{source}: {at}{exc}"
+        msg = f"{source}: {exc}"
         raise ConfigError(msg) from None
+
+
+def _model_kind(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("llama", "reference"):
+        msg = f"kind must be 'llama' or 'reference', got {shown(value)}"
+        raise ConfigError(msg)
+
+
+def _model_path(_instance: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        msg = f"path must be a model directory, got {shown(value)}"
+        raise ConfigError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class _LlamaModelTable:
+    """``[model]`` with ``kind = "llama"``."""
+
+    kind: str = attrs.field(validator=_model_kind)
+    """``"llama"``."""
+
+    path: str = attrs.field(default=None, validator=_model_path)
+    """The Hugging Face model directory, relative to the topology file."""
+
+
+@attrs.frozen(kw_only=True)
+class _ReferenceModelTable:
+    """``[model]`` with ``kind = "reference"``; :func:`reference_model_factory` checks the
+    numbers."""
+
+    kind: str = attrs.field(validator=_model_kind)
+    """``"reference"``."""
+
+    width: int = 64
+    """Activation width of every stage."""
+
+    seed: int = 0
+    """Base seed."""
 
 
 def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
@@ -592,38 +671,34 @@ def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
 
     Raises:
         ConfigError: the table is invalid or the model directory unusable; names the file and
-            the key.
+            the key path (``model.path``).
     """
     from stage_runtime.llama import llama_model_factory
     from stage_runtime.models import reference_model_factory
 
     source = os.fspath(path)
-    document = _parse_toml(_read_topology(source), source=source)
-    table = document.get("model")
+    table = _parse_toml(_read_topology(source), source=source).get("model")
     if table is None:
         return None
-    if not isinstance(table, dict):
-        msg = f"{source}: model must be a table, got {type(table).__name__}"
-        raise ConfigError(msg)
-    kind = table.get("kind")
-    allowed = {"llama": {"kind", "path"}, "reference": {"kind", "width", "seed"}}
-    if kind not in allowed:
-        msg = f"{source}: model.kind must be 'llama' or 'reference', got {kind!r}"
-        raise ConfigError(msg)
-    unknown = sorted(set(table) - allowed[kind])
-    if unknown:
-        msg = f"{source}: model keys for kind {kind!r} are {sorted(allowed[kind])}, got {unknown}"
-        raise ConfigError(msg)
+    kind = table.get("kind") if isinstance(table, dict) else None
+    shape: type[_LlamaModelTable | _ReferenceModelTable] = (
+        _LlamaModelTable if kind == "llama" else _ReferenceModelTable
+    )
     try:
-        if kind == "reference":
-            return reference_model_factory(width=table.get("width", 64), seed=table.get("seed", 0))
-        where = table.get("path")
-        if not isinstance(where, str) or not where:
-            msg = f"model.path must be a model directory, got {where!r}"
-            raise ConfigError(msg)
-        return llama_model_factory(Path(source).parent / where)
+        model = structure(shape, table)
+    except ConfigProblemError as exc:
+        msg = f"{source}: {exc.problem.render(('model',))}"
+        raise ConfigError(msg) from None
+    try:
+        if isinstance(model, _ReferenceModelTable):
+            return reference_model_factory(width=model.width, seed=model.seed)
+        return llama_model_factory(Path(source).parent / model.path)
     except ConfigError as exc:
-        msg = f"{source}: {exc}"
+        msg = (
+            f"{source}: model.{exc}"
+            if isinstance(model, _ReferenceModelTable)
+            else f"{source}: {exc}"
+        )
         raise ConfigError(msg) from None
 
 
@@ -652,7 +727,7 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     ``kv_cache`` tables are merged key by key) and one ``[[stage]]`` table per stage, in pipeline
     order. ``stage_index`` defaults to the stage's position, ``upstream``/``downstream`` to its
     neighbours' ids. An optional ``[placement]`` table says where the stages run (read by
-    :func:`load_placement`)::
+    :func:`load_placement`), an optional ``[model]`` table what they run (:func:`load_model`)::
 
         [defaults]
         model_id = "example/model"
@@ -675,27 +750,32 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
 
     Raises:
         ConfigError: unreadable or invalid TOML, unknown top-level keys, a bad stage field,
-            duplicate stage ids or non-contiguous layer ranges; names the file, stage and field.
+            duplicate stage ids or non-contiguous layer ranges; names the file and the key path
+            of the field (``stage[1].kv_cache.max_entries``, or ``defaults.ctx_size`` for a
+            value every stage takes from the defaults) and the stage's id.
     """
     source = os.fspath(path)
-    text = _read_topology(source)
-    document = _parse_toml(text, source=source)
-    unknown = sorted(set(document) - {"defaults", "stage", "placement", "model"})
-    if unknown:
-        msg = (
-            f"{source}: top-level keys must be 'defaults', 'stage', 'placement' and 'model', "
-            f"got {unknown}"
-        )
-        raise ConfigError(msg)
-    defaults = document.get("defaults", {})
-    if not isinstance(defaults, dict):
-        msg = f"{source}: defaults must be a table, got {type(defaults).__name__}"
-        raise ConfigError(msg)
-    tables = document.get("stage", [])
-    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables) or not tables:
-        msg = f"{source}: stage must be a non-empty array of tables ([[stage]]), got {tables!r}"
-        raise ConfigError(msg)
+    topology = _read_topology_file(source)
+    defaults, tables = topology.defaults, topology.stage
     ids = [table.get("stage_id", defaults.get("stage_id")) for table in tables]
+
+    def root(position: int, field: str, inner: str | int | None = None) -> KeyPath:
+        """Where a stage's field was written: its own table, else the defaults."""
+        table = tables[position]
+        if field == "kv_cache" and isinstance(inner, str):
+            own = table.get("kv_cache")
+            if isinstance(own, dict) and inner in own:
+                return ("stage", position)
+            in_defaults = isinstance(defaults.get("kv_cache"), dict)
+            return (
+                ("defaults",)
+                if in_defaults and inner in defaults["kv_cache"]
+                else ("stage", position)
+            )
+        if field not in table and field in defaults:
+            return ("defaults",)
+        return ("stage", position)
+
     configs: list[StageConfig] = []
     for position, table in enumerate(tables):
         merged: dict[str, Any] = {**defaults, **table}
@@ -707,23 +787,19 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
             merged.setdefault("upstream", ids[position - 1])
         if position + 1 < len(tables) and isinstance(ids[position + 1], str):
             merged.setdefault("downstream", ids[position + 1])
-        label = repr(ids[position]) if ids[position] is not None else f"#{position}"
-        # One format for every stage error: "file: line N: stage 'id': field ..." (the line of
-        # the field in this stage's tables, else in the defaults).
-        locate = _toml_locator(text, ("stage", position), ("defaults",))
-        configs.append(
-            _build(
-                StageConfig,
-                merged,
-                source=source,
-                prefix="",
-                locate=locate,
-                subject=f"stage {label}",
-            )
-        )
-
-    def locate_field(position: int, field: str) -> int | None:
-        return _toml_locator(text, ("stage", position), ("defaults",))(field)
-
-    _validate_topology(configs, source=source, locate=locate_field)
+        try:
+            configs.append(structure(StageConfig, merged))
+        except ConfigProblemError as exc:
+            problem = exc.problem
+            field = str(problem.path[0]) if problem.path else ""
+            inner = problem.path[1] if len(problem.path) > 1 else None
+            at = root(position, field, inner)
+            name = f" {ids[position]!r}" if ids[position] is not None else ""
+            if at == ("defaults",):  # the defaults' value is wrong for this stage
+                label = f" (for stage[{position}]{name})"
+            else:
+                label = f" (stage{name})" if name else ""
+            msg = f"{source}: {problem.render(at)}{label}"
+            raise ConfigError(msg) from None
+    _validate_topology(configs, source=source, root=root)
     return configs

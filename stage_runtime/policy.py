@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from stage_runtime._validators import check_int, check_non_negative_int
 from stage_runtime.config import KvCacheConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.limits import U64_MAX as _U64_MAX
@@ -25,9 +26,8 @@ __all__ = [
 
 
 def _count(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U64_MAX:
-        msg = f"{attribute.name} must be an integer >= 0, got {value!r}"
-        raise ConfigError(msg)
+    if check_non_negative_int(attribute.name, value) > _U64_MAX:
+        check_int(attribute.name, value, low=0, high=_U64_MAX)
 
 
 def round_half_away_from_zero(value: float) -> int:
@@ -51,10 +51,7 @@ def derive_max_resident_tokens(ctx_size: int) -> int:
 
 
 def _check_n(token_count: object, name: str = "token_count") -> int:
-    if not isinstance(token_count, int) or isinstance(token_count, bool) or token_count < 0:
-        msg = f"{name} must be an integer >= 0, got {token_count!r}"
-        raise ConfigError(msg)
-    return token_count
+    return check_non_negative_int(name, token_count)
 
 
 @attrs.frozen(kw_only=True)

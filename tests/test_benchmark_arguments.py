@@ -45,6 +45,8 @@ from tests.benchmark_scripts import load_script
         ("bench_placement", ["TRACE", "--capacities", "5,-1"], "--capacities: must be a comma"),
         ("bench_clairvoyant", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_clairvoyant", ["TRACE", "--capacities", "1,x"], "--capacities: must be a comma"),
+        ("bench_trace_parse", ["--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
+        ("bench_trace_parse", ["/no/such.jsonl"], "cannot read trace /no/such.jsonl"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(

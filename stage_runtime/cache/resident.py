@@ -13,6 +13,7 @@ from typing import Final, Literal
 
 import attrs
 
+from stage_runtime._validators import check_int_in
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.limits import U64_MAX as _U64_MAX
@@ -135,13 +136,7 @@ _STORED: Final = CacheRecordOutcome(stored=True)
 
 
 def _bound(name: str, value: object, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        msg = f"{name} must be an integer, got {value!r}"
-        raise ConfigError(msg)
-    if not low <= value <= _U64_MAX:
-        msg = f"{name} must be >= {low}, got {value}"
-        raise ConfigError(msg)
-    return value
+    return check_int_in(name, value, low=low, high=_U64_MAX)
 
 
 @attrs.define(eq=False, init=False)

@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import check_int
 from stage_runtime.accounting import CacheAccounting, MissReason
 from stage_runtime.cache.index import ActivationIndex
 from stage_runtime.cache.ladder import LadderIndex
@@ -300,24 +301,8 @@ class StageCache:
 
 
 def _check_start(token_start: object) -> int:
-    if type(token_start) is int and 0 <= token_start <= U64_MAX:
-        return token_start
-    if not isinstance(token_start, int | np.integer) or isinstance(token_start, bool):
-        msg = f"token_start must be an integer, got {token_start!r}"
-        raise ConfigError(msg)
-    if not 0 <= token_start <= U64_MAX:
-        msg = f"token_start must be in [0, {U64_MAX}], got {token_start}"
-        raise ConfigError(msg)
-    return int(token_start)
+    return check_int("token_start", token_start, low=0, high=U64_MAX, numpy=True)
 
 
 def _check_width(width: object) -> int:
-    if type(width) is int and 0 <= width <= I32_MAX:
-        return width
-    if not isinstance(width, int | np.integer) or isinstance(width, bool):
-        msg = f"activation_width must be an integer, got {width!r}"
-        raise ConfigError(msg)
-    if not 0 <= width <= I32_MAX:
-        msg = f"activation_width must be in [0, {I32_MAX}], got {width}"
-        raise ConfigError(msg)
-    return int(width)
+    return check_int("activation_width", width, low=0, high=I32_MAX, numpy=True)

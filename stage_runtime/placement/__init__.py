@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import attrs
 
 from actors import RestartPolicy
+from stage_runtime._validators import positive_int
+from stage_runtime.config import ConfigProblemError, structure
 from stage_runtime.errors import ConfigError, shown
 
 if TYPE_CHECKING:
@@ -75,12 +77,6 @@ def _cpus(_instance: object, attribute: attrs.Attribute[Any], value: object) -> 
         or value < 0
     ):
         msg = f"{attribute.name} must be a finite number >= 0, got {shown(value)}"
-        raise ConfigError(msg)
-
-
-def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{attribute.name} must be an integer >= 1, got {shown(value)}"
         raise ConfigError(msg)
 
 
@@ -167,7 +163,7 @@ class RayPlacement:
     """What to do when a stage process dies: recreate it (with an empty cache) up to the
     policy's limit, or, with None, stop the pipeline."""
 
-    max_in_flight: int = attrs.field(default=16, validator=_positive_int)
+    max_in_flight: int = attrs.field(default=16, validator=positive_int)
     """Prefills the pipeline keeps in flight at once; later callers wait for a slot (Ray queues
     actor calls without limit, the pipeline does not)."""
 
@@ -295,25 +291,17 @@ def placement_from_mapping(table: Mapping[str, Any]) -> Placement:
         raise ConfigError(msg)
     if engine == "local":
         return LocalPlacement()
-    kwargs = {key: table[key] for key in _RAY_KEYS if key in table and key != "restart"}
     restart = table.get("restart")
-    if restart is not None:
-        if not isinstance(restart, Mapping) or any(k not in _RESTART_KEYS for k in restart):
-            msg = (
-                f"placement.restart must be a table of {', '.join(_RESTART_KEYS)}, "
-                f"got {shown(restart)}"
-            )
-            raise ConfigError(msg)
-        try:
-            kwargs["restart"] = RestartPolicy(**restart)
-        except (TypeError, ValueError) as exc:
-            msg = f"placement.restart: {exc}"
-            raise ConfigError(msg) from None
+    if restart is not None and not isinstance(restart, Mapping):
+        msg = (
+            f"placement.restart must be a table of {', '.join(_RESTART_KEYS)}, got {shown(restart)}"
+        )
+        raise ConfigError(msg)
+    settings = {key: value for key, value in table.items() if key != "engine"}
     try:
-        return RayPlacement(**kwargs)
-    except ConfigError as exc:
-        msg = f"placement.{exc}" if str(exc).split(" ", 1)[0] in _RAY_KEYS else str(exc)
-        raise ConfigError(msg) from None
+        return structure(RayPlacement, settings)
+    except ConfigProblemError as exc:
+        raise ConfigError(exc.problem.render(("placement",))) from None
 
 
 @attrs.frozen(kw_only=True)

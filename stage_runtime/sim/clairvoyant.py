@@ -36,15 +36,14 @@ from typing import Final
 
 import attrs
 
+# Block ids are taken modulo 2^64, as the theoretical maximum and the token blocks do.
+from stage_runtime.limits import U64_MAX as _ID_MASK
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["ClairvoyantPlan", "ClairvoyantResult", "clairvoyant_hits", "plan", "plan_of"]
 
 _NEVER: Final = 1 << 62
 """The next use of a page no later request uses."""
-
-_ID_MASK: Final = 2**64 - 1
-"""Block ids are taken modulo 2^64, as the theoretical maximum and the token blocks do."""
 
 
 @attrs.frozen(kw_only=True)

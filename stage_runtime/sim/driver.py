@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from stage_runtime._validators import at_least
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import (
     CacheIndex,
@@ -100,18 +101,8 @@ sweep). A fanned-out replay calls it as each unit finishes, with the requests it
 units amount to: each of a replay's stages counts for ``1 / stages`` of its requests."""
 
 
-def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            name = attribute.alias or attribute.name  # the keyword the caller used
-            msg = f"{name} must be an integer >= {minimum}, got {value!r}"
-            raise ConfigError(msg)
-
-    return check
-
-
 def _between(minimum: int, maximum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    check = _at_least(minimum)
+    check = at_least(minimum)
 
     def between(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         check(instance, attribute, value)
@@ -123,7 +114,7 @@ def _between(minimum: int, maximum: int) -> Callable[[object, attrs.Attribute[An
 
 
 def _optional_at_least(minimum: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    check = _at_least(minimum)
+    check = at_least(minimum)
 
     def optional(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is not None:
@@ -170,25 +161,25 @@ class SimConfig:
     stride_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(0))
     """Lookup-grid stride; ``None``: the block size (so the grid falls on block boundaries)."""
 
-    record_limit: int = attrs.field(default=2, validator=_at_least(0))
+    record_limit: int = attrs.field(default=2, validator=at_least(0))
     """Prefix lengths one record stores (``0``: every grid length)."""
 
-    capacity_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    capacity_tokens: int = attrs.field(default=0, validator=at_least(0))
     """Per-stage cache capacity in tokens (``max_bytes = capacity * bytes_per_token``; 0: none)."""
 
     bytes_per_token: int = attrs.field(default=8192, validator=_between(1, MAX_BYTES_PER_TOKEN))
     """Activation bytes per token (8,192: a 4,096-wide bf16 activation)."""
 
-    concurrency: int = attrs.field(default=1, validator=_at_least(1))
+    concurrency: int = attrs.field(default=1, validator=at_least(1))
     """Requests in flight at once (1: file order, one at a time)."""
 
     cost: CostModel = attrs.field(factory=CostModel)
     """Virtual-time costs."""
 
-    layers_per_stage: int = attrs.field(default=8, validator=_at_least(1))
+    layers_per_stage: int = attrs.field(default=8, validator=at_least(1))
     """Layers each simulated stage holds (identity only)."""
 
-    ctx_size: int = attrs.field(default=SIM_CTX_SIZE, validator=_at_least(1))
+    ctx_size: int = attrs.field(default=SIM_CTX_SIZE, validator=at_least(1))
     """Context size of every stage (identity, and the ladder's token budget when limit > 2)."""
 
     model_id: str = "sim/model"

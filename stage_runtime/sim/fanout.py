@@ -32,7 +32,8 @@ import attrs
 import numpy as np
 import trio
 
-from stage_runtime.errors import ConfigError
+from stage_runtime._validators import check_int, check_positive_int, is_int
+from stage_runtime.errors import ConfigError, shown
 from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
 from stage_runtime.placement.worker_logging import driver_log_level, stderr_json_logging
 from stage_runtime.sim.blocks import BlockTokenizer
@@ -98,13 +99,7 @@ def replay_stage(
     """
     if log_setup is not None:
         log_setup()
-    if (
-        isinstance(stage_index, bool)
-        or not isinstance(stage_index, int)
-        or not 0 <= stage_index < config.stages
-    ):
-        msg = f"stage_index must be an integer in [0, {config.stages - 1}], got {stage_index!r}"
-        raise ConfigError(msg)
+    check_int("stage_index", stage_index, low=0, high=config.stages - 1)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
     validate_requests(requests, block_size=config.block_size)
@@ -211,10 +206,8 @@ def fan_out(
         ConfigError: the requests, a capacity or ``max_in_flight`` is invalid.
         Exception: whatever a unit raised (the units not started yet are cancelled).
     """
-    if max_in_flight is not None and (
-        isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
-    ):
-        msg = f"max_in_flight must be None or an integer >= 1, got {max_in_flight!r}"
+    if max_in_flight is not None and not (is_int(max_in_flight) and max_in_flight >= 1):
+        msg = f"max_in_flight must be None or an integer >= 1, got {shown(max_in_flight)}"
         raise ConfigError(msg)
     for capacity in capacities:
         config.check_capacity(capacity)
@@ -306,9 +299,7 @@ def open_executor(
         ConfigError: ``workers`` is not an integer >= 1, ``placement`` is not a placement, or
             Ray could not start or join its cluster.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        msg = f"workers must be an integer >= 1, got {workers!r}"
-        raise ConfigError(msg)
+    check_positive_int("workers", workers)
     if isinstance(placement, RayPlacement):
         # Imported only when asked for: Ray is an optional extra.
         from stage_runtime.placement.ray_session import open_ray_executor

@@ -6,13 +6,11 @@ from collections.abc import Iterable
 
 import attrs
 
+# Block ids are 64-bit values, signed or unsigned (BlockTokenizer takes them modulo 2^64).
+from stage_runtime.limits import U64_MAX as _ID_MASK
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["TheoreticalMax", "theoretical_max_hit_ratio"]
-
-_ID_MASK = 2**64 - 1
-"""Block ids are 64-bit values, signed or unsigned (:class:`~stage_runtime.sim.BlockTokenizer`
-takes them modulo 2^64)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -48,10 +48,16 @@ def test_desc_defaults_match_upstream() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"token_count": -1}, "token_count must be in [0, 4294967295], got -1"),
-        ({"token_count": 2**32}, "token_count must be in [0, 4294967295], got 4294967296"),
-        ({"payload_bytes": 1.5}, "payload_bytes must be an integer, got 1.5"),
-        ({"flags": True}, "flags must be an integer, got True"),
+        ({"token_count": -1}, "token_count must be an integer in [0, 4,294,967,295], got -1"),
+        (
+            {"token_count": 2**32},
+            "token_count must be an integer in [0, 4,294,967,295], got 4294967296",
+        ),
+        (
+            {"payload_bytes": 1.5},
+            "payload_bytes must be an integer in [0, 18,446,744,073,709,551,615], got 1.5",
+        ),
+        ({"flags": True}, "flags must be an integer in [0, 18,446,744,073,709,551,615], got True"),
         ({"dtype": 9}, "dtype must be one of [0, 1, 2, 3], got 9"),
         ({"layout": "rows"}, "layout must be one of [0, 1], got 'rows'"),
     ],

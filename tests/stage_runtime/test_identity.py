@@ -380,7 +380,7 @@ def test_as_token_array_rejects_bad_tokens(tokens: object, message: str) -> None
 
 def test_bad_token_start_and_namespace() -> None:
     """token_start must be a u64 and the namespace a string."""
-    with pytest.raises(ConfigError, match="token_start must be in"):
+    with pytest.raises(ConfigError, match="token_start must be an integer in"):
         prefix_hash(config(), -1, [1])
     with pytest.raises(ConfigError, match="namespace must be a string or None, got 5"):
         prefix_hash(config(), 0, [1], 5)  # type: ignore[arg-type]

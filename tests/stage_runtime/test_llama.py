@@ -309,7 +309,8 @@ async def test_out_of_vocabulary_ids_are_refused_before_any_stage_runs(tmp_path:
         ("[model]\nkind = 'gpt'", r"model\.kind must be 'llama' or 'reference', got 'gpt'"),
         ("[model]\nkind = 'llama'", r"model\.path must be a model directory, got None"),
         ("[model]\nkind = 'llama'\npath = 'nowhere'", r"nowhere/config\.json: model config not"),
-        ("[model]\nkind = 'reference'\npath = 'x'", r"got \['path'\]"),
+        ("[model]\nkind = 'reference'\npath = 'x'", r"unknown field model\.path \(known "),
+        ("[model]\nkind = 'reference'\nwidth = 0", r"model\.width must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_model_tables_are_config_errors(tmp_path: Path, table: str, message: str) -> None:

@@ -887,76 +887,79 @@ max_entries = 1
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: line 8: stage 'a': stage_id must be unique, got 'a' twice",
+            r"topology.toml: stage\[1\].stage_id must be unique, got 'a' twice \(stage 'a'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 4\nlayer_end = 6\n',
-            r"topology.toml: line 9: stage 'b': layer_start must equal the previous stage's "
-            r"layer_end 3, got 4",
+            r"topology.toml: stage\[1\].layer_start must equal the previous stage's "
+            r"layer_end 3, got 4 \(stage 'b'\)",
         ),
-        (  # a stage_index set in [defaults] fits only the first stage: the defaults' line
+        (  # a stage_index set in [defaults] fits only the first stage: the defaults' key
             '[defaults]\nmodel_id = "m"\nstage_index = 0\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: line 3: stage 'b': stage_index must equal its position 1, got 0",
+            r"topology.toml: defaults.stage_index must equal its position 1, got 0 "
+            r"\(for stage\[1\] 'b'\)",
         ),
         ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml: stage #1: missing required field stage_id",
+            r"topology.toml: missing required field stage\[1\].stage_id$",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
-            r"topology.toml: line 6: stage 'a': layer_end must be an integer, got 'x'",
+            r"topology.toml: stage\[0\].layer_end must be an integer, got 'x' \(stage 'a'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 3\n',
-            r"topology.toml: line 6: stage 'a': layer_end must be > layer_start \(3\), got 3",
+            r"topology.toml: stage\[0\].layer_end must be > layer_start \(3\), got 3",
         ),
-        (  # the second [[stage]]'s own line, not the first one's
+        (  # the second [[stage]]'s key, not the first one's
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 3\n',
-            r"topology.toml: line 10: stage 'b': layer_end must be > layer_start \(3\), got 3",
+            r"topology.toml: stage\[1\].layer_end must be > layer_start \(3\), got 3",
         ),
-        (  # a value every stage takes from [defaults]: the line in the defaults
+        (  # a value every stage takes from [defaults]: the key in the defaults
             '[defaults]\nmodel_id = "m"\nctx_size = 0\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n',
-            r"topology.toml: line 3: stage 'a': ctx_size must be >= 1, got 0",
+            r"topology.toml: defaults.ctx_size must be >= 1, got 0 \(for stage\[0\] 'a'\)",
         ),
         (  # a stage's own kv_cache sub-table
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n'
             '[stage.kv_cache]\nmode = "lookup-record"\nmax_entries = 0\n',
-            r"topology.toml: line 13: stage 'b': kv_cache.max_entries must be >= 1, got 0",
+            r"topology.toml: stage\[1\].kv_cache.max_entries must be >= 1, got 0 \(stage 'b'\)",
         ),
         (  # a neighbour's bad id is that stage's error, not a bad downstream of the first
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nstage_id = 7\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml: line 8: stage 7: stage_id must be a string, got 7",
+            r"topology.toml: stage\[1\].stage_id must be a string, got 7",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = ' + "9" * 4400 + "\n",
-            r"topology.toml: line 6: integer of 4400 digits is out of range",
+            r"topology.toml: an integer of more than 4300 digits is out of range",
         ),
         (  # peers must be the neighbours: frames go from each stage to the next
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\nupstream = "x"\n',
-            r"topology.toml: line 11: stage 'b': upstream must be the previous stage 'a', "
-            r"got 'x'",
+            r"topology.toml: stage\[1\].upstream must be the previous stage 'a', "
+            r"got 'x' \(stage 'b'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\ndownstream = "c"\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: line 7: stage 'a': downstream must be the next stage 'b', got 'c'",
+            r"topology.toml: stage\[0\].downstream must be the next stage 'b', got 'c'",
         ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
-        ("[stages]\n", r"topology.toml: top-level keys must be"),
+        ("[stages]\n", r"topology.toml: unknown field stages \(known fields: defaults, model, "),
+        ("defaults = 3\n", r"topology.toml: defaults must be a table, got 3$"),
     ],
 )
 def test_invalid_topology_names_file_stage_and_field(tmp_path: Path, body: str, match: str) -> None:
-    """Topology errors are ConfigErrors naming the file, the stage and the field."""
+    """Topology errors are ConfigErrors naming the file, the key path of the field (in its
+    stage's table or in the defaults) and the stage."""
     path = tmp_path / "topology.toml"
     path.write_text('[defaults]\nmodel_id = "m"\n' + body if "defaults" not in body else body)
     with pytest.raises(ConfigError, match=match):

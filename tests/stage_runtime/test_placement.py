@@ -528,19 +528,27 @@ within_s = 60
     [
         (
             'engine = "ray"\nnodes = 3',
-            r"line 17: placement\.nodes is not a setting of engine",
+            r"topology\.toml: placement\.nodes is not a setting of engine",
         ),
-        ('engine = "local"\naddress = "auto"', r"line 17: placement\.address .* \(a Ray setting\)"),
-        ('engine = "kubernetes"', r"line 16: placement\.engine must be 'local' or 'ray'"),
-        ('engine = "ray"\nnum_cpus = -2', r"line 17: placement\.num_cpus must be a finite"),
-        ('engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }', "max_restarts must be"),
-        ('engine = "ray"\nrestart = { tries = 1 }', r"placement\.restart must be a table of"),
+        ('engine = "local"\naddress = "auto"', r"toml: placement\.address .* \(a Ray setting\)"),
+        ('engine = "kubernetes"', r"toml: placement\.engine must be 'local' or 'ray'"),
+        ('engine = "ray"\nnum_cpus = -2', r"toml: placement\.num_cpus must be a finite"),
+        (
+            'engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }',
+            r"placement\.restart\.max_restarts must be >= 0, got -1$",
+        ),
+        (
+            'engine = "ray"\nrestart = { tries = 1 }',
+            r"unknown field placement\.restart\.tries \(known fields: backoff_s, max_restarts",
+        ),
+        ('engine = "ray"\nrestart = 3', r"placement\.restart must be a table of .*, got 3$"),
+        ('engine = "ray"\nmax_in_flight = true', r"placement\.max_in_flight must be an integer"),
     ],
 )
-def test_a_bad_placement_table_names_file_line_and_key(
+def test_a_bad_placement_table_names_file_and_key_path(
     tmp_path: Path, table: str, match: str
 ) -> None:
-    """Each mistake is a ConfigError naming the file, the line (when known) and the key."""
+    """Each mistake is a ConfigError naming the file and the key path."""
     path = write_topology(tmp_path, "\n[placement]\n" + table + "\n")
     with pytest.raises(ConfigError, match=match) as caught:
         load_placement(path)

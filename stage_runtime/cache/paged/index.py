@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import check_int_in
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
 from stage_runtime.cache.paged.chains import PageChain, _page_chain, _private_tokens
 from stage_runtime.cache.paged.entries import Footprint, _Entry, _footprint_segments, _stored
@@ -38,6 +39,7 @@ from stage_runtime.cache.paged.results import (
 from stage_runtime.cache.resident import EvictionReason
 from stage_runtime.config import PageEviction
 from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.limits import U64_MAX
 
 __all__ = ["PagedActivationIndex"]
 
@@ -131,9 +133,7 @@ class PagedActivationIndex:
             ("min_tokens", self.min_tokens, 0),
             ("tombstones", self.tombstones, 0),
         ):
-            if value < low:
-                msg = f"{name} must be >= {low}, got {value}"
-                raise ConfigError(msg)
+            check_int_in(name, value, low=low, high=U64_MAX)
         self._misses = MissTracker(capacity=self.tombstones)
         self._eviction = eviction_for(self.eviction, self)
 

@@ -221,3 +221,63 @@ def test_bundled_demo_trace_has_300_requests_with_sharing() -> None:
 def test_unsigned_64_bit_hash_ids_parse() -> None:
     """A hash id up to 2**64 - 1 is a valid id."""
     assert parse_trace_line(_line(hash_ids=[2**64 - 1, 3])).block_ids == (2**64 - 1, 3)
+
+
+def test_the_fast_path_reads_every_bundled_line_as_the_checked_path_does() -> None:
+    """msgspec's reading of a line (the fast path) equals the standard library's, field by
+    field, for each line of the bundled excerpt, as text and as bytes."""
+    from stage_runtime.data import demo_trace
+    from stage_runtime.sim.trace import _parse_checked, _parse_fast
+
+    lines = demo_trace().read_bytes().splitlines()
+    assert len(lines) == 300
+    for number, raw in enumerate(lines, start=1):
+        checked = _parse_checked(
+            raw, path="t", line=number, index=number, block_size=512, max_input_length=None
+        )
+        for text in (raw, raw.decode()):
+            fast = _parse_fast(
+                text, line=number, index=number, block_size=512, max_input_length=None
+            )
+            assert fast == checked
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"timestamp": 1, "input_length": 2, "output_length": 0, "hash_ids": [1], "x": 1}',
+        '{"timestamp": 1.5, "input_length": 2, "output_length": 0, "hash_ids": [1]}',
+        '{"timestamp": 1e300, "input_length": 2, "output_length": 0, "hash_ids": [1]}',
+        '{"timestamp": 1, "input_length": 2, "output_length": 1' + "0" * 30 + ', "hash_ids": [1]}',
+        '{"timestamp": 1, "input_length": 2, "output_length": 0, "hash_ids": ['
+        + str(-(2**63))
+        + "]}",
+        '{"timestamp": 1, "input_length": 2, "output_length": 0, "hash_ids": ['
+        + str(2**64 - 1)
+        + "]}",
+        '{"timestamp": 1, "input_length": 2, "output_length": 0, "hash_ids": [1], "s": "a:b"}',
+    ],
+    ids=["extra-field", "float-ms", "huge-float-ms", "long-output", "id-min", "id-max", "colon"],
+)
+def test_lines_off_the_fast_path_read_as_before(text: str) -> None:
+    """A valid line the fast path declines or takes (an extra field, a float timestamp, ids at
+    the ends of the range, numbers past 64 bits) parses to the same request either way."""
+    from stage_runtime.sim.trace import _parse_checked
+
+    checked = _parse_checked(text, path="t", line=3, index=0, block_size=512, max_input_length=None)
+    assert parse_trace_line(text, path="t", line=3) == checked
+    assert parse_trace_line(text.encode(), path="t", line=3) == checked
+
+
+@pytest.mark.parametrize("field", ["timestamp", "input_length", "output_length", "hash_ids"])
+def test_a_repeated_key_is_refused_with_its_line_although_msgspec_keeps_the_last(
+    field: str,
+) -> None:
+    """msgspec keeps the last of two equal keys: the repeat is still a TraceFormatError naming
+    the file, the line and the field."""
+    values = {"timestamp": "1", "input_length": "2", "output_length": "0", "hash_ids": "[1]"}
+    body = ", ".join(f'"{key}": {value}' for key, value in values.items())
+    text = "{" + body + f', "{field}": {values[field]}' + "}"
+    with pytest.raises(TraceFormatError, match=f"^t.jsonl:7: {field} appears twice") as caught:
+        parse_trace_line(text, path="t.jsonl", line=7)
+    assert (caught.value.line, caught.value.field) == (7, field)
