@@ -17,13 +17,14 @@ import numpy.typing as npt
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
 from stage_runtime.errors import ConfigError, json_error_detail
+from stage_runtime.limits import I32_MAX, I32_MIN
 from stage_runtime.pipeline import vocabulary_violation
 from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 __all__ = ["InvalidRequestError", "PrefillBody", "parse_prefill_request"]
 
-INT32_MIN: Final = -(2**31)
-INT32_MAX: Final = 2**31 - 1
+INT32_MIN: Final = I32_MIN
+INT32_MAX: Final = I32_MAX
 MAX_ID_CHARS: Final = 256
 """Longest accepted ``session_id`` / ``request_id``: they end up in every log line."""
 

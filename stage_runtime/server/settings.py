@@ -6,6 +6,7 @@ from typing import Any, Final
 
 import attrs
 
+from stage_runtime._validators import positive_int
 from stage_runtime.errors import ConfigError
 
 __all__ = ["ANSWER_MARGIN_S", "ServerSettings"]
@@ -22,23 +23,17 @@ def _positive(_instance: object, attribute: attrs.Attribute[Any], value: object)
         raise ConfigError(msg)
 
 
-def _positive_int(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{attribute.name} must be an integer >= 1, got {value!r}"
-        raise ConfigError(msg)
-
-
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """Limits and timeouts of the HTTP server."""
 
-    max_inflight: int = attrs.field(default=64, validator=_positive_int)
+    max_inflight: int = attrs.field(default=64, validator=positive_int)
     """Prefills admitted at once (running or queued in the pipeline); more get ``503``."""
 
-    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=positive_int)
     """Largest accepted request body; larger ones get ``413`` before they are fully read."""
 
-    retry_after_s: int = attrs.field(default=1, validator=_positive_int)
+    retry_after_s: int = attrs.field(default=1, validator=positive_int)
     """``Retry-After`` sent with ``503`` answers."""
 
     shutdown_timeout_s: float = attrs.field(default=30.0, validator=_positive)
@@ -55,6 +50,6 @@ class ServerSettings:
     (httpx: 5 s) so that a client never reuses a connection the server is closing under it; 75 s
     as nginx."""
 
-    backlog: int = attrs.field(default=1024, validator=_positive_int)
+    backlog: int = attrs.field(default=1024, validator=positive_int)
     """Connections the kernel queues before the server accepts them (capped by
     ``net.core.somaxconn``); a burst of simultaneous connects beyond it is refused or retried."""
