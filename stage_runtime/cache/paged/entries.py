@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -9,24 +10,34 @@ import numpy as np
 
 from stage_runtime.cache.paged.chains import PageChain
 from stage_runtime.cache.paged.results import EntryKind, Payload, _entry_name, _is_virtual
+from stage_runtime.identity import TokenArray
 
-_SHARED_SEGMENTS = 4096
-"""Token segments :func:`_shared_segment` remembers: the stages of a pipeline record the same
-prompts one after the other, so a short memory lets them all keep one copy of each segment."""
-_recent_segments: OrderedDict[bytes, bytes] = OrderedDict()
-"""An ordered dict, not a dict: ``next(iter(d))`` on a plain dict whose oldest keys were deleted
-walks over their empty slots first, which made forgetting the oldest segment cost more than
-everything else a stored page does."""
+_SHARED_PROMPTS = 16
+"""Prompts :func:`_shared_segment` remembers the segments of: the stages of a pipeline record the
+same prompt (the same read-only array, handed to every stage) one after the other, so a short
+memory lets them all keep one copy of each segment."""
+_recent_prompts: OrderedDict[int, tuple[weakref.ref[TokenArray], dict[tuple[int, int], bytes]]] = (
+    OrderedDict()
+)
+"""``id(tokens)`` -> the array (weakly: an id is reused once its array is gone) and the bytes of
+its segments made so far, by ``(start, stop)``. Keyed by the array, not by the bytes: hashing
+every 2 KiB segment to find an equal one cost a stored page more than the rest of its
+footprint; and an ordered dict, whose oldest item goes in O(1)."""
 
 
-def _shared_segment(data: bytes) -> bytes:
-    """``data``, or an equal bytes object recorded lately (one copy for all the stages)."""
-    known = _recent_segments.get(data)
-    if known is not None:
-        return known
-    _recent_segments[data] = data
-    if len(_recent_segments) > _SHARED_SEGMENTS:
-        _recent_segments.popitem(last=False)
+def _shared_segment(tokens: TokenArray, start: int, stop: int) -> bytes:
+    """``tokens[start:stop]`` as bytes: the same bytes object another stage made lately from the
+    same tokens array (one copy for all the stages), else a new one."""
+    slot = _recent_prompts.get(id(tokens))
+    if slot is None or slot[0]() is not tokens:
+        slot = (weakref.ref(tokens), {})
+        _recent_prompts[id(tokens)] = slot
+        if len(_recent_prompts) > _SHARED_PROMPTS:
+            _recent_prompts.popitem(last=False)
+    segments = slot[1]
+    data = segments.get((start, stop))
+    if data is None:
+        data = segments[start, stop] = tokens[start:stop].tobytes()
     return data
 
 
@@ -41,12 +52,14 @@ def _footprint_segments(chain: PageChain, entry: _Entry) -> Footprint:
     one is held per resident entry until the footprint is read.)"""
     tokens = chain.tokens
     if entry.kind == "exact":
+        # As chain.segments(n): each page of the first n tokens, then the rest.
+        p, n = chain.page_tokens, entry.token_count
         return [
-            (parent, _shared_segment(part.tobytes()))
-            for parent, part in chain.segments(entry.token_count)
+            (chain.parent_key(i), _shared_segment(tokens, i * p, min((i + 1) * p, n)))
+            for i in range(-(-n // p))
         ]
     start = entry.token_start
-    return _shared_segment(tokens[start : start + entry.token_count].tobytes())
+    return _shared_segment(tokens, start, start + entry.token_count)
 
 
 def _stored(segment: Payload) -> Payload:
