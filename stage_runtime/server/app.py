@@ -810,6 +810,11 @@ _MAILBOX_METRICS: Final[tuple[tuple[str, MetricType, str], ...]] = (
 )
 
 
+_ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+"""What the middlewares wrap: :meth:`PipelineApp.__call__` hands them HTTP scopes only (it
+answers lifespan itself, and Starlette's Mount sends none), so they need no other branch."""
+
+
 def _route_path(scope: Scope) -> str:
     """The request's path below the app's mount point (the whole path when not mounted)."""
     path: str = scope["path"]
@@ -823,14 +828,11 @@ class _BodyLimit:
     streaming gigabytes is cut off after the limit. The endpoint reading the body gets an
     :class:`InvalidRequestError` from ``receive``; one that never reads reads nothing."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int):
+    def __init__(self, app: _ASGIApp, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         limit = self.max_bytes
         declared = next(
             (int(v) for k, v in scope["headers"] if k.lower() == b"content-length" and v.isdigit()),
@@ -904,16 +906,11 @@ class _ServedRequests:
     status (``499`` when the client hung up) and counts it by route, or ``request_dropped``
     when a forced shutdown cancels it."""
 
-    def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], served: PipelineApp
-    ) -> None:
+    def __init__(self, app: _ASGIApp, served: PipelineApp) -> None:
         self.app = app
         self.served = served
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         served = self.served
         served._active += 1
         try:
