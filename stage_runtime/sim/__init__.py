@@ -51,7 +51,13 @@ from stage_runtime.sim.driver import (
     summarise_replay,
     validate_requests,
 )
-from stage_runtime.sim.fanout import fan_out, open_executor, replay_stage
+from stage_runtime.sim.fanout import (
+    fan_out,
+    open_executor,
+    replay_stage,
+    replay_stages,
+    stage_groups,
+)
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.report import (
     plot_figure,
@@ -117,10 +123,12 @@ __all__ = [
     "sweep_order",
     "replay",
     "replay_stage",
+    "replay_stages",
     "result_to_json",
     "run_replay",
     "run_sweep",
     "simulated_model_factory",
+    "stage_groups",
     "stage_configs",
     "summarise_replay",
     "synthetic_workload",

@@ -1,25 +1,28 @@
-"""Fanned-out replays: each (stage, capacity) unit of a replay or sweep in a process of its own.
+"""Fanned-out replays: the (stages, capacity) units of a replay or sweep in processes of their own.
 
 Virtual time cannot cross processes, but a replay does not need it to: a stage's hits depend
 only on the order in which requests reach it, which is the admission order
 (:func:`~stage_runtime.sim.driver.admission_order`), never on timing; and the points of a
 capacity sweep are separate replays. So a sweep of ``C`` capacities through ``S`` stages splits
-into ``S x C`` independent units. Each unit (:func:`replay_stage`) runs the real
-:class:`~stage_runtime.stage.Stage` with its own cache actor and simulated model, in a trio run
-of its own, fed every request in admission order, and returns what that stage restored and
-computed per request, its record and eviction counters and its cache's accounting at the end
-(a :class:`~stage_runtime.sim.driver.StageReplay`). The driver then computes every time and load
-figure once, with the code a one-process replay uses
+into up to ``S x C`` independent units. Each unit (:func:`replay_stages`) runs the real
+:class:`~stage_runtime.stage.Stage` of one or more stages, each with its own cache actor and
+simulated model, in a trio run of its own, fed every request in admission order, and returns
+what each stage restored and computed per request, its record and eviction counters and its
+cache's accounting at the end (a :class:`~stage_runtime.sim.driver.StageReplay`). The driver
+then computes every time and load figure once, with the code a one-process replay uses
 (:func:`~stage_runtime.sim.driver.summarise_replay`): every result but the wall time is
 identical to a one-process run.
 
 Units run on any :class:`concurrent.futures.Executor` (:func:`fan_out`): a pool of local
-processes or Ray tasks, both opened by :func:`open_executor`.
+processes or Ray tasks, both opened by :func:`open_executor`. How many stages a unit takes is
+:func:`stage_groups`' choice: a unit of several stages shares their per-request work, more
+units keep more processes busy.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -30,10 +33,14 @@ from typing import Final
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import trio
 
 from stage_runtime._validators import check_int, check_positive_int, is_int
+from stage_runtime.cache.prompt import owned_tokens
+from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, shown
+from stage_runtime.models import ModelFactory
 from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
 from stage_runtime.placement.worker_logging import driver_log_level, stderr_json_logging
 from stage_runtime.sim.blocks import BlockTokenizer
@@ -53,7 +60,7 @@ from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import SimRequest
 from stage_runtime.stage import PrefillRequest, Stage
 
-__all__ = ["fan_out", "open_executor", "replay_stage"]
+__all__ = ["fan_out", "open_executor", "replay_stage", "replay_stages", "stage_groups"]
 
 LogSetup = Callable[[], None]
 """Configures logging in a unit's process before it replays (a picklable callable)."""
@@ -97,73 +104,149 @@ def replay_stage(
         ConfigError: ``stage_index`` is not a stage of ``config``, or the requests or the
             capacity are invalid.
     """
+    (replayed,) = replay_stages(requests, config, (stage_index,), capacity_tokens, log_setup)
+    return replayed
+
+
+def replay_stages(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    stage_indices: Sequence[int],
+    capacity_tokens: int | None = None,
+    log_setup: LogSetup | None = None,
+) -> list[StageReplay]:
+    """:func:`replay_stage` for several stages in one trio run: one unit, cheaper than one per
+    stage.
+
+    The stages replay side by side, each alone as in :func:`replay_stage` (with its own cache
+    actor, fed every request in admission order), but they share what depends on the request
+    only: its token ids are generated once and handed to every stage as one read-only array, so
+    the caches' per-prompt work that depends on the tokens alone (the grid fingerprints) is
+    done once too, as in the pipeline.
+
+    Args:
+        requests: The workload, in file order.
+        config: The simulation settings.
+        stage_indices: Which stages (0-based, distinct).
+        capacity_tokens: Overrides ``config.capacity_tokens`` (a sweep point).
+        log_setup: Called first, to configure logging in this process (None: left as is).
+
+    Returns:
+        One :class:`~stage_runtime.sim.driver.StageReplay` per stage, in the given order.
+
+    Raises:
+        ConfigError: a stage index is not a stage of ``config`` or is given twice, or the
+            requests or the capacity are invalid.
+    """
     if log_setup is not None:
         log_setup()
-    check_int("stage_index", stage_index, low=0, high=config.stages - 1)
+    stages = tuple(stage_indices)
+    for stage_index in stages:
+        check_int("stage_index", stage_index, low=0, high=config.stages - 1)
+    if not stages or len(set(stages)) != len(stages):
+        msg = f"stage_indices must name distinct stages, at least one, got {stages!r}"
+        raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
     validate_requests(requests, block_size=config.block_size)
-    return trio.run(_replay_stage, requests, config, stage_index, capacity)
+    return trio.run(_replay_stages, requests, config, stages, capacity)
 
 
-async def _replay_stage(
-    requests: Sequence[SimRequest], config: SimConfig, stage_index: int, capacity: int
-) -> StageReplay:
+async def _replay_stages(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    stage_indices: tuple[int, ...],
+    capacity: int,
+) -> list[StageReplay]:
     configs = stage_configs(config, capacity_tokens=capacity)
-    stage_config = configs[stage_index]
     factory = simulated_model_factory(
         bytes_per_token=config.bytes_per_token, cost=config.cost, sleep=False
     )
-    upstream = None
-    if stage_index > 0:
-        previous = configs[stage_index - 1]
-        upstream = SimulatedStageModel(
-            bytes_per_token=config.bytes_per_token,
-            cost=config.cost,
-            stage_index=previous.stage_index,
-            layer_start=previous.layer_start,
-            layer_end=previous.layer_end,
-            sleep=False,
-        )
     ordered = admission_order(requests, config.concurrency)
     tokenizer = BlockTokenizer(config.block_size)
-    tally = _StageTally(len(ordered))
-    send_inbox, inbox = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
-    send_sent, sent = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
-    # environ={}: as in a one-process replay, the simulation is what its SimConfig says.
-    stage = Stage(config=stage_config, model_factory=factory, inbox=inbox, outbox=None, environ={})
+    lanes = [_Lane(configs, index, factory, config, len(ordered)) for index in stage_indices]
 
     async def feed() -> None:
-        async with send_inbox, send_sent:
+        async with contextlib.AsyncExitStack() as stack:
+            for lane in lanes:
+                stack.enter_context(lane.send_inbox)
+                stack.enter_context(lane.send_sent)
             for request in ordered:
-                tokens = tokenizer.request_tokens(request)
-                tokens.flags.writeable = False  # as the pipeline hands its stages tokens
-                prefill = PrefillRequest(
-                    request_id=f"request-{request.index}",
-                    session_id=f"session-{request.index}",
-                    tokens=tokens,
-                    frame=None if upstream is None else upstream.frame(int(np.size(tokens))),
-                )
-                await send_sent.send(prefill)
-                await send_inbox.send(prefill)
+                # Read-only and owning its memory, as the pipeline hands its stages tokens:
+                # every stage then keeps this array, no copy of its own.
+                tokens = owned_tokens(tokenizer.request_tokens(request))
+                for lane in lanes:
+                    await lane.send(request.index, tokens)
 
-    async def collect() -> None:
+    async with trio.open_nursery() as nursery:
+        for lane in lanes:
+            await nursery.start(lane.stage.run)
+            nursery.start_soon(lane.collect)
+        nursery.start_soon(feed)
+    # The stages have drained and stopped: these are their final statistics.
+    replayed = []
+    for lane in lanes:
+        final = await lane.stage.statistics()
+        replayed.append(lane.tally.replay(final.stage_id, final.accounting))
+    return replayed
+
+
+class _Lane:
+    """One stage of a unit: the stage, its inbox, the requests sent to it and its tally."""
+
+    def __init__(
+        self,
+        configs: Sequence[StageConfig],
+        stage_index: int,
+        factory: ModelFactory,
+        config: SimConfig,
+        requests: int,
+    ) -> None:
+        self.upstream: SimulatedStageModel | None = None
+        if stage_index > 0:
+            previous = configs[stage_index - 1]
+            self.upstream = SimulatedStageModel(
+                bytes_per_token=config.bytes_per_token,
+                cost=config.cost,
+                stage_index=previous.stage_index,
+                layer_start=previous.layer_start,
+                layer_end=previous.layer_end,
+                sleep=False,
+            )
+        self.tally = _StageTally(requests)
+        self.send_inbox, inbox = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
+        self.send_sent, self.sent = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
+        # environ={}: as in a one-process replay, the simulation is what its SimConfig says.
+        self.stage = Stage(
+            config=configs[stage_index],
+            model_factory=factory,
+            inbox=inbox,
+            outbox=None,
+            environ={},
+        )
+
+    async def send(self, index: int, tokens: npt.NDArray[np.int32]) -> None:
+        """Hand the stage request ``index`` (its tokens, and its predecessor's frame)."""
+        upstream = self.upstream
+        prefill = PrefillRequest(
+            request_id=f"request-{index}",
+            session_id=f"session-{index}",
+            tokens=tokens,
+            frame=None if upstream is None else upstream.frame(int(np.size(tokens))),
+        )
+        await self.send_sent.send(prefill)
+        await self.send_inbox.send(prefill)
+
+    async def collect(self) -> None:
+        """Tally each request as the stage settles it."""
         position = 0
-        async with sent:
-            async for prefill in sent:  # in the stage's own order: it serves its inbox FIFO
+        async with self.sent:
+            async for prefill in self.sent:  # in the stage's own order: it serves its inbox FIFO
                 await prefill.done.wait()
                 if prefill.error is not None:
                     raise prefill.error
-                tally.add(position, prefill.reports[0])
+                self.tally.add(position, prefill.reports[0])
                 position += 1
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(stage.run)
-        nursery.start_soon(collect)
-        nursery.start_soon(feed)
-    # The stage has drained and stopped: these are its final statistics.
-    final = await stage.statistics()
-    return tally.replay(final.stage_id, final.accounting)
 
 
 def fan_out(
@@ -175,10 +258,18 @@ def fan_out(
     theoretical: TheoreticalMax | None = None,
     progress: ProgressCallback | None = None,
     max_in_flight: int | None = None,
+    parallelism: int | None = None,
     log_setup: LogSetup | None = None,
 ) -> list[ReplayResult]:
-    """Replay once per capacity, every stage of every replay a unit (:func:`replay_stage`)
-    run by ``executor``; then summarise each replay here, as a one-process replay does.
+    """Replay once per capacity, the stages of every replay split into units
+    (:func:`replay_stages`) run by ``executor``; then summarise each replay here, as a
+    one-process replay does.
+
+    A unit of several stages costs less than as many units of one (they share each request's
+    token ids and fingerprints), but a unit per stage leaves more units to spread over the
+    executor's processes. Given ``parallelism``, each replay is split into the number of units
+    that finishes soonest by that estimate (a sweep of 4 capacities on 2 processes: one unit
+    per capacity); without it, one unit per stage.
 
     Every figure of the results equals that of :func:`~stage_runtime.sim.runs.run_sweep`
     in one process, but for ``wall_s`` (and ``tokens_per_s``): the replays run side by side,
@@ -195,6 +286,9 @@ def fan_out(
         progress: Called as units finish (see
             :data:`~stage_runtime.sim.driver.ProgressCallback`).
         max_in_flight: Most units submitted at once (None: all of them at once).
+        parallelism: How many units the executor runs side by side (its processes); None:
+            ``max_in_flight``, else the ``max_workers`` of a standard library pool, else
+            unknown (one unit per stage).
         log_setup: Configures logging in each unit's process before it replays; must be
             picklable. None: structlog JSON lines on stderr at this process's level, in other
             processes only (a thread pool's units log as this process is configured to).
@@ -203,12 +297,16 @@ def fan_out(
         One result per capacity, in the given order.
 
     Raises:
-        ConfigError: the requests, a capacity or ``max_in_flight`` is invalid.
+        ConfigError: the requests, a capacity, ``max_in_flight`` or ``parallelism`` is
+            invalid.
         Exception: whatever a unit raised (the units not started yet are cancelled).
     """
-    if max_in_flight is not None and not (is_int(max_in_flight) and max_in_flight >= 1):
-        msg = f"max_in_flight must be None or an integer >= 1, got {shown(max_in_flight)}"
-        raise ConfigError(msg)
+    for name, value in (("max_in_flight", max_in_flight), ("parallelism", parallelism)):
+        if value is not None and not (is_int(value) and value >= 1):
+            msg = f"{name} must be None or an integer >= 1, got {shown(value)}"
+            raise ConfigError(msg)
+    if parallelism is None:
+        parallelism = max_in_flight or _pool_workers(executor)
     for capacity in capacities:
         config.check_capacity(capacity)
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
@@ -223,21 +321,22 @@ def fan_out(
     by_size = sorted(
         range(len(capacities)), key=lambda run: (capacities[run] != 0, -capacities[run])
     )
-    units = [(run, stage) for run in by_size for stage in range(stages)]
+    groups = stage_groups(stages, len(capacities), parallelism)
+    units = [(run, group) for run in by_size for group in groups]
     limit = len(units) if max_in_flight is None else max_in_flight
     waiting = iter(units)
-    pending: dict[concurrent.futures.Future[StageReplay], tuple[int, int]] = {}
+    pending: dict[concurrent.futures.Future[list[StageReplay]], tuple[int, Stages]] = {}
     done: dict[tuple[int, int], StageReplay] = {}
     left = [stages] * len(capacities)
     results: list[ReplayResult] = []
-    finished_units = 0
+    finished_stages = 0
     started = time.perf_counter()
     try:
         while True:
             while len(pending) < limit and (unit := next(waiting, None)) is not None:
-                run, stage = unit
+                run, group = unit
                 future = executor.submit(
-                    replay_stage, requests, config, stage, capacities[run], log_setup
+                    replay_stages, requests, config, group, capacities[run], log_setup
                 )
                 pending[future] = unit
             if not pending:
@@ -248,10 +347,11 @@ def fan_out(
                 pending, return_when=concurrent.futures.FIRST_COMPLETED
             )
             for future in finished:
-                run, stage = pending.pop(future)
-                done[run, stage] = future.result()
-                finished_units += 1
-                left[run] -= 1
+                run, group = pending.pop(future)
+                for stage, stage_replay in zip(group, future.result(), strict=True):
+                    done[run, stage] = stage_replay
+                finished_stages += len(group)
+                left[run] -= len(group)
                 if not left[run]:  # summarised now, while other units run
                     replayed = [done.pop((run, index)) for index in range(stages)]
                     results.append(
@@ -264,7 +364,7 @@ def fan_out(
                         )
                     )
                 if progress is not None:
-                    progress(finished_units * len(requests) // stages)
+                    progress(finished_stages * len(requests) // stages)
     except BaseException:
         for future in pending:
             future.cancel()
@@ -275,6 +375,48 @@ def fan_out(
         result.capacity_tokens: attrs.evolve(result, wall_s=wall_s) for result in results
     }
     return [by_capacity[capacity] for capacity in capacities]
+
+
+Stages = tuple[int, ...]
+"""The stages of one unit (0-based, ascending)."""
+
+_SHARED_WORK: Final = 0.33
+"""A unit's work on each request that does not depend on its stages (token ids, fingerprints,
+feeding), as a share of one stage's: measured on the synthetic trace, 4 stages of the paged
+index, a unit of one stage costs about 1.33 times a quarter of a unit of four."""
+
+
+def stage_groups(stages: int, replays: int, parallelism: int | None) -> list[Stages]:
+    """How to split each replay's ``stages`` into units for ``parallelism`` processes.
+
+    Every count of units from 1 to ``stages`` is weighed by the time it would take: rounds of
+    units (``ceil(replays x units / parallelism)``), each as long as its largest unit (its
+    stages, plus the work a unit shares among them). The soonest wins, fewer units on ties.
+    Unknown parallelism: one unit per stage, the most there can be.
+
+    Returns:
+        The units of one replay, each a run of consecutive stages, together every stage once.
+    """
+    if parallelism is None:
+        return [(stage,) for stage in range(stages)]
+
+    def estimate(units: int) -> float:
+        rounds = -(-replays * units // parallelism)
+        return rounds * (-(-stages // units) + _SHARED_WORK)
+
+    units = min(range(1, stages + 1), key=estimate)
+    return [tuple(int(s) for s in part) for part in np.array_split(np.arange(stages), units)]
+
+
+def _pool_workers(executor: concurrent.futures.Executor) -> int | None:
+    """The processes or threads of a standard library pool; None for other executors."""
+    if isinstance(
+        executor, concurrent.futures.ProcessPoolExecutor | concurrent.futures.ThreadPoolExecutor
+    ):
+        # Private, but set by both pools' constructors since Python 3.2.
+        workers = getattr(executor, "_max_workers", None)
+        return workers if isinstance(workers, int) else None
+    return None
 
 
 @contextmanager

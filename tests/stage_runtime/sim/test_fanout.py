@@ -29,9 +29,11 @@ from stage_runtime.sim import (
     open_executor,
     read_demo_trace,
     replay_stage,
+    replay_stages,
     result_to_json,
     run_replay,
     run_sweep,
+    stage_groups,
 )
 from tests.stage_runtime.sim.conftest import QUIET
 
@@ -145,17 +147,70 @@ def test_requests_arriving_together_fan_out_in_file_order() -> None:
 
 
 def test_run_replay_and_run_sweep_take_an_executor() -> None:
-    """With an executor, run_replay and run_sweep fan out (each stage and capacity a unit,
-    sharing one request list) and report what they report in one process."""
+    """With an executor of unknown width, run_replay and run_sweep fan out (each stage and
+    capacity a unit, sharing one request list) and report what they report in one process."""
     executor = Inline()
     _same([run_replay(HAND_TRACE, SMALL)], [run_replay(HAND_TRACE, SMALL, executor=executor)])
-    assert [call[2:4] for call in executor.calls] == [(0, 0), (1, 0)]
+    assert [call[2:4] for call in executor.calls] == [((0,), 0), ((1,), 0)]
     executor = Inline()
     sweep = run_sweep(HAND_TRACE, SMALL, [32, 0], executor=executor)
     _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), sweep)
     # The largest caches first (their units take longest), unbounded largest of all.
-    assert [call[2:4] for call in executor.calls] == [(0, 0), (1, 0), (0, 32), (1, 32)]
+    expected = [((0,), 0), ((1,), 0), ((0,), 32), ((1,), 32)]
+    assert [call[2:4] for call in executor.calls] == expected
     assert len({id(call[0]) for call in executor.calls}) == 1  # Ray ships it once
+
+
+@pytest.mark.parametrize("index", ["ladder", "paged"])
+def test_a_unit_of_several_stages_replays_each_as_a_unit_of_one(index: str) -> None:
+    """Stages replayed side by side in one unit, sharing each request's tokens, return what
+    each returns alone: on the excerpt, with a capacity that evicts, every stage, any order."""
+    config = SimConfig(stages=3, index=index, max_entries=512, capacity_tokens=100_000)
+    requests = EXCERPT[:150]
+    alone = [replay_stage(requests, config, stage) for stage in range(3)]
+    assert replay_stages(requests, config, (0, 1, 2)) == alone
+    assert replay_stages(requests, config, (2, 0)) == [alone[2], alone[0]]
+    assert sum(replayed.evictions for replayed in alone) > 0
+    for bad in ((), (0, 0)):
+        with pytest.raises(ConfigError, match="stage_indices must name distinct stages"):
+            replay_stages(requests, config, bad)
+    with pytest.raises(ConfigError, match="stage_index must be"):
+        replay_stages(requests, config, (0, 3))
+
+
+@pytest.mark.parametrize(
+    ("stages", "replays", "parallelism", "groups"),
+    [
+        (4, 4, 2, [(0, 1, 2, 3)]),  # a unit per replay: two rounds of two
+        (4, 1, 2, [(0, 1), (2, 3)]),  # one replay: a unit per process
+        (4, 3, 2, [(0, 1), (2, 3)]),  # three units of four stages would leave a process idle
+        (4, 5, 4, [(0,), (1,), (2,), (3,)]),
+        (4, 1, 8, [(0,), (1,), (2,), (3,)]),  # never more units than stages
+        (3, 1, 2, [(0, 1), (2,)]),
+        (4, 2, None, [(0,), (1,), (2,), (3,)]),  # width unknown: one unit per stage
+        (1, 4, 2, [(0,)]),
+    ],
+)
+def test_stage_groups_weigh_shared_work_against_idle_processes(
+    stages: int, replays: int, parallelism: int | None, groups: list[tuple[int, ...]]
+) -> None:
+    """The units of a replay: the count that finishes soonest by the estimate, each a run of
+    consecutive stages, together every stage once."""
+    assert stage_groups(stages, replays, parallelism) == groups
+
+
+def test_a_known_parallelism_groups_the_stages_with_the_same_results() -> None:
+    """Given the executor's width (or from a standard pool), a sweep of two capacities on one
+    process runs one unit per capacity, every stage in it, and reports what one process does."""
+    executor = Inline()
+    results = fan_out(HAND_TRACE, SMALL, [32, 0], executor, parallelism=1)
+    _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), results)
+    assert [call[2:4] for call in executor.calls] == [((0, 1), 0), ((0, 1), 32)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), fan_out(HAND_TRACE, SMALL, [32, 0], pool))
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="parallelism must be None or an integer >= 1"):
+            fan_out(HAND_TRACE, SMALL, [0], Inline(), parallelism=bad)  # type: ignore[arg-type]
 
 
 def test_progress_advances_as_units_finish() -> None:
