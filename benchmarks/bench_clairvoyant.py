@@ -209,9 +209,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 },
             }
         first = args.capacities[0]
+        # Round by round, every policy once (in turns), so that a slow spell of a noisy machine
+        # weighs on all of them alike.
+        cpu: dict[str, list[float]] = {policy: [] for policy in args.policies}
+        for round_index in range(args.cpu_repeat):
+            turn = args.policies if round_index % 2 == 0 else args.policies[::-1]
+            for policy in turn:
+                cpu[policy].append(replay_cpu_s(requests, policy, first))
         for policy in args.policies:
-            cpu = [replay_cpu_s(requests, policy, first) for _ in range(args.cpu_repeat)]
-            policies[policy]["replay_cpu_s"] = statistics.median(cpu) if cpu else None
+            runs = cpu[policy]
+            policies[policy]["replay_cpu_s"] = statistics.median(runs) if runs else None
+            policies[policy]["replay_cpu_s_all"] = runs
         lru = policies["lru"]
         print("  policies, one stage's cache (hit ratio; share of LRU -> clairvoyant closed):")
         for policy in args.policies:

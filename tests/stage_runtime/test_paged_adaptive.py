@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +47,31 @@ def test_a_one_off_page_that_comes_back_teaches_it_recency() -> None:
         record(index, [token])
     record(index, [5])
     assert strategy.target <= raised
+
+
+def test_a_long_record_makes_its_room_in_one_pass_deepest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain has one leaf, yet a record of four new pages needs all four of its pages gone:
+    each parent a victim leaves a leaf is a candidate within the same pass, so the room is
+    made at once (one eviction call), the chain going deepest first, as page by page."""
+    index = _index(4)
+    record(index, [1, 2, 3, 4])
+    calls: list[list[int]] = []
+    evict_all = PagedActivationIndex._evict_all
+
+    def counting(
+        self: PagedActivationIndex, victims: list[tuple[Any, Any]], evicted: list[Any]
+    ) -> None:
+        calls.append([entry.token_start for entry, _ in victims])
+        evict_all(self, victims, evicted)
+
+    monkeypatch.setattr(PagedActivationIndex, "_evict_all", counting)
+    outcome = record(index, [5, 6, 7, 8])
+    assert calls == [[3, 2, 1, 0]]
+    assert outcome.stored_entries == 4  # type: ignore[attr-defined]
+    assert restored(index, [5, 6, 7, 8]) == 4
+    assert restored(index, [1]) == 0
 
 
 @settings(max_examples=150, deadline=None)

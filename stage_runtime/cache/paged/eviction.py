@@ -416,7 +416,9 @@ class AdaptiveEviction(ReuseEviction):
     does: a page coming back soon after it was evicted from the once class raises it (recency
     would have kept it), one evicted from the again class lowers it. Leaves wait in one heap per
     class by last use; stale items are skipped. Evictions take leaves only, never the running
-    record's chain. A use is one record of a prompt (its restore only refreshes recency).
+    record's chain. A use is one record of a prompt (its restore only refreshes recency). A
+    record makes room for its new pages in one pass when it can (:meth:`room_for_pages`): a
+    parent whose last child is chosen becomes a candidate of its class within the pass.
     """
 
     name = PageEviction.ADAPTIVE
@@ -441,6 +443,9 @@ class AdaptiveEviction(ReuseEviction):
         self._op_clock = 0
         """The clock when the running record started: entries it touched have a later use."""
         self._seq = 0
+        self._pushed: set[int] = set()
+        """Parents :meth:`room_for_pages` put on their heap as the leaves they become once its
+        victims go: :meth:`evicted` does not push them again."""
 
     def record_started(self) -> None:
         super().record_started()
@@ -467,7 +472,16 @@ class AdaptiveEviction(ReuseEviction):
             del again[key]
             step = max(len(once) / max(len(again), 1), 1.0)
             self.target = max(0.0, self.target - step)
-        self._use(entry)
+        # A new entry is no leaf of a heap yet (record_ended pushes the chain's last): the
+        # rest of _use, inline.
+        history = self._uses
+        uses = history.get(key, 0) + 1
+        history[key] = uses
+        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
+            self._forget()
+        kind = 1 if uses >= 2 else 0
+        self._members[kind] += 1
+        entry.tier = kind
 
     def touched(self, entry: _Entry) -> None:
         if self._recording:
@@ -480,15 +494,8 @@ class AdaptiveEviction(ReuseEviction):
         history = self._uses
         uses = history.get(key, 0) + 1
         history[key] = uses
-        bound = _HISTORY_PER_ENTRY * self._index.max_entries
-        if len(history) > bound:
-            # Forget pages used once that left the cache; if that is not enough, age every
-            # count (halved, the zeros forgotten), as TinyLFU's reset does.
-            entries = self._index._entries
-            kept = {k: n for k, n in history.items() if n >= 2 or k in entries}
-            if len(kept) > bound // 2:
-                kept = {k: n >> 1 for k, n in kept.items() if n >> 1 or k in entries}
-            self._uses = kept
+        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
+            self._forget()
         kind = 1 if uses >= 2 else 0
         previous = entry.tier
         if previous != kind:
@@ -498,6 +505,17 @@ class AdaptiveEviction(ReuseEviction):
             entry.tier = kind
             if entry.children == 0 and previous >= 0:  # a leaf changing class: its new heap
                 self._push(kind, entry)
+
+    def _forget(self) -> None:
+        """The use history outgrew its bound: forget pages used once that left the cache; if
+        that is not enough, age every count (halved, the zeros forgotten), as TinyLFU's reset
+        does."""
+        bound = _HISTORY_PER_ENTRY * self._index.max_entries
+        entries = self._index._entries
+        kept = {k: n for k, n in self._uses.items() if n >= 2 or k in entries}
+        if len(kept) > bound // 2:
+            kept = {k: n >> 1 for k, n in kept.items() if n >> 1 or k in entries}
+        self._uses = kept
 
     def _push(self, kind: int, entry: _Entry) -> None:
         self._seq += 1
@@ -527,7 +545,7 @@ class AdaptiveEviction(ReuseEviction):
         parent = entry.parent
         if parent is not None:
             parent.children -= 1
-            if parent.children == 0 and parent.tier >= 0:
+            if parent.children == 0 and parent.tier >= 0 and id(parent) not in self._pushed:
                 self._push(parent.tier, parent)
         if reason != "cleared":
             ghosts = self._ghosts[kind]
@@ -576,46 +594,115 @@ class AdaptiveEviction(ReuseEviction):
 
     def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
         """Room for all ``count`` new pages at once (one pass, one eviction call) when it can
-        be made, else page by page (-1). Within the pass, a parent whose last child goes is not
-        yet a candidate."""
+        be made, else page by page (-1)."""
         index = self._index
-        max_bytes = index.max_bytes
-        if max_bytes and count * size > max_bytes:
+        if index.max_bytes and count * size > index.max_bytes:
             return -1
-        entries = len(index._entries)
-        limit = index.max_entries - count
-        resident = index._resident_bytes
         members = list(self._members)
         victims: list[tuple[_Entry, EvictionReason]] = []
         chosen: set[int] = set()  # (a heap may hold a leaf twice with the same last use)
-        while True:
-            if entries > limit:
-                reason: EvictionReason = "max_entries"
-            elif max_bytes and resident + count * size > max_bytes:
-                reason = "max_bytes"
-            else:
-                break
-            once_first = members[0] > 0 and (members[0] > self.target or members[1] == 0)
-            order = (0, 1) if once_first else (1, 0)
-            kind = order[0]
-            victim = self._pop_class_leaf(kind, None)
-            if victim is None:
-                kind = order[1]
-                victim = self._pop_class_leaf(kind, None)
-            if victim is None:
-                for entry, _ in victims:  # not enough room: put them back, go page by page
-                    self._push(entry.tier, entry)
-                return -1
-            if id(victim) in chosen:
-                continue
-            chosen.add(id(victim))
-            victims.append((victim, reason))
-            members[kind] -= 1
-            entries -= 1
-            resident -= victim.nbytes
-        if victims:
-            index._evict_all(victims, evicted)
+        # A parent whose children are all chosen becomes a leaf, and a candidate, within the
+        # pass (as it would evicting page by page): its count is lowered while the pass runs.
+        bared: list[_Entry] = []
+        try:
+            fit = self._choose(count, size, members, victims, chosen, bared)
+        finally:
+            for parent in bared:
+                parent.children += 1
+        if fit < 0:
+            self._pushed.clear()
+            for entry, _ in victims:  # not enough room: put them back, go page by page
+                self._push(entry.tier, entry)
+            return -1
+        try:
+            if victims:
+                index._evict_all(victims, evicted)
+        finally:
+            self._pushed.clear()
         return count
+
+    def _choose(
+        self,
+        count: int,
+        size: int,
+        members: list[int],
+        victims: list[tuple[_Entry, EvictionReason]],
+        chosen: set[int],
+        bared: list[_Entry],
+    ) -> int:
+        """:meth:`room_for_pages`' pass: choose the victims; ``count``, or -1 when the leaves
+        run out first."""
+        index = self._index
+        max_bytes = index.max_bytes
+        entries = len(index._entries)
+        limit = index.max_entries - count
+        resident = index._resident_bytes
+        need = count * size
+        target = self.target
+        op_clock = self._op_clock
+        pushed = self._pushed
+        heaps = self._heaps
+        # A victim's parent that it leaves a leaf was used before it (a restore or record
+        # touches a chain root first), so it is usually older than every leaf on its class's
+        # heap: then it is that class's next victim, held here instead of pushed and popped.
+        front: list[_Entry | None] = [None, None]
+        try:
+            while True:
+                if entries > limit:
+                    reason: EvictionReason = "max_entries"
+                elif max_bytes and resident + need > max_bytes:
+                    reason = "max_bytes"
+                else:
+                    return count
+                once = members[0]
+                kind = 0 if once > 0 and (once > target or members[1] == 0) else 1
+                victim = self._next_leaf(kind, front)
+                if victim is None:
+                    kind = 1 - kind
+                    victim = self._next_leaf(kind, front)
+                    if victim is None:
+                        return -1
+                if id(victim) in chosen:
+                    continue
+                chosen.add(id(victim))
+                victims.append((victim, reason))
+                members[kind] -= 1
+                entries -= 1
+                resident -= victim.nbytes
+                parent = victim.parent
+                if parent is not None:
+                    parent.children -= 1
+                    bared.append(parent)
+                    tier = parent.tier
+                    if parent.children == 0 and tier >= 0:
+                        pushed.add(id(parent))
+                        heap = heaps[tier]
+                        held = front[tier]
+                        if (
+                            held is None
+                            and parent.last_used <= op_clock
+                            and (not heap or parent.last_used < heap[0][0])
+                        ):
+                            front[tier] = parent
+                        else:
+                            self._push(tier, parent)
+        finally:
+            for held in front:  # not taken: on its heap after all
+                if held is not None:
+                    self._push(held.tier, held)
+
+    def _next_leaf(self, kind: int, front: list[_Entry | None]) -> _Entry | None:
+        """:meth:`_choose`'s next leaf of a class: the held parent when it is older than the
+        heap's oldest leaf, else :meth:`_pop_class_leaf`."""
+        held = front[kind]
+        if held is not None:
+            heap = self._heaps[kind]
+            if not heap or held.last_used < heap[0][0]:
+                front[kind] = None
+                return held
+            front[kind] = None
+            self._push(kind, held)
+        return self._pop_class_leaf(kind, None)
 
     def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
         return self.make_room(size, parent, None, evicted, new_entry=True)
@@ -626,11 +713,12 @@ class AdaptiveEviction(ReuseEviction):
         op_clock = self._op_clock
         held = None
         victim = None
+        pop = heapq.heappop
         while heap:
-            item = heapq.heappop(heap)
-            if not self._current(kind, item):
-                continue
+            item = pop(heap)
             entry = item[2]
+            if entry.tier != kind or entry.children or entry.last_used != item[0]:
+                continue  # stale: no longer a leaf of this class used then
             if entry.last_used > op_clock:  # the running record's: so is everything after it
                 heapq.heappush(heap, item)
                 break
