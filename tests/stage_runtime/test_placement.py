@@ -81,9 +81,22 @@ async def run_stream(
 
 @pytest.mark.parametrize("index", [CacheIndex.LADDER, CacheIndex.PAGED])
 async def test_ray_placement_gives_byte_identical_frames_and_counts(
-    ray_cluster: Any, index: CacheIndex
+    ray_cluster: Any, index: CacheIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same request stream gives the same bytes and restored/computed counts per stage."""
+    """The same request stream gives the same bytes and restored/computed counts per stage,
+    whether a prompt travels inside each stage's call or, past the by-value bound (lowered
+    here to 1,600 bytes: 400 tokens), once through Ray's object store."""
+    from stage_runtime.placement import ray_stages
+
+    puts: list[int] = []
+    put = ray_stages.ray.put
+
+    def counting_put(value: Any) -> Any:
+        puts.append(int(value.size))
+        return put(value)
+
+    monkeypatch.setattr(ray_stages, "_BY_VALUE_BYTES", 1_600)
+    monkeypatch.setattr(ray_stages.ray, "put", counting_put)
     configs = [
         attrs.evolve(c, kv_cache=attrs.evolve(kv, index=index))
         for c in stage_configs(3, max_entries=64)
@@ -91,6 +104,7 @@ async def test_ray_placement_gives_byte_identical_frames_and_counts(
     ]
     local = await run_stream(LocalPlacement(), configs)
     remote = await run_stream(RayPlacement(num_cpus=0.25), configs)
+    assert puts == [420, 420, 512]  # the prompts of 300 tokens went by value
     assert [c for _, c in remote] == [c for _, c in local]
     assert any(restored for _, c in local for restored, _ in c)  # the stream does hit
     for (a, _), (b, _) in zip(local, remote, strict=True):
