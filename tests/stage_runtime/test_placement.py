@@ -86,17 +86,19 @@ async def test_ray_placement_gives_byte_identical_frames_and_counts(
     """The same request stream gives the same bytes and restored/computed counts per stage,
     whether a prompt travels inside each stage's call or, past the by-value bound (lowered
     here to 1,600 bytes: 400 tokens), once through Ray's object store."""
+    import ray
+
     from stage_runtime.placement import ray_stages
 
     puts: list[int] = []
-    put = ray_stages.ray.put
+    put = ray.put
 
     def counting_put(value: Any) -> Any:
         puts.append(int(value.size))
         return put(value)
 
     monkeypatch.setattr(ray_stages, "_BY_VALUE_BYTES", 1_600)
-    monkeypatch.setattr(ray_stages.ray, "put", counting_put)
+    monkeypatch.setattr(ray, "put", counting_put)
     configs = [
         attrs.evolve(c, kv_cache=attrs.evolve(kv, index=index))
         for c in stage_configs(3, max_entries=64)
