@@ -472,14 +472,9 @@ class AdaptiveEviction(ReuseEviction):
             del again[key]
             step = max(len(once) / max(len(again), 1), 1.0)
             self.target = max(0.0, self.target - step)
-        # A new entry is no leaf of a heap yet (record_ended pushes the chain's last): the
-        # rest of _use, inline.
-        history = self._uses
-        uses = history.get(key, 0) + 1
-        history[key] = uses
-        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
-            self._forget()
-        kind = 1 if uses >= 2 else 0
+        # A new entry has no class yet, and is no leaf on a heap (record_ended pushes the
+        # chain's last): what _use does, without its changes of class.
+        kind = 1 if self._count_use(key) >= 2 else 0
         self._members[kind] += 1
         entry.tier = kind
 
@@ -490,13 +485,7 @@ class AdaptiveEviction(ReuseEviction):
             self._push(entry.tier, entry)
 
     def _use(self, entry: _Entry) -> None:
-        key = entry.key
-        history = self._uses
-        uses = history.get(key, 0) + 1
-        history[key] = uses
-        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
-            self._forget()
-        kind = 1 if uses >= 2 else 0
+        kind = 1 if self._count_use(entry.key) >= 2 else 0
         previous = entry.tier
         if previous != kind:
             if previous >= 0:
@@ -505,6 +494,15 @@ class AdaptiveEviction(ReuseEviction):
             entry.tier = kind
             if entry.children == 0 and previous >= 0:  # a leaf changing class: its new heap
                 self._push(kind, entry)
+
+    def _count_use(self, key: bytes) -> int:
+        """One more use of page ``key`` in the history; its uses so far."""
+        history = self._uses
+        uses = history.get(key, 0) + 1
+        history[key] = uses
+        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
+            self._forget()
+        return uses
 
     def _forget(self) -> None:
         """The use history outgrew its bound: forget pages used once that left the cache; if
