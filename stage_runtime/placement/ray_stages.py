@@ -315,8 +315,8 @@ class RayStages:
     async def _run(self, request: PrefillRequest) -> None:
         key = next(self._keys)
         # Ray sends an argument of up to 100 KiB inside the call itself, and fetches a ref from
-        # the object store before the call runs (about a millisecond per hop here): a prompt
-        # that small goes by value to each stage, a larger one once into the store, for all.
+        # the object store before the call runs (about half a millisecond per stage here): a
+        # prompt that small goes by value to each stage, a larger one once into the store.
         tokens: Any = request.tokens
         if tokens.nbytes > _BY_VALUE_BYTES:
             tokens = ray.put(tokens)
