@@ -36,7 +36,7 @@ import attrs
 import ray
 import structlog
 import trio
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -91,6 +91,16 @@ async def await_ref(ref: Any) -> Any:
     future.add_done_callback(wake)
     await ready.wait()
     return future.result()
+
+
+async def _settled(ref: Any) -> Any:
+    """The value of a Ray object ref that is most likely ready: read at once (``ray.get`` with
+    no wait does not block the trio run), else awaited (:func:`await_ref`). Reading a ready
+    ref saves the round trip through its future, about a quarter of a millisecond."""
+    try:
+        return ray.get(ref, timeout=0)
+    except GetTimeoutError:
+        return await await_ref(ref)
 
 
 @attrs.define(eq=False)
@@ -328,9 +338,14 @@ class RayStages:
             )
             calls.append((process, process.generation, report))
         try:
+            # The last stage's report comes once every stage has answered (each waits for the
+            # frame its predecessor returned with its report) or one has failed: awaited alone,
+            # then each report is read at once, in order, so the first failure names its stage.
+            with suppress(RayActorError, RayTaskError):
+                await await_ref(calls[-1][2])
             for process, generation, report in calls:
                 try:
-                    outcome, logits = await await_ref(report)
+                    outcome, logits = await _settled(report)
                     request.reports.append(outcome)
                     if logits is not None:
                         request.logits = logits
@@ -347,7 +362,7 @@ class RayStages:
                     request.fail(cause if isinstance(cause, Exception) else exc)
                     return
             try:
-                request.frame = await await_ref(frame)
+                request.frame = await _settled(frame)
             except (RayActorError, RayTaskError) as exc:
                 process = calls[-1][0]
                 error = _stage_error(process.config.stage_id, exc)

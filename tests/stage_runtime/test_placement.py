@@ -113,6 +113,50 @@ async def test_ray_placement_gives_byte_identical_frames_and_counts(
         assert a.tobytes() == b.tobytes()
 
 
+class _Gate:
+    """A Ray actor whose ``wait`` answers only once ``open`` was called."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._open = asyncio.Event()
+
+    async def wait(self) -> str:
+        await self._open.wait()
+        return "open"
+
+    async def open(self) -> None:
+        self._open.set()
+
+
+async def test_a_ref_is_read_at_once_when_ready_and_awaited_when_not(ray_cluster: Any) -> None:
+    """The driver reads the stages' reports without a round trip through each ref's future
+    when they are ready (the last one's arrival says they are), and awaits one that is not,
+    without blocking the trio run."""
+    import ray
+
+    from stage_runtime.placement.ray_stages import _settled, await_ref
+
+    assert await _settled(ray.put(5)) == 5
+    gate: Any = ray.remote(_Gate).remote()
+    try:
+        waiting = gate.wait.remote()
+        got: list[str] = []
+        with trio.fail_after(WAIT_S):
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    got.append(await _settled(waiting))
+
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == []  # not ready: awaited, and the run goes on meanwhile
+                await await_ref(gate.open.remote())
+        assert got == ["open"]
+    finally:
+        ray.kill(gate)
+
+
 async def test_cached_output_equals_uncached_output(placement: Placement) -> None:
     """With the cache on, each output equals the output of stages with the cache off."""
     cached = await run_stream(placement, stage_configs(2))
