@@ -16,6 +16,7 @@ cannot be resident; a match is confirmed by the prefix's BLAKE3 key.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -233,7 +234,9 @@ def _namespace_hasher(
 
 
 _RECENT_GRIDS: Final = 16
-_recent: dict[tuple[int, int, int], GridFingerprints] = {}
+_recent: OrderedDict[tuple[int, int, int], GridFingerprints] = OrderedDict()
+"""The grids made lately, oldest first (its oldest item goes in one call, which two threads
+replaying at once, as a thread pool's units do, cannot interleave)."""
 
 
 def grid_fingerprints(tokens: TokenArray, policy: CandidatePolicy) -> GridFingerprints:
@@ -248,5 +251,5 @@ def grid_fingerprints(tokens: TokenArray, policy: CandidatePolicy) -> GridFinger
     grid = GridFingerprints(tokens, policy)
     _recent[key] = grid
     if len(_recent) > _RECENT_GRIDS:
-        del _recent[next(iter(_recent))]
+        _recent.popitem(last=False)
     return grid

@@ -136,6 +136,17 @@ def test_a_fanned_out_sweep_of_the_excerpt_equals_the_one_process_sweep(
     assert one[0].stages[0].evictions > 0  # the bounded replay did evict
 
 
+def test_a_thread_pool_fans_out_to_the_one_process_results() -> None:
+    """Units in threads of this process (two trio runs at once, sharing the module's memos of
+    recent grids and segments) report what one process does."""
+    config = SimConfig(index="paged", max_entries=512)
+    capacities = [100_000, 0]
+    requests = EXCERPT[:150]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        fanned = fan_out(requests, config, capacities, pool, parallelism=4)
+    _same(run_sweep(requests, config, capacities), fanned)
+
+
 def test_requests_arriving_together_fan_out_in_file_order() -> None:
     """Ties of arrival go in file order in the units as in the pipeline: each prompt extends
     the previous one, so any other order would restore something else."""
