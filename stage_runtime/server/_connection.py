@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
-from hypercorn.typing import AppWrapper, LifespanState, TaskGroup
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    LifespanState,
+    Scope,
+    TaskGroup,
+)
+
+from stage_runtime.server.settings import DISCONNECTS_EXTENSION, Disconnects
 
 __all__ = ["Connection"]
 
@@ -77,6 +87,28 @@ class _KeepAliveTimer(TrioSingleTask):
             await self._connection._initiate_server_close()
 
 
+class _WithDisconnects:
+    """The app of one connection: each HTTP/1 request's scope names the connection's
+    :class:`Disconnects` (HTTP/2 streams end on their own, and keep ``http.disconnect``)."""
+
+    def __init__(self, app: AppWrapper, disconnects: Disconnects) -> None:
+        self._app = app
+        self._disconnects = disconnects
+
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+        sync_spawn: Callable[..., object],
+        call_soon: Callable[..., object],
+    ) -> None:
+        if scope["type"] == "http" and scope["http_version"] in ("1.0", "1.1"):
+            extensions = cast("dict[str, object]", scope["extensions"])
+            extensions[DISCONNECTS_EXTENSION] = self._disconnects
+        await self._app(scope, receive, send, sync_spawn, call_soon)
+
+
 class Connection(TCPServer):
     """Hypercorn's trio connection handler with :class:`_KeepAliveTimer` as its idle timer."""
 
@@ -88,13 +120,19 @@ class Connection(TCPServer):
         state: LifespanState,
         stream: trio.SSLStream[trio.SocketStream],
     ) -> None:
-        super().__init__(app, config, context, state, stream)
+        self.disconnects = Disconnects()
+        """Cancels the answers in progress once the client hangs up (see
+        :data:`~stage_runtime.server.settings.DISCONNECTS_EXTENSION`)."""
+        super().__init__(_WithDisconnects(app, self.disconnects), config, context, state, stream)
         self.idle_task = _KeepAliveTimer(self)
 
     async def _read_data(self) -> None:
         try:
             await super()._read_data()
         finally:
+            # The read loop ends when the client closes (or the connection fails): it is when
+            # hypercorn tells an HTTP/1 app ``http.disconnect``.
+            self.disconnects.close()
             timer = self.idle_task
             assert isinstance(timer, _KeepAliveTimer)
             timer.finish()

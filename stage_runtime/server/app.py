@@ -55,7 +55,12 @@ from stage_runtime.server.requests import (
     PrefillBody,
     parse_prefill_request,
 )
-from stage_runtime.server.settings import ANSWER_MARGIN_S, ServerSettings
+from stage_runtime.server.settings import (
+    ANSWER_MARGIN_S,
+    DISCONNECTS_EXTENSION,
+    Disconnects,
+    ServerSettings,
+)
 from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
@@ -469,53 +474,55 @@ class PipelineApp:
             return _error(503, "overloaded", message, headers={"retry-after": self._retry_after})
         self._inflight += 1
         try:
-            return await self._run_prefill(request, receive)
+            extensions = http_request.scope.get("extensions") or {}
+            disconnects = extensions.get(DISCONNECTS_EXTENSION)
+            return await self._run_prefill(
+                request, receive, disconnects if isinstance(disconnects, Disconnects) else None
+            )
         finally:
             self._inflight -= 1
 
-    async def _run_prefill(self, request: PrefillBody, receive: Receive) -> _Answer:
+    async def _run_prefill(
+        self, request: PrefillBody, receive: Receive, disconnects: Disconnects | None
+    ) -> _Answer:
         started = trio.current_time()
         if request.request_id is None:
             # Named here, not by the pipeline, so a cancelled or failed request logs its id too.
             request = attrs.evolve(request, request_id=f"http-{next(self._request_ids)}")
-        result: PrefillResult | None = None
-
-        async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
-            # The body is fully read, so the next event hypercorn delivers is the hang-up.
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            cancel_scope.cancel()
-
         request_fields: dict[str, object] = {
             "session_id": request.session_id,
             "request_id": request.request_id,
             "tokens": int(request.tokens.size),
         }
+        result: PrefillResult | None = None
         error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
-            # Its deadline is the shutdown's (see start_shutdown); a hang-up cancels the nursery,
-            # which this scope does not catch, so the two causes stay apart.
-            with trio.CancelScope(deadline=self._shutdown_deadline) as shutdown_scope:
-                self._prefill_deadlines.add(shutdown_scope)
+        shutdown_cut = False
+        if disconnects is not None:
+            # Served by serve() over HTTP/1: the connection cancels this scope when the client
+            # hangs up, so no task need wait for http.disconnect (about 0.13 ms of CPU a request).
+            with trio.CancelScope() as hang_up:
+                disconnects.watch(hang_up)
                 try:
-                    result = await self.pipeline.prefill(
-                        request.tokens,
-                        session_id=request.session_id,
-                        request_id=request.request_id,
-                        cache_salt=request.cache_salt,
-                    )
-                except Exception as exc:
-                    # Kept out of the nursery, which would wrap it in an exception group.
-                    error = exc
+                    result, error, shutdown_cut = await self._prefill_until_shutdown(request)
                 finally:
-                    self._prefill_deadlines.discard(shutdown_scope)
-            nursery.cancel_scope.cancel()
+                    disconnects.unwatch(hang_up)
+        else:
+
+            async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
+                # The body is fully read, so the next event the server delivers is the hang-up.
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                cancel_scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+                result, error, shutdown_cut = await self._prefill_until_shutdown(request)
+                nursery.cancel_scope.cancel()
         if error is not None:
             response = self._prefill_error(error, request)
             response.log_fields = {**request_fields, **response.log_fields}
             return response
-        if shutdown_scope.cancelled_caught:
+        if shutdown_cut:
             log.warning(
                 "prefill_cancelled",
                 reason="shutdown_timeout",
@@ -533,7 +540,8 @@ class PipelineApp:
             response.log_fields = {**request_fields, **response.log_fields}
             return response
         if result is None:
-            # Only the disconnect watcher cancels the nursery before a result exists.
+            # Only a hang-up cancels the prefill before a result exists (any other way out
+            # raises).
             log.info(
                 "prefill_cancelled",
                 reason="client_disconnected",
@@ -571,6 +579,30 @@ class PipelineApp:
             "restored_tokens": {r.stage_id: r.restored_tokens for r in result.stages},
         }
         return answer
+
+    async def _prefill_until_shutdown(
+        self, request: PrefillBody
+    ) -> tuple[PrefillResult | None, Exception | None, bool]:
+        """Prefill ``request``: its result, or the error it raised, and whether a shutdown's
+        deadline cut it short. A hang-up (a cancellation from outside) passes through."""
+        result = error = None
+        # Its deadline is the shutdown's (see start_shutdown); a hang-up cancels an outer scope,
+        # which this one does not catch, so the two causes stay apart.
+        with trio.CancelScope(deadline=self._shutdown_deadline) as shutdown_scope:
+            self._prefill_deadlines.add(shutdown_scope)
+            try:
+                result = await self.pipeline.prefill(
+                    request.tokens,
+                    session_id=request.session_id,
+                    request_id=request.request_id,
+                    cache_salt=request.cache_salt,
+                )
+            except Exception as exc:
+                # Kept out of the caller's nursery, which would wrap it in an exception group.
+                error = exc
+            finally:
+                self._prefill_deadlines.discard(shutdown_scope)
+        return result, error, shutdown_scope.cancelled_caught
 
     def _prefill_error(self, error: Exception, request: PrefillBody) -> _Answer:
         if isinstance(error, trio.ClosedResourceError):

@@ -2,14 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from stage_runtime._validators import positive_int
 from stage_runtime.errors import ConfigError
 
-__all__ = ["ANSWER_MARGIN_S", "ServerSettings"]
+if TYPE_CHECKING:
+    import trio
+
+__all__ = ["ANSWER_MARGIN_S", "DISCONNECTS_EXTENSION", "Disconnects", "ServerSettings"]
+
+DISCONNECTS_EXTENSION: Final = "stage_runtime.disconnects"
+"""The ASGI scope extension :func:`~stage_runtime.server.serve` gives each HTTP/1 request: its
+connection's :class:`Disconnects`, which cancels the scopes an answer registers once the client
+hangs up, so that a prefill need not keep a task waiting for ``http.disconnect``."""
+
+
+class Disconnects:
+    """The answers in progress on one HTTP/1 connection: :meth:`watch` a cancel scope, and it is
+    cancelled when the client goes (:meth:`close`, called as the connection's read loop ends),
+    at once if it has gone already."""
+
+    __slots__ = ("_scopes", "closed")
+
+    def __init__(self) -> None:
+        self._scopes: set[trio.CancelScope] = set()
+        self.closed = False
+
+    def watch(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` when the client hangs up (now, if it has)."""
+        if self.closed:
+            scope.cancel()
+        else:
+            self._scopes.add(scope)
+
+    def unwatch(self, scope: trio.CancelScope) -> None:
+        """``scope`` is done: forget it."""
+        self._scopes.discard(scope)
+
+    def close(self) -> None:
+        """The client has gone: cancel every scope watched, and any watched from now on."""
+        self.closed = True
+        for scope in self._scopes:
+            scope.cancel()
+        self._scopes.clear()
+
 
 ANSWER_MARGIN_S: Final = 2.0
 """Hypercorn's own shutdown timeout exceeds the app's by this much, so that the ``503`` answers

@@ -920,11 +920,21 @@ async def test_model_error_fails_only_that_request(
     assert [e["session_id"] for e in failures] == ["bad"]
 
 
+@pytest.mark.parametrize("notice", ["connection", "http.disconnect"])
 @pytest.mark.parametrize("quitter_state", ["queued", "computing"])
 async def test_client_disconnect_cancels_its_prefill_without_disturbing_others(
-    quitter_state: str, capture_stage_logs: LogEvents
+    quitter_state: str, notice: str, capture_stage_logs: LogEvents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A client hanging up cancels its own prefill (queued or computing); the other completes."""
+    """A client hanging up cancels its own prefill (queued or computing); the other completes.
+    The app learns of it from its connection (served by serve() over HTTP/1), or, served where
+    the scope does not name the connection's disconnects, from ``http.disconnect``."""
+    if notice == "http.disconnect":
+        from stage_runtime.server import _connection
+
+        async def plain(self: Any, scope: Any, *args: Any) -> None:
+            await self._app(scope, *args)
+
+        monkeypatch.setattr(_connection._WithDisconnects, "__call__", plain)
     gate = trio.Event()
     kept: list[httpx.Response] = []
     with trio.fail_after(TIMEOUT_S):
