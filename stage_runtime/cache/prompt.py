@@ -162,19 +162,32 @@ class GridFingerprints:
         return sorted([by_print[f] for f in by_print.keys() & prints.keys()], reverse=True)
 
 
-_weights_rng = np.random.default_rng(0x5EED_CAFE_F00D)
+_WEIGHTS_SEED: Final = 0x5EED_CAFE_F00D
 _weights: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
 
 
+def _position_weights(start: int, stop: int) -> npt.NDArray[np.int32]:
+    """The weights of positions ``start..stop-1``: each a function of its position alone
+    (SplitMix64 of the seeded position, made odd), so any thread computes the same ones."""
+    x = np.arange(start, stop, dtype=np.uint64) + np.uint64(_WEIGHTS_SEED)
+    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x.astype(np.uint32).view(np.int32)) | np.int32(1)
+
+
 def _weights_for(n: int) -> npt.NDArray[np.int32]:
-    """Random odd 32-bit weights, one per token position: grown on demand by appending, so a
-    position's weight never changes (fingerprints stay comparable for the life of the process)."""
+    """Random-looking odd 32-bit weights, one per token position, grown on demand. A
+    position's weight depends on the position only, so fingerprints stay comparable for the
+    life of the process, even when two threads (units of a thread pool) grow it at once."""
     global _weights
-    if _weights.size < n:
-        more = max(n, 2 * _weights.size, 4096) - _weights.size
-        fresh = _weights_rng.integers(-(2**31), 2**31, size=more, dtype=np.int32) | np.int32(1)
-        _weights = np.concatenate((_weights, fresh))
-    return _weights[:n]
+    weights = _weights
+    if weights.size < n:
+        size = max(n, 2 * weights.size, 4096)
+        weights = np.concatenate((weights, _position_weights(weights.size, size)))
+        _weights = weights
+    return weights[:n]
 
 
 _add = np.add.reduce

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -93,3 +94,21 @@ def test_lengths_whose_sums_agree_keep_their_own_fingerprints() -> None:
     restore = cache.restore(base, tokens, 2)
     assert restore is not None
     assert restore.token_count == 32
+
+
+def test_a_positions_weight_does_not_depend_on_how_the_weights_grew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Grown in one step or in several (or by two threads at once, each from what it saw), the
+    weights of every position are the same: fingerprints stay comparable across units of a
+    thread pool. Each weight is odd."""
+    from stage_runtime.cache import prompt
+
+    grown: list[np.ndarray] = []
+    for steps in ([20_000], [100, 5_000, 20_000], [9_000, 20_000]):
+        monkeypatch.setattr(prompt, "_weights", np.zeros(0, dtype=np.int32))
+        for n in steps:
+            weights = _weights_for(n)
+        grown.append(weights.copy())
+    assert all(np.array_equal(grown[0], other) for other in grown[1:])
+    assert np.all(grown[0] & 1)
