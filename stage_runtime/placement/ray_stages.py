@@ -69,9 +69,10 @@ PING_TIMEOUT_S: Final = 10.0
 
 _Worker: Any = ray.remote(StageWorker)
 
-_BY_VALUE_BYTES: Final = 100 * 1024
-"""Prompts of at most this many bytes (25,600 tokens) travel inside each stage's call: Ray's
-own bound for an argument sent by value (``max_direct_call_object_size``)."""
+_BY_VALUE_BYTES: Final = 96 * 1024
+"""Prompts of at most this many bytes (24,576 tokens) travel inside each stage's call: below
+Ray's own bound for an argument sent by value (``max_direct_call_object_size``, 100 KiB), which
+it applies to the serialized argument, header included."""
 
 
 async def await_ref(ref: Any) -> Any:
@@ -324,7 +325,7 @@ class RayStages:
 
     async def _run(self, request: PrefillRequest) -> None:
         key = next(self._keys)
-        # Ray sends an argument of up to 100 KiB inside the call itself, and fetches a ref from
+        # Ray sends an argument of under 100 KiB inside the call itself, and fetches a ref from
         # the object store before the call runs (about half a millisecond per stage here): a
         # prompt that small goes by value to each stage, a larger one once into the store.
         tokens: Any = request.tokens

@@ -54,7 +54,7 @@ def test_a_long_record_makes_its_room_in_one_pass_deepest_first(
 ) -> None:
     """A chain has one leaf, yet a record of four new pages needs all four of its pages gone:
     each parent a victim leaves a leaf is a candidate within the same pass, so the room is
-    made at once (one eviction call), the chain going deepest first, as page by page."""
+    made at once (one eviction call), the chain going deepest first."""
     index = _index(4)
     record(index, [1, 2, 3, 4])
     calls: list[list[int]] = []
@@ -72,6 +72,33 @@ def test_a_long_record_makes_its_room_in_one_pass_deepest_first(
     assert outcome.stored_entries == 4  # type: ignore[attr-defined]
     assert restored(index, [5, 6, 7, 8]) == 4
     assert restored(index, [1]) == 0
+
+
+def test_an_interrupted_pass_loses_no_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the middle of the one-pass choice (an interrupt) leaves every chosen
+    leaf on its heap: the next records still make their room and store their pages."""
+    index = _index(4)
+    record(index, [1, 2, 3, 4])
+    calls = 0
+    next_leaf = AdaptiveEviction._next_leaf
+
+    def interrupted(self: AdaptiveEviction, kind: int, front: list[Any]) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return next_leaf(self, kind, front)
+
+    monkeypatch.setattr(AdaptiveEviction, "_next_leaf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record(index, [5, 6, 7, 8])
+    monkeypatch.undo()
+    strategy = index._eviction
+    assert isinstance(strategy, AdaptiveEviction)
+    assert not strategy._pushed
+    outcome = record(index, [9, 10, 11, 12])
+    assert outcome.stored_entries == 4  # type: ignore[attr-defined]
+    assert restored(index, [9, 10, 11, 12]) == 4
 
 
 @settings(max_examples=150, deadline=None)

@@ -603,21 +603,31 @@ class AdaptiveEviction(ReuseEviction):
         # pass (as it would evicting page by page): its count is lowered while the pass runs.
         bared: list[_Entry] = []
         try:
-            fit = self._choose(count, size, members, victims, chosen, bared)
-        finally:
-            for parent in bared:
-                parent.children += 1
-        if fit < 0:
-            self._pushed.clear()
-            for entry, _ in victims:  # not enough room: put them back, go page by page
-                self._push(entry.tier, entry)
-            return -1
-        try:
+            try:
+                fit = self._choose(count, size, members, victims, chosen, bared)
+            finally:
+                for parent in bared:
+                    parent.children += 1
+            if fit < 0:
+                self._put_back(victims)  # not enough room: go page by page
+                return -1
             if victims:
                 index._evict_all(victims, evicted)
+        except BaseException:
+            # (An interrupt in the pass:) the chosen leaves still resident go back on their
+            # heaps, so that none is lost to later evictions.
+            self._put_back(victims)
+            raise
         finally:
             self._pushed.clear()
         return count
+
+    def _put_back(self, victims: list[tuple[_Entry, EvictionReason]]) -> None:
+        """Chosen leaves that were not evicted: on their class heaps again."""
+        entries = self._index._entries
+        for entry, _ in victims:
+            if entry.tier >= 0 and entries.get(entry.key) is entry:
+                self._push(entry.tier, entry)
 
     def _choose(
         self,
