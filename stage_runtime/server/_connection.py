@@ -1,4 +1,5 @@
-"""One HTTP connection: hypercorn's trio ``TCPServer`` with a cheaper keep-alive timer.
+"""One HTTP connection: hypercorn's trio ``TCPServer``, with a cheaper keep-alive timer, and
+each HTTP/1 answer written in one send.
 
 Imported only once hypercorn is known to be installed (it is an optional dependency).
 
@@ -8,6 +9,12 @@ each time a request comes it cancels that task, under a lock both times. That co
 of CPU per request (``restart`` plus ``stop``, measured alone), some 6% of what HTTP adds to a
 prefill. Here one task per connection watches a cancel scope whose deadline the requests move:
 ``now + keep_alive_timeout`` while idle, never while a request is being answered.
+
+Hypercorn writes an answer's head and its body in two sends: two syscalls and, for a small
+answer, two TCP segments. Here the head waits for the first part of the body (or its end), so a
+whole answer goes in one; about 0.1 ms of server CPU per request, measured with the two servers
+side by side. The connection reads without a timeout scope per read when no read timeout is set
+(the server sets none).
 
 The behaviour is hypercorn's: an idle connection closes at its keep-alive timeout, or at once
 when the server stops (the worker context's ``terminated`` event); a connection answering a
@@ -23,7 +30,11 @@ from typing import cast
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import Response
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 from hypercorn.typing import (
     AppWrapper,
@@ -125,10 +136,56 @@ class Connection(TCPServer):
         :data:`~stage_runtime.server.settings.DISCONNECTS_EXTENSION`)."""
         super().__init__(_WithDisconnects(app, self.disconnects), config, context, state, stream)
         self.idle_task = _KeepAliveTimer(self)
+        self._holding = False
+        """A response's head is being written: keep it for the first write of its body."""
+        self._held = b""
+        """The head kept back, if any."""
+
+    async def protocol_send(self, event: Event) -> None:
+        if type(event) is RawData:
+            if self._holding:
+                self._held += event.data
+                return
+            if self._held:
+                event = RawData(self._held + event.data)
+                self._held = b""
+            elif not event.data:
+                # The end of a body whose length the headers gave: h11 has nothing to write,
+                # and hypercorn would still take the send lock and make an empty send.
+                return
+        elif self._held:
+            await self._flush()
+        await super().protocol_send(event)
+
+    async def _flush(self) -> None:
+        held, self._held = self._held, b""
+        await super().protocol_send(RawData(held))
+
+    def _hold_heads(self) -> None:
+        """Write each HTTP/1 response's head together with its body (or its end): one send, and
+        one TCP segment for a small answer, where hypercorn makes two."""
+        inner = self.protocol.protocol
+        if not isinstance(inner, H11Protocol):
+            return
+        send_event = inner.stream_send
+
+        async def stream_send(event: StreamEvent) -> None:
+            if type(event) is Response and event.status_code >= 200:
+                self._holding = True
+                try:
+                    await send_event(event)
+                finally:
+                    self._holding = False
+                return
+            await send_event(event)
+            if self._held:
+                await self._flush()
+
+        inner.stream_send = stream_send  # type: ignore[method-assign]
 
     async def _read_data(self) -> None:
         try:
-            await super()._read_data()
+            await self._read_loop()
         finally:
             # The read loop ends when the client closes (or the connection fails): it is when
             # hypercorn tells an HTTP/1 app ``http.disconnect``.
@@ -136,3 +193,25 @@ class Connection(TCPServer):
             timer = self.idle_task
             assert isinstance(timer, _KeepAliveTimer)
             timer.finish()
+
+    async def _read_loop(self) -> None:
+        """Hypercorn's read loop, with a timeout scope around each read only when a read timeout
+        is set (the server sets none: an idle connection closes at the keep-alive timeout). An
+        unbounded ``fail_after`` per read cost about 2% of the server's CPU per request."""
+        self._hold_heads()
+        timeout = self.config.read_timeout
+        receive = self.stream.receive_some
+        handle = self.protocol.handle
+        while True:
+            try:
+                if timeout is None:
+                    data = await receive(MAX_RECV)
+                else:
+                    with trio.fail_after(timeout):
+                        data = await receive(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            await handle(RawData(bytes(data)))
+            if not data:
+                break
+        await handle(Closed())

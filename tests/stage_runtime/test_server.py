@@ -819,6 +819,54 @@ async def test_an_idle_connection_is_closed_at_the_keep_alive_timeout(
             assert await _keep_alive_exchange(stream) == b""
 
 
+async def test_each_answer_is_written_in_one_send_head_and_body_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over HTTP/1 the server writes an answer's head with its body in one send (hypercorn
+    writes them apart: two sends, and two TCP segments for a small answer), for answers with a
+    body, without one (HEAD) and for errors, several on one keep-alive connection."""
+    writes: list[tuple[int, bytes]] = []
+    send_all = trio.SocketStream.send_all
+
+    async def recording(self: trio.SocketStream, data: bytes | bytearray | memoryview) -> None:
+        writes.append((self.socket.getsockname()[1], bytes(data)))
+        await send_all(self, data)
+
+    monkeypatch.setattr(trio.SocketStream, "send_all", recording)
+    body = json.dumps({"tokens": prompt(20), "session_id": "s"}).encode()
+    requests = [
+        _GET_HEALTHZ,
+        b"HEAD /healthz HTTP/1.1\r\nHost: test\r\n\r\n",
+        b"POST /v1/prefill HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+        b"POST /v1/prefill HTTP/1.1\r\nHost: test\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /nowhere HTTP/1.1\r\nHost: test\r\n\r\n",
+    ]
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            stream = await trio.open_tcp_stream(h.server.host, h.server.port)
+            async with stream:
+                for request in requests:
+                    await stream.send_all(request)
+                    received = b""
+                    while b"\r\n\r\n" not in received:
+                        received += await stream.receive_some()
+                    head, _, rest = received.partition(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+                    expected = 0 if request.startswith(b"HEAD") else length
+                    while len(rest) < expected:
+                        rest += await stream.receive_some()
+                    assert len(rest) == expected
+            answers = [data for port, data in writes if port == h.server.port]
+    statuses = [answer.split(b" ", 2)[1] for answer in answers]
+    assert statuses == [b"200", b"200", b"200", b"400", b"404"]
+    for request, answer in zip(requests, answers, strict=True):
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        assert len(rest) == (0 if request.startswith(b"HEAD") else length)
+
+
 def _open_connections() -> int:
     """Connection handlers running in this trio run (``trio.serve_listeners`` runs one per TCP
     connection, in a task named after its ``_run_handler``)."""
