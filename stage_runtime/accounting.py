@@ -181,6 +181,10 @@ class PrefixFootprint:
     """
 
     _groups: dict[bytes, _Group] = attrs.field(factory=dict, init=False)
+    _singles: dict[bytes, tuple[bytes, int]] = attrs.field(factory=dict, init=False)
+    """Parents after which one segment is held, once: ``(its tokens, its bytes per token)``. Most
+    parents are these (a page is usually its parent's only child); their bytes are counted as
+    they come, and they become a :class:`_Group` when a second reference joins them."""
     _owners: dict[Hashable, tuple[int, list[tuple[bytes, bytes]]]] = attrs.field(
         factory=dict, init=False
     )
@@ -203,21 +207,45 @@ class PrefixFootprint:
         for parent, tokens in segments:
             data = (
                 tokens
-                if isinstance(tokens, bytes)
+                if type(tokens) is bytes
                 else np.ascontiguousarray(tokens, dtype="<i4").tobytes()
             )
-            group = self._groups.get(parent)
-            if group is None:
-                group = _Group(bytes_per_token=bytes_per_token)
-                self._groups[parent] = group
-            count = group.segments.get(data, 0)
-            if count == 0 or bytes_per_token > group.bytes_per_token:
-                self._invalidate(parent, group)
-            group.segments[data] = count + 1
-            group.bytes_per_token = max(group.bytes_per_token, bytes_per_token)
-            group.add_width(bytes_per_token)
+            self._count(parent, data, bytes_per_token)
             held.append((parent, data))
         self._owners[owner] = (bytes_per_token, held)
+
+    def add_segment(self, owner: Hashable, parent: bytes, data: bytes, bytes_per_token: int) -> None:
+        """:meth:`add` of one segment given as token bytes (a page or a tail)."""
+        if owner in self._owners:
+            return
+        self._count(parent, data, bytes_per_token)
+        self._owners[owner] = (bytes_per_token, [(parent, data)])
+
+    def _count(self, parent: bytes, data: bytes, bytes_per_token: int) -> None:
+        group = self._groups.get(parent)
+        if group is None:
+            single = self._singles.pop(parent, None)
+            if single is None:
+                self._singles[parent] = (data, bytes_per_token)
+                self._clean_tokens_bytes += len(data) // 4 * bytes_per_token
+                return
+            # A second reference after this parent: a group, its trie computed when next read.
+            held, width = single
+            self._clean_tokens_bytes -= len(held) // 4 * width
+            group = self._groups[parent] = _Group(width)
+            group.unique_tokens = None
+            self._dirty.add(parent)
+            group.segments[held] = 1
+            group.width = width
+            group.width_refs = 1
+        segments = group.segments
+        count = segments.get(data, 0)
+        if count == 0 or bytes_per_token > group.bytes_per_token:
+            self._invalidate(parent, group)
+            if bytes_per_token > group.bytes_per_token:
+                group.bytes_per_token = bytes_per_token
+        segments[data] = count + 1
+        group.add_width(bytes_per_token)
 
     def remove(self, owner: Hashable) -> None:
         """Release what :meth:`add` counted for ``owner`` (unknown owners are ignored)."""
@@ -225,7 +253,12 @@ class PrefixFootprint:
         if entry is None:
             return
         width, held = entry
+        singles = self._singles
         for parent, data in held:
+            if parent in singles:  # (then this owner holds its only reference)
+                del singles[parent]
+                self._clean_tokens_bytes -= len(data) // 4 * width
+                continue
             group = self._groups[parent]
             widest = group.remove_width(width)
             count = group.segments[data] - 1
@@ -245,17 +278,27 @@ class PrefixFootprint:
     def clear(self) -> None:
         """Forget everything."""
         self._groups.clear()
+        self._singles.clear()
         self._owners.clear()
         self._dirty.clear()
         self._clean_tokens_bytes = 0
 
     def unique_bytes(self) -> int:
         """Bytes needed to store every distinct resident prefix once."""
+        groups = self._groups
+        added = 0
         for parent in self._dirty:
-            group = self._groups[parent]
-            group.unique_tokens = _trie_tokens(list(group.segments))
-            self._clean_tokens_bytes += group.unique_tokens * group.bytes_per_token
+            group = groups[parent]
+            segments = group.segments
+            if len(segments) == 1:  # the usual case: one segment after its parent
+                for only in segments:
+                    tokens = len(only) // 4
+            else:
+                tokens = _trie_tokens(list(segments))
+            group.unique_tokens = tokens
+            added += tokens * group.bytes_per_token
         self._dirty.clear()
+        self._clean_tokens_bytes += added
         return self._clean_tokens_bytes
 
     def _invalidate(self, parent: bytes, group: _Group) -> None:

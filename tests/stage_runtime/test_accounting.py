@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_runtime.accounting import CacheAccounting, MissTracker, PrefixFootprint
 
@@ -82,3 +84,62 @@ def test_footprint_width_shrinks_when_the_widest_owner_leaves() -> None:
         footprint.remove("f16")
         footprint.remove("f16-b")
         assert footprint.unique_bytes() == 0
+
+
+def _brute_force_unique_bytes(owners: dict[str, tuple[int, list[tuple[bytes, bytes]]]]) -> int:
+    """The footprint from its definition: per parent, the distinct token prefixes of the
+    segments held after it, times the widest row held there."""
+    prefixes: dict[bytes, set[bytes]] = {}
+    widest: dict[bytes, int] = {}
+    for width, held in owners.values():
+        for parent, data in held:
+            rows = prefixes.setdefault(parent, set())
+            rows.update(data[: 4 * k] for k in range(1, len(data) // 4 + 1))
+            widest[parent] = max(widest.get(parent, 0), width)
+    return sum(len(rows) * widest[parent] for parent, rows in prefixes.items())
+
+
+_segments = st.lists(
+    st.tuples(
+        st.sampled_from([b"p1", b"p2", b"p3"]),
+        st.lists(st.integers(0, 2), min_size=1, max_size=4).map(lambda ids: tokens(*ids)),
+    ),
+    min_size=1,
+    max_size=3,
+)
+_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from("abcdef"), _segments, st.sampled_from([1, 3])),
+        st.tuples(st.just("remove"), st.sampled_from("abcdef"), st.none(), st.none()),
+        st.tuples(st.just("read"), st.none(), st.none(), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_operations)
+def test_footprint_matches_its_definition_after_any_adds_and_removes(
+    operations: list[tuple[str, str | None, object, int | None]],
+) -> None:
+    """Adds (of one segment or several, by either method), removes and reads in any order: each
+    read equals the footprint computed from scratch from the owners held then."""
+    footprint = PrefixFootprint()
+    owners: dict[str, tuple[int, list[tuple[bytes, bytes]]]] = {}
+    for kind, owner, segments, width in operations:
+        if kind == "add":
+            assert owner is not None
+            assert width is not None
+            held = [(parent, ids.tobytes()) for parent, ids in segments]  # type: ignore[attr-defined]
+            if len(held) == 1 and owner < "c":
+                footprint.add_segment(owner, *held[0], width)
+            else:
+                footprint.add(owner, segments, width)  # type: ignore[arg-type]
+            owners.setdefault(owner, (width, held))
+        elif kind == "remove":
+            assert owner is not None
+            footprint.remove(owner)
+            owners.pop(owner, None)
+        else:
+            assert footprint.unique_bytes() == _brute_force_unique_bytes(owners)
+    assert footprint.unique_bytes() == _brute_force_unique_bytes(owners)

@@ -77,6 +77,7 @@ class _Entry:
     __slots__ = (
         "bytes_per_token",
         "children",
+        "footprint",
         "group",
         "hits",
         "key",
@@ -131,6 +132,8 @@ class _Entry:
         """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
         self.tier = -1
         """The ``adaptive`` policy's class of a resident entry (0 once, 1 again); -1 else."""
+        self.footprint: Footprint | None = None
+        """Its token segments while not yet added to the index's footprint."""
 
     @property
     def name(self) -> str:

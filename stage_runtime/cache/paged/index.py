@@ -109,10 +109,12 @@ class PagedActivationIndex:
     )
     _misses: MissTracker = attrs.field(init=False)
     _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
-    _unfootprinted: dict[bytes, tuple[Footprint, _Entry]] = attrs.field(factory=dict, init=False)
-    """Resident entries not yet added to the footprint, in the order they were stored, with
-    their token segments (:func:`_footprint_segments`): the footprint's token tries are built
-    only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it."""
+    _unfootprinted: dict[bytes, _Entry] = attrs.field(factory=dict, init=False)
+    """Resident entries not yet added to the footprint, in the order they were stored (each
+    holds its token segments, :attr:`_Entry.footprint`): the footprint's token tries are built
+    only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it.
+    (The entries themselves, not a tuple each: what the garbage collector traverses on every
+    full collection is counted in hundreds of thousands here.)"""
     _recent_chains: dict[bytes, PageChain] = attrs.field(factory=dict, init=False)
     """Chains :meth:`chain` computed lately, by first page key, oldest first."""
     _lookups: int = attrs.field(default=0, init=False)
@@ -294,7 +296,8 @@ class PagedActivationIndex:
             existing.meta = meta
             existing.bytes_per_token = bpt
             self._uncount_footprint(key)
-            self._unfootprinted[key] = (_footprint_segments(op.chain, existing), existing)
+            existing.footprint = _footprint_segments(op.chain, existing)
+            self._unfootprinted[key] = existing
         self._touch(existing, hit=False)
         op.reused_entries += 1
         return existing
@@ -333,7 +336,8 @@ class PagedActivationIndex:
         self._resident_bytes += size
         self._eviction.stored(entry, parent)
         self._misses.cached(key)
-        self._unfootprinted[key] = (_footprint_segments(chain, entry), entry)
+        entry.footprint = _footprint_segments(chain, entry)
+        self._unfootprinted[key] = entry
         self._records += 1
         op.stored_entries += 1
         op.stored_bytes += size
@@ -370,10 +374,11 @@ class PagedActivationIndex:
 
     def _count_footprint(self, footprint: Footprint, entry: _Entry) -> None:
         """Add ``entry``'s token rows (its :func:`_footprint_segments`) to the footprint."""
-        segments = [(entry.group, footprint)] if isinstance(footprint, bytes) else footprint
-        size = entry.nbytes
-        bpt = entry.bytes_per_token or max(size // entry.token_count, 1)
-        self._footprint.add(entry.key, segments, bpt)
+        bpt = entry.bytes_per_token or max(entry.nbytes // entry.token_count, 1)
+        if isinstance(footprint, bytes):
+            self._footprint.add_segment(entry.key, entry.group, footprint, bpt)
+        else:
+            self._footprint.add(entry.key, footprint, bpt)
 
     def _touch(self, entry: _Entry, *, hit: bool) -> None:
         """Mark ``entry`` used now (the eviction strategy reorders it)."""
@@ -521,8 +526,11 @@ class PagedActivationIndex:
         Tails that are a prefix of a cached page (or of another tail) count once. Computed
         lazily from what changed since the last call.
         """
-        for segments, entry in self._unfootprinted.values():
-            self._count_footprint(segments, entry)
+        count = self._count_footprint
+        for entry in self._unfootprinted.values():
+            assert entry.footprint is not None
+            count(entry.footprint, entry)
+            entry.footprint = None
         self._unfootprinted.clear()
         return self._footprint.unique_bytes()
 
