@@ -43,6 +43,7 @@ from stage_runtime.errors import ConfigError, shown
 from stage_runtime.models import ModelFactory
 from stage_runtime.placement import LocalPlacement, Placement, RayPlacement
 from stage_runtime.placement.worker_logging import driver_log_level, stderr_json_logging
+from stage_runtime.sim._collector import fewer_full_collections
 from stage_runtime.sim.blocks import BlockTokenizer
 from stage_runtime.sim.driver import (
     ProgressCallback,
@@ -149,7 +150,8 @@ def replay_stages(
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
     validate_requests(requests, block_size=config.block_size)
-    return trio.run(_replay_stages, requests, config, stages, capacity)
+    with fewer_full_collections():
+        return trio.run(_replay_stages, requests, config, stages, capacity)
 
 
 async def _replay_stages(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Sequence
 
+from stage_runtime.sim._collector import fewer_full_collections
 from stage_runtime.sim.driver import ProgressCallback, ReplayResult, SimConfig, replay
 from stage_runtime.sim.fanout import fan_out
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
@@ -68,7 +69,8 @@ def run_replay(
             virtual_time=virtual_time,
         )
 
-    return trio.run(main, clock=clock)
+    with fewer_full_collections():
+        return trio.run(main, clock=clock)
 
 
 def run_sweep(
