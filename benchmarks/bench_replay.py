@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
@@ -57,6 +60,13 @@ TAKES_TRACE = True
 
 NAME = "replay"
 
+RUNS: Final = {"replay": [], "replay_paged": ["--index", "paged"]}
+"""What ``benchmarks/run.py`` runs of this script: each name with its extra arguments."""
+
+GOAL_CLI_RSS_BYTES: Final = {"paged": 400 * 2**20}
+"""The issue's goal, per index: peak RSS of ``stage-runtime replay TRACE --stages 4 --index I``
+(the command line's defaults otherwise)."""
+
 GOAL_CPU_RATIO: Final = {"ladder": 6.0, "paged": 8.0}
 """The issue's goals, per index: the replay's CPU time at most this many times the hashing
 floor's CPU time."""
@@ -77,6 +87,34 @@ def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def cli_peak_rss_bytes(trace_path: str, *, stages: int, index: str) -> int:
+    """Peak RSS of ``stage-runtime replay TRACE --stages N --index I`` run as a user would (its
+    report written to a temporary directory), read from the kernel as the process exits."""
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
+        argv = [
+            sys.executable,
+            "-m",
+            "stage_runtime",
+            "replay",
+            str(Path(trace_path).resolve()),
+            "--stages",
+            str(stages),
+            "--index",
+            index,
+        ]
+        log_path = Path(scratch) / "stderr.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(argv, cwd=scratch, stdout=subprocess.DEVNULL, stderr=log)
+            _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            errors = log_path.read_text(encoding="utf-8", errors="replace")[-500:]
+            msg = f"{' '.join(argv[2:])} exited with {process.returncode}: {errors}"
+            raise RuntimeError(msg)
+    # Linux reports KiB, macOS bytes.
+    return int(usage.ru_maxrss) if sys.platform == "darwin" else int(usage.ru_maxrss) * 1024
 
 
 def floor_seconds(
@@ -283,6 +321,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     budget_us *= 1e6
     beyond_us = max(cpu - floor_cpu - bare_floor_cpu, 0.0) / stage_requests * 1e6
     peak = _peak_rss_bytes()
+    cli_goal = GOAL_CLI_RSS_BYTES.get(args.index)
+    cli_peak = (
+        cli_peak_rss_bytes(trace_path, stages=config.stages, index=args.index)
+        if cli_goal is not None and args.limit_requests is None
+        else None
+    )
+    cli_goals = (
+        [
+            {
+                "name": f"peak RSS of stage-runtime replay --index {args.index} (MiB)",
+                "target": f"<= {cli_goal // 2**20}",
+                "measured": round(cli_peak / 2**20),
+                "met": cli_peak <= cli_goal,
+            }
+        ]
+        if cli_peak is not None and cli_goal is not None
+        else []
+    )
     out: dict[str, object] = {
         "benchmark": NAME,
         "trace": str(trace_path),
@@ -324,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "ratio_to_floor": wall / floor if floor > 0 else None,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_bytes": peak,
+        "cli_peak_rss_bytes": cli_peak,
         "goal": {"ratio_to_floor_cpu_max": goal_ratio, "peak_rss_bytes_max": 2 * 1024**3},
         "goals": [
             {
@@ -338,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 "measured": round(peak / 2**20),
                 "met": peak < 2 * 1024**3,
             },
+            *cli_goals,
         ],
         "token_hit_ratio": result.token_hit_ratio,
         "theoretical_max_hit_ratio": result.theoretical.ratio,
@@ -377,6 +435,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         ("beyond the design floor now", f"{beyond_us:.2f} us CPU per stage and request"),
         ("replay speed", f"{tokens / wall:,.0f} tokens/s"),
         ("peak RSS", f"{peak / 2**20:,.0f} MiB (goal < 2048 MiB)"),
+        *(
+            [
+                (
+                    "peak RSS of the CLI's replay",
+                    f"{cli_peak / 2**20:,.0f} MiB (goal <= {cli_goal // 2**20} MiB)",
+                )
+            ]
+            if cli_peak is not None and cli_goal is not None
+            else []
+        ),
         (
             "token hit ratio / theoretical max",
             f"{result.token_hit_ratio:.1%} / {result.theoretical.ratio:.1%}",

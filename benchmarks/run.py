@@ -2,7 +2,10 @@
 
 Each benchmark runs in its own process (so peak-RSS figures are its own) with
 ``--json benchmarks/out/<name>.json``; benchmarks that take a trace (``TAKES_TRACE = True``, or
-a ``--trace`` option in their source) also get ``--trace PATH``, and are skipped without one.
+a ``--trace`` option in their source) also get ``--trace PATH``, and are skipped without one. A
+script that sets ``RUNS = {name: [arguments...], ...}`` (a literal) runs once per entry, each
+under its own name with its own arguments (``bench_replay.py``: the ladder and the paged
+index).
 
 Usage::
 
@@ -13,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import platform
 import subprocess
@@ -27,6 +31,21 @@ HERE = Path(__file__).resolve().parent
 def _takes_trace(script: Path) -> bool:
     source = script.read_text(encoding="utf-8")
     return "TAKES_TRACE = True" in source or '"--trace"' in source
+
+
+def runs_of(script: Path) -> dict[str, list[str]]:
+    """The runs of ``script``: its ``RUNS`` literal, or one run under its own name."""
+    for node in ast.parse(script.read_text(encoding="utf-8")).body:
+        target: ast.expr | None = None
+        value: ast.expr | None = None
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        if isinstance(target, ast.Name) and target.id == "RUNS" and value is not None:
+            runs = ast.literal_eval(value)
+            return {str(name): [str(arg) for arg in arguments] for name, arguments in runs.items()}
+    return {script.stem.removeprefix("bench_"): []}
 
 
 def discover(only: list[str] | None = None) -> list[Path]:
@@ -131,10 +150,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     results: dict[str, object] = {}
     summary: list[tuple[str, str, float, str]] = []
     goals: list[tuple[str, str, str, str, str]] = []
-    for script in discover(args.only):
-        name = script.stem.removeprefix("bench_")
+    runs = [
+        (script, name, arguments)
+        for script in discover(args.only)
+        for name, arguments in runs_of(script).items()
+    ]
+    for script, name, arguments in runs:
         json_path = out_dir / f"{name}.json"
-        command = [sys.executable, str(script), "--json", str(json_path), *extra]
+        command = [sys.executable, str(script), "--json", str(json_path), *arguments, *extra]
         if _takes_trace(script):
             if args.trace is None:
                 results[name] = {"status": "skipped", "reason": "needs --trace"}

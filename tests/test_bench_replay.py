@@ -56,10 +56,21 @@ def test_the_cpu_time_ratio_to_the_floor_is_the_goal_of_either_index(
     assert result["ratio_to_floor_cpu"] == cpu / floor_cpu
     goals = result["goals"]
     assert isinstance(goals, list)
+    cli_goal = [(f"peak RSS of stage-runtime replay --index {index} (MiB)", "<= 400")]
     assert [(g["name"], g["target"]) for g in goals] == [
         (f"replay CPU time / hashing floor CPU time ({index})", f"<= {goal}"),
         ("peak RSS (MiB)", "< 2048"),
+        *(cli_goal if index == "paged" else []),
     ]
+    # The paged index's goal on the command line's own peak RSS: the replay run as a user would.
+    cli_peak = result["cli_peak_rss_bytes"]
+    if index == "paged":
+        assert isinstance(cli_peak, int)
+        assert goals[2]["measured"] == round(cli_peak / 2**20)
+        assert goals[2]["met"] is (cli_peak <= 400 * 2**20)
+        assert "peak RSS of the CLI's replay" in printed
+    else:
+        assert cli_peak is None
     assert goals[0]["measured"] == round(cpu / floor_cpu, 2)
     assert goals[0]["met"] is (cpu / floor_cpu <= goal)
     assert result["goal"] == {"ratio_to_floor_cpu_max": goal, "peak_rss_bytes_max": 2 * 1024**3}

@@ -78,9 +78,23 @@ def test_run_collects_the_replay_benchmark(tmp_path: Path) -> None:
     assert result["goals"][1]["met"] is True  # two tiny requests are far under 2 GiB
     verdicts = {goal["name"]: goal["met"] for goal in result["goals"]}
     missed = {f"replay: {name}" for name, met in verdicts.items() if not met}
+    # The paged index runs too, as its own entry, with the command line's peak RSS.
+    paged = document["benchmarks"]["replay_paged"]
+    assert paged["status"] == "ok", paged
+    assert paged["result"]["index"] == "paged"
+    assert paged["result"]["prompt_tokens"] == 1600
+    assert 0 < paged["result"]["cli_peak_rss_bytes"] < 2**31
+    paged_names = [goal["name"] for goal in paged["result"]["goals"]]
+    assert paged_names == [
+        "replay CPU time / hashing floor CPU time (paged)",
+        "peak RSS (MiB)",
+        "peak RSS of stage-runtime replay --index paged (MiB)",
+    ]
+    paged_verdicts = {goal["name"]: goal["met"] for goal in paged["result"]["goals"]}
+    missed |= {f"replay_paged: {name}" for name, met in paged_verdicts.items() if not met}
     assert set(document["goals_missed"]) == missed
-    assert document["goals_met"] == len(verdicts) - len(missed)
-    assert f"{len(verdicts) - len(missed)} of 2 goals met" in done.stdout
+    assert document["goals_met"] == len(verdicts) + len(paged_verdicts) - len(missed)
+    assert f"{len(verdicts) + len(paged_verdicts) - len(missed)} of 5 goals met" in done.stdout
 
 
 def _run_module() -> ModuleType:
