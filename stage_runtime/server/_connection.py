@@ -40,6 +40,7 @@ from hypercorn.typing import (
     AppWrapper,
     ASGIReceiveCallable,
     ASGISendCallable,
+    ASGISendEvent,
     LifespanState,
     Scope,
     TaskGroup,
@@ -100,11 +101,14 @@ class _KeepAliveTimer(TrioSingleTask):
 
 class _WithDisconnects:
     """The app of one connection: each HTTP/1 request's scope names the connection's
-    :class:`Disconnects` (HTTP/2 streams end on their own, and keep ``http.disconnect``)."""
+    :class:`Disconnects` (HTTP/2 streams end on their own, and keep ``http.disconnect``), and
+    each body message the app sends writes the answer's head if it is still held (hypercorn
+    turns an empty body message into no event at all: an app that sends one to push the head
+    out, before a slow body, would otherwise wait for the body)."""
 
-    def __init__(self, app: AppWrapper, disconnects: Disconnects) -> None:
+    def __init__(self, app: AppWrapper, connection: Connection) -> None:
         self._app = app
-        self._disconnects = disconnects
+        self._connection = connection
 
     async def __call__(
         self,
@@ -115,8 +119,17 @@ class _WithDisconnects:
         call_soon: Callable[..., object],
     ) -> None:
         if scope["type"] == "http" and scope["http_version"] in ("1.0", "1.1"):
+            connection = self._connection
             extensions = cast("dict[str, object]", scope["extensions"])
-            extensions[DISCONNECTS_EXTENSION] = self._disconnects
+            extensions[DISCONNECTS_EXTENSION] = connection.disconnects
+            answer = send
+
+            async def send_flushing(message: ASGISendEvent) -> None:
+                await answer(message)
+                if connection._held and message["type"] == "http.response.body":
+                    await connection._flush()
+
+            send = send_flushing
         await self._app(scope, receive, send, sync_spawn, call_soon)
 
 
@@ -134,7 +147,7 @@ class Connection(TCPServer):
         self.disconnects = Disconnects()
         """Cancels the answers in progress once the client hangs up (see
         :data:`~stage_runtime.server.settings.DISCONNECTS_EXTENSION`)."""
-        super().__init__(_WithDisconnects(app, self.disconnects), config, context, state, stream)
+        super().__init__(_WithDisconnects(app, self), config, context, state, stream)
         self.idle_task = _KeepAliveTimer(self)
         self._holding = False
         """A response's head is being written: keep it for the first write of its body."""
@@ -160,6 +173,13 @@ class Connection(TCPServer):
     async def _flush(self) -> None:
         held, self._held = self._held, b""
         await super().protocol_send(RawData(held))
+
+    async def _close(self) -> None:
+        if self._held:
+            # An answer with a head and no body yet, its stream already closed (the client
+            # half-closed; hypercorn then skips the stream's end): the head still goes out.
+            await self._flush()
+        await super()._close()
 
     def _hold_heads(self) -> None:
         """Write each HTTP/1 response's head together with its body (or its end): one send, and
@@ -204,7 +224,7 @@ class Connection(TCPServer):
         handle = self.protocol.handle
         while True:
             try:
-                if timeout is None:
+                if not timeout:  # (hypercorn reads 0 as no timeout too)
                     data = await receive(MAX_RECV)
                 else:
                     with trio.fail_after(timeout):
