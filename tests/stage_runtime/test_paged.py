@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import tracemalloc
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -49,6 +51,24 @@ def test_equal_prefixes_share_pages_across_prompts() -> None:
     assert len(index) == 4
     assert index.resident_bytes == 8 * BPT
     assert index.unique_prefix_bytes() == 8 * BPT
+
+
+@pytest.mark.parametrize("eviction", ["lru", "reuse", "adaptive"])
+def test_a_dropped_index_is_freed_at_once_without_the_garbage_collector(eviction: str) -> None:
+    """Nothing in an index refers back to it (its eviction strategy holds it weakly), so an
+    index with its entries goes when its last reference does, not at a full collection."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=4, eviction=eviction)
+    for first in range(6):
+        record(index, [first, 2, 3, 4, 5, 6])
+    gone = weakref.ref(index)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del index
+        assert gone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def test_different_token_before_a_page_changes_every_later_key() -> None:

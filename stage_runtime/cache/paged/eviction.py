@@ -21,9 +21,10 @@ event (an entry stored, touched, evicted; a record started and ended; room neede
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 from stage_runtime.cache.paged.entries import _Entry, _leaf_item
 from stage_runtime.cache.paged.results import _Eviction
@@ -104,12 +105,17 @@ class EvictionStrategy(Protocol):
 
 
 def eviction_for(policy: PageEviction, index: EvictionHost) -> EvictionStrategy:
-    """The strategy ``policy`` names, for ``index``."""
+    """The strategy ``policy`` names, for ``index``.
+
+    The strategy holds the index weakly: the index owns its strategy, and a reference back
+    would make a cycle, so that an index dropped with its hundreds of thousands of entries
+    waited for the next full garbage collection instead of being freed at once."""
+    host = cast("EvictionHost", weakref.proxy(index))
     if policy is PageEviction.REUSE:
-        return ReuseEviction(index)
+        return ReuseEviction(host)
     if policy is PageEviction.ADAPTIVE:
-        return AdaptiveEviction(index)
-    return LruEviction(index)
+        return AdaptiveEviction(host)
+    return LruEviction(host)
 
 
 class LruEviction:
