@@ -91,7 +91,9 @@ def _peak_rss_bytes() -> int:
 
 def cli_peak_rss_bytes(trace_path: str, *, stages: int, index: str) -> int:
     """Peak RSS of ``stage-runtime replay TRACE --stages N --index I`` run as a user would (its
-    report written to a temporary directory), read from the kernel as the process exits."""
+    report written to a temporary directory), read from the kernel as the process exits. Call
+    it while the calling process is small: Linux counts the child's memory before it runs the
+    command, a copy of its parent, in the child's peak."""
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
         argv = [
             sys.executable,
@@ -266,6 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(30), cache_logger_on_first_use=True
     )
+    # First, while this process is small: Linux counts a child's memory before it runs the
+    # command (a copy of this process) in the child's peak RSS.
+    cli_goal = GOAL_CLI_RSS_BYTES.get(args.index)
+    cli_peak = (
+        cli_peak_rss_bytes(trace_path, stages=args.stages, index=args.index)
+        if cli_goal is not None and args.limit_requests is None
+        else None
+    )
     trace = read_trace(trace_path, limit=args.limit_requests)
     requests = list(trace.requests)
     tokens = sum(request.input_length for request in requests)
@@ -321,12 +331,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     budget_us *= 1e6
     beyond_us = max(cpu - floor_cpu - bare_floor_cpu, 0.0) / stage_requests * 1e6
     peak = _peak_rss_bytes()
-    cli_goal = GOAL_CLI_RSS_BYTES.get(args.index)
-    cli_peak = (
-        cli_peak_rss_bytes(trace_path, stages=config.stages, index=args.index)
-        if cli_goal is not None and args.limit_requests is None
-        else None
-    )
     cli_goals = (
         [
             {
