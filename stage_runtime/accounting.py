@@ -214,7 +214,9 @@ class PrefixFootprint:
             held.append((parent, data))
         self._owners[owner] = (bytes_per_token, held)
 
-    def add_segment(self, owner: Hashable, parent: bytes, data: bytes, bytes_per_token: int) -> None:
+    def add_segment(
+        self, owner: Hashable, parent: bytes, data: bytes, bytes_per_token: int
+    ) -> None:
         """:meth:`add` of one segment given as token bytes (a page or a tail)."""
         if owner in self._owners:
             return
