@@ -218,8 +218,23 @@ class PagedActivationIndex:
         # them; every page after the first missing one is new (_put_new_pages).
         while first_new < len(keys) and keys[first_new] in entries:
             first_new += 1
+        touched = self._eviction.touched
+        size = p * bpt
         for i, key in enumerate(keys[:first_new]):
-            segment = payload[i * p * bpt : (i + 1) * p * bpt]
+            existing = entries[key]
+            if (
+                existing.nbytes == size
+                and existing.bytes_per_token == bpt
+                and (existing.meta is meta or existing.meta == meta)
+            ):
+                # _put of a cached page with the same rows, inline: a refresh (_touch).
+                self._clock += 1
+                existing.last_used = self._clock
+                touched(existing)
+                op.reused_entries += 1
+                parent = existing
+                continue
+            segment = payload[i * size : (i + 1) * size]
             entry = self._put(op, key, "page", parent, i * p, p, segment)
             if entry is None:
                 return self._outcome(op, parent, truncated=True)
@@ -444,12 +459,30 @@ class PagedActivationIndex:
         used: list[_Entry] = []
         reason: MissReason | None = None
         covered = 0
+        entries = self._entries
+        p = chain.page_tokens
+        first: _Entry | None = None
         for key in chain.page_keys:
-            entry, reason = self._probe(key, chain.page_tokens, used[0] if used else None)
+            entry = entries.get(key)
+            # _probe's test, inline for the usual case: a page like the first one used.
+            if (
+                entry is not None
+                and first is not None
+                and entry.token_count == p
+                and entry.bytes_per_token == first.bytes_per_token
+                and entry.payload.size == p * entry.bytes_per_token
+                and (entry.meta is first.meta or entry.meta == first.meta)
+            ):
+                used.append(entry)
+                covered += p
+                continue
+            entry, reason = self._probe(key, p, first)
             if entry is None:
                 break
+            if first is None:
+                first = entry
             used.append(entry)
-            covered += chain.page_tokens
+            covered += p
         else:
             if chain.tail_key is not None:
                 entry, reason = self._probe(chain.tail_key, n - covered, used[0] if used else None)
@@ -470,8 +503,13 @@ class PagedActivationIndex:
             final: MissReason = reason if reason is not None else "never_seen"
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
+        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages.
+        touched = self._eviction.touched
         for entry in self._eviction.touch_order(used):
-            self._touch(entry, hit=True)
+            self._clock += 1
+            entry.last_used = self._clock
+            entry.hits += 1
+            touched(entry)
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
