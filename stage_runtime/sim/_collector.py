@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -24,6 +25,21 @@ _OLDER_THRESHOLD = 100
 _lock = threading.Lock()
 _running = 0
 _saved: tuple[int, int, int] | None = None
+
+
+def _forked() -> None:
+    """In a child forked while a replay ran in the parent (a thread of it): no replay runs
+    here, so the child starts with the thresholds the parent had before, and a fresh lock."""
+    global _lock, _running, _saved
+    _lock = threading.Lock()
+    if _saved is not None:
+        gc.set_threshold(*_saved)
+    _running = 0
+    _saved = None
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import multiprocessing
+import multiprocessing.queues
 import threading
 from collections.abc import Iterator
 
@@ -89,3 +91,25 @@ def test_replays_raise_them_while_they_run_and_restore_them_even_when_they_fail(
     replays = replay_stages(TRACE, SimConfig(stages=2), [0, 1])
     assert [replay.stage_id for replay in replays] == ["stage-0", "stage-1"]
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def _report_thresholds(results: multiprocessing.queues.Queue[tuple[int, int, int]]) -> None:
+    results.put(gc.get_threshold())
+    with fewer_full_collections():  # the child's own guard saves and restores its own
+        results.put(gc.get_threshold())
+    results.put(gc.get_threshold())
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_a_child_forked_during_a_replay_starts_with_the_thresholds_from_before() -> None:
+    context = multiprocessing.get_context("fork")
+    results: multiprocessing.queues.Queue[tuple[int, int, int]] = context.Queue()
+    with fewer_full_collections():
+        child = context.Process(target=_report_thresholds, args=(results,))
+        child.start()
+        seen = [results.get(timeout=20) for _ in range(3)]
+        child.join(timeout=20)
+    assert child.exitcode == 0
+    assert seen == [(700, 10, 10), (700, 100, 100), (700, 10, 10)]
