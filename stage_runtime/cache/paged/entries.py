@@ -25,16 +25,22 @@ every 2 KiB segment to find an equal one cost a stored page more than the rest o
 footprint; and an ordered dict, whose oldest item goes in O(1)."""
 
 
-def _shared_segment(tokens: TokenArray, start: int, stop: int) -> bytes:
-    """``tokens[start:stop]`` as bytes: the same bytes object another stage made lately from the
-    same tokens array (one copy for all the stages), else a new one."""
+def _segments_of(tokens: TokenArray) -> dict[tuple[int, int], bytes]:
+    """The bytes of ``tokens``' segments made lately, by ``(start, stop)`` (see
+    :func:`_shared_segment`)."""
     slot = _recent_prompts.get(id(tokens))
     if slot is None or slot[0]() is not tokens:
         slot = (weakref.ref(tokens), {})
         _recent_prompts[id(tokens)] = slot
         if len(_recent_prompts) > _SHARED_PROMPTS:
             _recent_prompts.popitem(last=False)
-    segments = slot[1]
+    return slot[1]
+
+
+def _shared_segment(tokens: TokenArray, start: int, stop: int) -> bytes:
+    """``tokens[start:stop]`` as bytes: the same bytes object another stage made lately from the
+    same tokens array (one copy for all the stages), else a new one."""
+    segments = _segments_of(tokens)
     data = segments.get((start, stop))
     if data is None:
         data = segments[start, stop] = tokens[start:stop].tobytes()

@@ -23,7 +23,13 @@ import numpy.typing as npt
 from stage_runtime._validators import check_int_in
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
 from stage_runtime.cache.paged.chains import PageChain, _page_chain, _private_tokens
-from stage_runtime.cache.paged.entries import Footprint, _Entry, _footprint_segments, _stored
+from stage_runtime.cache.paged.entries import (
+    Footprint,
+    _Entry,
+    _footprint_segments,
+    _segments_of,
+    _stored,
+)
 from stage_runtime.cache.paged.eviction import EvictionStrategy, eviction_for
 from stage_runtime.cache.paged.results import (
     EntryKind,
@@ -326,9 +332,11 @@ class PagedActivationIndex:
         token_start: int,
         token_count: int,
         payload: Payload,
+        footprint: Footprint | None = None,
     ) -> _Entry:
         """Store a new entry (room already made) after ``parent``, holding ``payload`` (its own
-        bytes or a virtual view: see :func:`_stored`)."""
+        bytes or a virtual view: see :func:`_stored`); ``footprint``: its
+        :func:`_footprint_segments`, when the caller has them."""
         self._clock += 1
         size = int(payload.size)
         chain = op.chain
@@ -351,7 +359,7 @@ class PagedActivationIndex:
         self._resident_bytes += size
         self._eviction.stored(entry, parent)
         self._misses.cached(key)
-        entry.footprint = _footprint_segments(chain, entry)
+        entry.footprint = _footprint_segments(chain, entry) if footprint is None else footprint
         self._unfootprinted[key] = entry
         self._records += 1
         op.stored_entries += 1
@@ -375,12 +383,19 @@ class PagedActivationIndex:
         # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored), and
         # every page-sized slice of it is the same view: one is cut and shared by all the pages.
         shared = payload[:size] if size > 1 and payload.strides[0] == 0 else None
+        # Each page's footprint segment (_footprint_segments), from one lookup of the prompt's.
+        tokens = chain.tokens
+        made = _segments_of(tokens)
         for i in range(first, stop):
             if fit < 0 and not eviction.page_room(size, parent, op.evicted):
                 stop = i  # the bounds cannot fit this page: the chain ends before it
                 break
             segment = shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
-            parent = self._store_new(op, keys[i], "page", parent, i * p, p, segment)
+            start = i * p
+            rows = made.get((start, start + p))
+            if rows is None:
+                rows = made[start, start + p] = tokens[start : start + p].tobytes()
+            parent = self._store_new(op, keys[i], "page", parent, start, p, segment, rows)
         return parent, stop == len(keys)
 
     def _uncount_footprint(self, key: bytes) -> None:
