@@ -190,16 +190,17 @@ class Connection(TCPServer):
         send_event = inner.stream_send
 
         async def stream_send(event: StreamEvent) -> None:
+            # Only the head is held here: the next write takes it along (protocol_send), as
+            # does any other event of the connection, a body message (_WithDisconnects) or
+            # the close (_close).
             if type(event) is Response and event.status_code >= 200:
                 self._holding = True
                 try:
                     await send_event(event)
                 finally:
                     self._holding = False
-                return
-            await send_event(event)
-            if self._held:
-                await self._flush()
+            else:
+                await send_event(event)
 
         inner.stream_send = stream_send  # type: ignore[method-assign]
 

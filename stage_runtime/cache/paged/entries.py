@@ -37,10 +37,13 @@ def _segments_of(tokens: TokenArray) -> dict[tuple[int, int], bytes]:
     return slot[1]
 
 
-def _shared_segment(tokens: TokenArray, start: int, stop: int) -> bytes:
+def _shared_segment(
+    tokens: TokenArray, start: int, stop: int, made: dict[tuple[int, int], bytes] | None = None
+) -> bytes:
     """``tokens[start:stop]`` as bytes: the same bytes object another stage made lately from the
-    same tokens array (one copy for all the stages), else a new one."""
-    segments = _segments_of(tokens)
+    same tokens array (one copy for all the stages), else a new one. ``made``: the array's
+    :func:`_segments_of`, when the caller cuts several segments of it."""
+    segments = _segments_of(tokens) if made is None else made
     data = segments.get((start, stop))
     if data is None:
         data = segments[start, stop] = tokens[start:stop].tobytes()

@@ -28,6 +28,7 @@ from stage_runtime.cache.paged.entries import (
     _Entry,
     _footprint_segments,
     _segments_of,
+    _shared_segment,
     _stored,
 )
 from stage_runtime.cache.paged.eviction import EvictionStrategy, eviction_for
@@ -392,9 +393,7 @@ class PagedActivationIndex:
                 break
             segment = shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
             start = i * p
-            rows = made.get((start, start + p))
-            if rows is None:
-                rows = made[start, start + p] = tokens[start : start + p].tobytes()
+            rows = _shared_segment(tokens, start, start + p, made)
             parent = self._store_new(op, keys[i], "page", parent, start, p, segment, rows)
         return parent, stop == len(keys)
 
