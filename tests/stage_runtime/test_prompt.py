@@ -8,17 +8,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage_runtime.cache import StageCache
-from stage_runtime.cache.prompt import GridFingerprints, _weights_for, grid_fingerprints
+from stage_runtime.cache.prompt import (
+    SAMPLES_PER_BLOCK,
+    GridFingerprints,
+    _weights_for,
+    grid_fingerprints,
+)
 from stage_runtime.config import CacheMode, KvCacheConfig, MessageBase, StageConfig
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.policy import CandidatePolicy
 
 
-def _definition(tokens: np.ndarray, count: int) -> int:
-    """``sum(tokens[i] * weight[i] for i < count)``, each product wrapped to a signed 32-bit
-    integer, summed exactly."""
-    weights = _weights_for(count).astype(np.int64)
-    products = tokens[:count].astype(np.int64) * weights
+def _definition(tokens: np.ndarray, count: int, stride: int) -> int:
+    """Over each whole block of ``stride`` tokens, its sampled tokens (every ``step``-th, the
+    last of the block among them) times the weights of their sample positions; over the rest,
+    every token times the weight of its position in the block. Each product wrapped to a
+    signed 32-bit integer, summed exactly."""
+    step = max(stride // SAMPLES_PER_BLOCK, 1)
+    blocks, part = divmod(count, stride)
+    positions = [b * stride + i for b in range(blocks) for i in range(step - 1, stride, step)]
+    sampled = tokens[positions].astype(np.int64) * _weights_for(len(positions)).astype(np.int64)
+    tail = tokens[blocks * stride : count].astype(np.int64) * _weights_for(part).astype(np.int64)
+    products = np.concatenate([sampled, tail])
     wrapped = ((products + 2**31) % 2**32) - 2**31
     return int(wrapped.sum())
 
@@ -39,9 +50,10 @@ def test_grid_fingerprints_follow_their_definition(
     )
     array = np.asarray(tokens, dtype=np.int32)
     grid = GridFingerprints(array, policy)
+    stride_of = policy.effective_stride
     assert grid.counts == policy.candidate_token_counts(len(tokens))
     for index, count in enumerate(grid.counts):
-        assert grid.prints[index] == (_definition(array, count) << 40) | count
+        assert grid.prints[index] == (_definition(array, count, stride_of) << 40) | count
         assert grid.position(count) == index
         assert grid.by_print[grid.prints[index]] == count
 
@@ -112,3 +124,29 @@ def test_a_positions_weight_does_not_depend_on_how_the_weights_grew(
         grown.append(weights.copy())
     assert all(np.array_equal(grown[0], other) for other in grown[1:])
     assert np.all(grown[0] & 1)
+
+
+def test_a_prefix_differing_only_in_unsampled_tokens_shares_a_fingerprint_but_never_hits() -> None:
+    """The fingerprint reads a sample of each block, so a prompt that differs from a resident
+    one only in an unsampled token passes the filter; its key then tells it apart: a miss,
+    counted as never seen, and the resident entry still hits for its own prompt."""
+    policy = CandidatePolicy(min_tokens=512, stride_tokens=512)
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 50_000, size=1024, dtype=np.int32)
+    second = first.copy()
+    second[0] += 1  # position 0 is not sampled (the samples end each 64-token step)
+    assert GridFingerprints(first, policy).prints == GridFingerprints(second, policy).prints
+
+    config = StageConfig(stage_id="stage-0", model_id="m", layer_start=0, layer_end=4)
+    cache_config = KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD, min_tokens=512, shared_prefix_stride_tokens=512
+    )
+    cache = StageCache(config, cache_config, CandidatePolicy.from_cache_config(cache_config))
+    base = MessageBase(stage_id="stage-0")
+    frame = ActivationFrame.virtual(token_count=1024, bytes_per_token=8, fill=1)
+    cache.record(base, first, 2, frame)
+    assert cache.restore(base, second, 2) is None
+    assert cache.last_miss_reason == "never_seen"
+    hit = cache.restore(base, first, 2)
+    assert hit is not None
+    assert hit.token_count == 1024
