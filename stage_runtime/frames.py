@@ -507,6 +507,17 @@ class ActivationFrame:
         object.__setattr__(frame, "payload", self.payload[:payload_bytes])
         return frame
 
+    def _virtual_rows(self, token_count: int, fill: int = 0) -> ActivationFrame:
+        """Unchecked :meth:`virtual` of ``token_count`` rows with this frame's descriptor: the
+        caller has made sure this frame has whole rows of at least one token, and that
+        ``token_count`` is an ``int`` that :meth:`virtual` accepts (a simulated model makes
+        every frame from one checked template)."""
+        size = self.desc.payload_bytes // self.desc.token_count * token_count
+        frame: ActivationFrame = object.__new__(ActivationFrame)
+        object.__setattr__(frame, "desc", _desc_with_counts(self.desc, token_count, size))
+        object.__setattr__(frame, "payload", _virtual_payload(size, fill))
+        return frame
+
     @staticmethod
     def concat(first: ActivationFrame, second: ActivationFrame) -> ActivationFrame:
         """Token-major concatenation: the rows of ``first`` followed by those of ``second``.

@@ -10,12 +10,14 @@ import trio
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame
+from stage_runtime.limits import U32_MAX
 from stage_runtime.models import ModelFactory, StageModel
 from stage_runtime.sim.cost import CostModel
 
 __all__ = ["SimulatedStageModel", "simulated_model_factory"]
 
 _BYTES_PER_ELEMENT = 2  # bf16
+_MAX_VIRTUAL_BYTES = 2**63 - 1  # ActivationFrame.virtual's bound (numpy's longest array)
 
 
 @attrs.define(eq=False)
@@ -51,6 +53,10 @@ class SimulatedStageModel:
 
     sleep: bool = True
     """Whether :meth:`forward` sleeps its cost (virtual time) or returns at once."""
+
+    _template: ActivationFrame | None = attrs.field(default=None, init=False, repr=False)
+    """A checked one-token frame: every frame is this one with other counts (when the fields
+    it was made from have not changed since)."""
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_per_token < 1:
@@ -93,7 +99,30 @@ class SimulatedStageModel:
 
     def frame(self, token_count: int) -> ActivationFrame:
         """The virtual frame this stage outputs for ``token_count`` tokens (what the next stage
-        receives; a stage replayed alone gets its input from its predecessor's model)."""
+        receives; a stage replayed alone gets its input from its predecessor's model).
+
+        Raises:
+            FrameError: ``token_count`` is not a count ``ActivationFrame.virtual`` accepts.
+        """
+        template = self._template
+        if (
+            template is None
+            or template.desc.payload_bytes != self.bytes_per_token
+            or template.desc.producer_stage_index != self.stage_index
+            or template.desc.layer_start != self.layer_start
+            or template.desc.layer_end != self.layer_end
+        ):
+            template = self._template = self._checked_frame(1)
+        if (
+            type(token_count) is int
+            and 0 <= token_count <= U32_MAX
+            and token_count * self.bytes_per_token <= _MAX_VIRTUAL_BYTES
+        ):
+            # Every field was checked once, in the template: only the counts differ.
+            return template._virtual_rows(token_count)
+        return self._checked_frame(token_count)
+
+    def _checked_frame(self, token_count: int) -> ActivationFrame:
         return ActivationFrame.virtual(
             token_count=token_count,
             bytes_per_token=self.bytes_per_token,

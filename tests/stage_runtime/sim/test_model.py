@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -9,6 +10,7 @@ import trio.testing
 
 from stage_runtime import ConfigError
 from stage_runtime.errors import FrameError
+from stage_runtime.frames import ActivationDType, ActivationFrame
 from stage_runtime.sim import CostModel, SimulatedStageModel
 
 COST = CostModel(prefill_s_per_token=1e-3, restore_s_per_byte=1e-6)
@@ -24,6 +26,39 @@ def test_frames_have_the_bytes_of_the_tokens_but_no_memory() -> None:
     assert frame.payload.strides[0] == 0  # every row is the same memory: a zero-stride view
     assert (frame.desc.producer_stage_index, frame.desc.layer_start) == (2, 16)
     assert model.activation_width == 4096  # bf16: two bytes per element
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 40_000])
+def test_frames_equal_what_the_checked_constructor_makes(count: int) -> None:
+    """The model makes frames from one checked template without re-running the validators:
+    each equals ``ActivationFrame.virtual`` of the same fields, read-only and zero-stride;
+    a field changed after the model was built is in the next frame."""
+    model = SimulatedStageModel(bytes_per_token=6, stage_index=1, layer_start=4, layer_end=8)
+    expected = ActivationFrame.virtual(
+        token_count=count,
+        bytes_per_token=6,
+        dtype=ActivationDType.BF16,
+        producer_stage_index=1,
+        layer_start=4,
+        layer_end=8,
+    )
+    frame = model.frame(count)
+    assert frame.desc == expected.desc
+    assert frame.same_content(expected)
+    assert not frame.payload.flags.writeable
+    model.layer_end = 12
+    model.bytes_per_token = 10
+    assert model.frame(count).desc == attrs.evolve(
+        expected.desc, layer_end=12, payload_bytes=count * 10
+    )
+
+
+@pytest.mark.parametrize("count", [-1, 2**32, 3.0, True])
+def test_a_bad_frame_count_is_a_frame_error(count: object) -> None:
+    """A count the checked constructor refuses is refused by name, whatever the template."""
+    model = SimulatedStageModel(bytes_per_token=4)
+    with pytest.raises(FrameError, match="token_count"):
+        model.frame(count)  # type: ignore[arg-type]
 
 
 async def test_forward_sleeps_computed_tokens_and_restored_bytes(
