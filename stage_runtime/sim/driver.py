@@ -620,17 +620,6 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
             # an infinite arrival would never come: a replay at concurrency > 1 waited forever
             msg = f"{where}: arrival_s must be a finite number, got {arrival!r}"
             raise ConfigError(msg)
-    if requests:
-        arrivals = [float(request.arrival_s) for request in requests]
-        span = max(arrivals) - min(arrivals)
-        if span > MAX_ARRIVAL_SPAN_S:
-            # Virtual time counts from the first arrival; this far from it a float clock
-            # cannot tell microseconds apart, and stage costs would round away.
-            msg = (
-                f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
-                f"got {span:.3g} s"
-            )
-            raise ConfigError(msg)
         lengths = request.block_lengths
         if lengths is None:
             capacity = block_size * len(request.block_ids)
@@ -648,6 +637,17 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
             msg = (
                 f"{where}: block_lengths must give one length in [0, {block_size}] per block "
                 f"and sum to input_length {request.input_length}, got {list(lengths)}"
+            )
+            raise ConfigError(msg)
+    if requests:
+        arrivals = [float(request.arrival_s) for request in requests]
+        span = max(arrivals) - min(arrivals)
+        if span > MAX_ARRIVAL_SPAN_S:
+            # Virtual time counts from the first arrival; this far from it a float clock
+            # cannot tell microseconds apart, and stage costs would round away.
+            msg = (
+                f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
+                f"got {span:.3g} s"
             )
             raise ConfigError(msg)
 

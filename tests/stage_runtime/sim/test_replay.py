@@ -325,6 +325,17 @@ async def test_example_program_restores_shared_prompts(
     ("requests", "message"),
     [
         ([_request(0, [1], 17)], "request 0: input_length must be <= block_size"),
+        (  # not only the last request's blocks are checked
+            [_request(0, [1], 8), _request(1, [2], 17), _request(2, [3], 8)],
+            "request 1: input_length must be <= block_size",
+        ),
+        (
+            [
+                SimRequest(index=3, input_length=9, block_ids=(1, 2), block_lengths=(4, 4)),
+                _request(5, [3], 8),
+            ],
+            "request 3: block_lengths must give one length",
+        ),
         ([_request(0, [1], 8), _request(0, [2], 8)], "request 0: index must be unique"),
         (
             [SimRequest(index=4, input_length=9, block_ids=(1, 2), block_lengths=(4, 4))],
