@@ -22,9 +22,9 @@ The model, at the replay's block size:
   furthest; ties: the deeper page first). A page is used no later than its descendants, so the
   cache stays prefix-closed.
 
-Next uses come from one backward pass over the requests (:func:`plan`); each capacity is then one
-forward pass with a heap (:func:`clairvoyant_hits`). Requests are taken in the replay's
-admission order.
+Next uses come from the workload's page table (:mod:`stage_runtime.sim.pages`) sorted by page
+(:func:`plan`), what a backward pass over the requests gives; each capacity is then one forward
+pass with a heap (:func:`clairvoyant_hits`). Requests are taken in the replay's admission order.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
-# Block ids are taken modulo 2^64, as the theoretical maximum and the token blocks do.
-from stage_runtime.limits import U64_MAX as _ID_MASK
+from stage_runtime.sim.pages import page_table
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["ClairvoyantPlan", "ClairvoyantResult", "clairvoyant_hits", "plan", "plan_of"]
@@ -90,36 +91,30 @@ class ClairvoyantPlan:
 
 
 def plan(requests: Iterable[SimRequest], *, block_size: int) -> ClairvoyantPlan:
-    """The pages of ``requests`` (in replay order) and, by one backward pass, their next uses."""
-    nodes: dict[tuple[int, int], int] = {}
-    offsets = array.array("q", [0])
-    pages = array.array("q")
-    used = array.array("q")
-    prompt_tokens = 0
-    for request in requests:
-        prompt_tokens += request.input_length
-        parent = -1
-        for block_id, count in request.block_layout(block_size):
-            key = (parent, int(block_id) & _ID_MASK)
-            node = nodes.get(key)
-            if node is None:
-                node = nodes[key] = len(nodes)
-            pages.append(node)
-            used.append(count)
-            parent = node
-        offsets.append(len(pages))
-    del nodes
-    later: dict[int, int] = {}
-    next_use = array.array("q", bytes(8 * len(pages)))
-    for index in range(len(offsets) - 2, -1, -1):
-        start, end = offsets[index], offsets[index + 1]
-        for position in range(start, end):
-            next_use[position] = later.get(pages[position], _NEVER)
-        for position in range(start, end):
-            later[pages[position]] = index
+    """The pages of ``requests`` (in replay order) and their next uses."""
+    table = page_table(requests, block_size=block_size)
+    pages, requests_of = table.pages, table.request_of_block()
+    # A page is used at most once per request (its chain fixes its depth): sorted by page,
+    # then request, each block's next use is the request of the block after it, if that
+    # block has the same page.
+    order = np.lexsort((requests_of, pages))
+    same = pages[order[1:]] == pages[order[:-1]]
+    next_use = np.full(len(pages), _NEVER, dtype=np.int64)
+    next_use[order[:-1][same]] = requests_of[order[1:][same]]
     return ClairvoyantPlan(
-        offsets=offsets, pages=pages, used=used, next_use=next_use, prompt_tokens=prompt_tokens
+        offsets=_flat(table.offsets),
+        pages=_flat(pages),
+        used=_flat(table.used),
+        next_use=_flat(next_use),
+        prompt_tokens=table.prompt_tokens,
     )
+
+
+def _flat(values: npt.NDArray[np.int64]) -> array.array[int]:
+    """``values`` as a 64-bit ``array.array`` (what the forward pass indexes fastest)."""
+    flat = array.array("q")
+    flat.frombytes(values.astype(np.int64, copy=False).tobytes())
+    return flat
 
 
 _last_plan: tuple[tuple[SimRequest, ...], int, ClairvoyantPlan] | None = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 
-# Block ids are 64-bit values, signed or unsigned (BlockTokenizer takes them modulo 2^64).
-from stage_runtime.limits import U64_MAX as _ID_MASK
+from stage_runtime.sim.pages import page_table
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["TheoreticalMax", "theoretical_max_hit_ratio"]
@@ -47,25 +47,29 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
     Returns:
         The restorable and total prompt tokens.
     """
-    seen: dict[tuple[int, int], int] = {}
-    nodes: dict[tuple[int, int], int] = {}
-    hit_tokens = 0
-    prompt_tokens = 0
-    for request in requests:
-        prompt_tokens += request.input_length
-        parent = -1
-        restoring = True
-        for block_id, used in request.block_layout(block_size):
-            key = (parent, int(block_id) & _ID_MASK)  # as the token blocks: -1 is 2^64 - 1
-            node = nodes.get(key)
-            if node is None:
-                node = len(nodes)
-                nodes[key] = node
-            if restoring:
-                known = seen.get(key, 0)
-                hit_tokens += min(used, known)
-                restoring = known >= used
-            if seen.get(key, 0) < used:
-                seen[key] = used
-            parent = node
-    return TheoreticalMax(hit_tokens=hit_tokens, prompt_tokens=prompt_tokens)
+    table = page_table(requests, block_size=block_size)
+    pages, used = table.pages, table.used
+    if not len(pages):
+        return TheoreticalMax(hit_tokens=0, prompt_tokens=table.prompt_tokens)
+    # What earlier requests used of each block's page: a running maximum over the page's
+    # blocks in request order (a page is used at most once per request), excluding the block
+    # itself. Offsetting each page's values by page x (largest use + 1) lets one cumulative
+    # maximum over all pages, sorted by page, run page by page.
+    order = np.argsort(pages, kind="stable")
+    by_page, used_sorted = pages[order], used[order]
+    step = int(used.max()) + 1
+    running = np.maximum.accumulate(by_page * step + used_sorted)
+    later = np.flatnonzero(by_page[1:] == by_page[:-1]) + 1  # not a page's first block
+    seen_sorted = np.zeros(len(pages), dtype=np.int64)
+    seen_sorted[later] = running[later - 1] - by_page[later] * step
+    seen = np.empty_like(seen_sorted)
+    seen[order] = seen_sorted
+    # A request restores its blocks front to back up to and including the first one it uses
+    # more of than was seen.
+    short = (seen < used).astype(np.int64)
+    shorts = np.cumsum(short)
+    starts = np.repeat(table.offsets[:-1], np.diff(table.offsets))
+    before = np.where(starts > 0, shorts[starts - 1], 0)
+    restoring = shorts - short - before == 0
+    hit_tokens = int(np.minimum(used, seen)[restoring].sum())
+    return TheoreticalMax(hit_tokens=hit_tokens, prompt_tokens=table.prompt_tokens)
