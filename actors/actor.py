@@ -605,6 +605,32 @@ class ActorRef(Generic[MessageT, ReplyT]):
             await self._send_later(envelope)
         return PendingReply(reply)
 
+    @overload
+    def ask_later_nowait(self, message: Asks[AnswerT]) -> PendingReply[AnswerT]: ...
+
+    @overload
+    def ask_later_nowait(self, message: MessageT) -> PendingReply[ReplyT]: ...
+
+    def ask_later_nowait(self, message: Any) -> PendingReply[Any]:
+        """:meth:`ask_later` if the mailbox has room right now, without a schedule point (as
+        ``send_nowait`` is to ``send``): for a caller that reaches one next anyway, as a stage
+        does when it forwards its frame. ``await ask_later(...)`` is the fallback when full.
+
+        Raises:
+            trio.WouldBlock: The mailbox is full (nothing is sent).
+            ActorStoppedError: The actor has stopped (nothing is sent).
+            RuntimeError: Called from the actor's own task, or from another thread or trio run.
+        """
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
+        reply = Reply()
+        if not self._send_now((message, reply)):
+            msg = f"mailbox of actor {cell.name!r} is full"
+            raise trio.WouldBlock(msg)
+        return PendingReply(reply)
+
     async def tell(self, message: MessageT) -> None:
         """Send ``message`` without waiting for it to be handled.
 

@@ -405,9 +405,15 @@ class Stage:
         if base is not None and self._record:
             if self.borrowed_inputs and request.frame is not None:
                 output = _owned(output, request.frame)
-            pending = await cache.ask_later(
-                RecordActivation(base=base, tokens=tokens, activation_width=width, frame=output)
+            record = RecordActivation(
+                base=base, tokens=tokens, activation_width=width, frame=output
             )
+            try:
+                # No schedule point here: forwarding the frame (or collecting the outcome, at
+                # the last stage) is the next one.
+                pending = cache.ask_later_nowait(record)
+            except trio.WouldBlock:
+                pending = await cache.ask_later(record)
         if self.outbox is None and self._logits is not None:
             request.logits = self._logits(output)
         request.frame = output if self._downstream is None else self._downstream(output)

@@ -880,6 +880,46 @@ async def test_ask_later_returns_once_queued_and_the_reply_comes_later() -> None
         assert gate.received == ["first"]
 
 
+async def test_ask_later_nowait_queues_at_once_or_raises_when_full() -> None:
+    """ask_later_nowait queues without a schedule point (the actor has not run yet when it
+    returns) and the reply comes through result(); with the mailbox full it raises WouldBlock
+    and sends nothing; once the actor stopped it raises ActorStoppedError."""
+    gate = Gate()
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, gate, name="gate", mailbox_size=1)
+        first = ref.ask_later_nowait("first")  # handed to the actor waiting in receive
+        second = ref.ask_later_nowait("second")  # fills the mailbox
+        assert gate.received == []
+        with pytest.raises(trio.WouldBlock, match="mailbox of actor 'gate' is full"):
+            ref.ask_later_nowait("third")
+        gate.release.set()
+        assert await first.result() == "first"
+        assert await second.result() == "second"
+        assert gate.received == ["first", "second"]
+        await ref.stop()
+        with pytest.raises(ActorStoppedError):
+            ref.ask_later_nowait("late")
+
+
+async def test_an_actor_cannot_ask_later_nowait_itself() -> None:
+    """From the actor's own task ask_later_nowait is refused, as ask and ask_later are."""
+
+    @attrs.define
+    class Selfish(Actor[object, object]):
+        ref: ActorRef[object, object] | None = None
+
+        def handle(self, message: object) -> object:
+            assert self.ref is not None
+            with pytest.raises(RuntimeError, match="cannot ask itself"):
+                self.ref.ask_later_nowait("me")
+            return message
+
+    actor = Selfish()
+    async with open_actor(actor, name="selfish") as ref:
+        actor.ref = ref
+        assert await ref.ask("hello") == "hello"
+
+
 async def test_ask_later_raises_the_handlers_error_from_result() -> None:
     """A failing handler's exception comes out of result(); the actor runs on."""
     async with open_actor(Counter, name="counter") as ref:
