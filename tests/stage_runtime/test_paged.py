@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stage_runtime.cache.paged import PagedActivationIndex, page_chain
+from stage_runtime.cache.paged.results import PagedRestore
 from stage_runtime.errors import ConfigError, FrameError
 
 BPT = 4  # bytes per token row in these tests
@@ -677,3 +678,39 @@ def test_evicted_pages_hash_as_the_tuple_they_equal() -> None:
     assert evicted == as_tuple
     assert hash(evicted) == hash(as_tuple)
     assert {as_tuple: 1}[evicted] == 1  # type: ignore[index]
+
+
+def _restore_of(pages: Sequence[npt.NDArray[np.uint8]]) -> PagedRestore:
+    return PagedRestore(
+        token_count=sum(p.size for p in pages),
+        bytes_per_token=1,
+        meta=None,
+        pages=tuple(pages),
+        page_token_counts=tuple(p.size for p in pages),
+        last_key=b"k",
+        entries=len(pages),
+        payload_bytes=sum(p.size for p in pages),
+        used=(),
+    )
+
+
+def test_pages_of_one_fill_byte_join_without_a_copy_whatever_buffer_they_view() -> None:
+    """Virtual pages repeating one byte join into a zero-stride view (nothing copied), whether
+    they view one single-byte buffer or several; pages of different bytes, or zero-stride
+    views into one multi-byte buffer at different bytes, are copied and keep their bytes."""
+    from stage_runtime.frames import ActivationFrame
+
+    shared = ActivationFrame.virtual(token_count=10, bytes_per_token=1, fill=7).payload
+    one_buffer = _restore_of([shared[:4], shared[4:10]])
+    other = np.broadcast_to(np.full(1, 7, dtype=np.uint8), (5,))
+    two_buffers = _restore_of([shared[:4], other])
+    assert one_buffer.copy_bytes() == two_buffers.copy_bytes() == 0
+    assert one_buffer.payload().strides == (0,)
+    assert two_buffers.payload().tolist() == [7] * 9
+
+    source = np.arange(8, dtype=np.uint8)  # one buffer, two different bytes
+    mixed = _restore_of([np.broadcast_to(source[2:3], (3,)), np.broadcast_to(source[5:6], (3,))])
+    assert mixed.copy_bytes() == 6
+    assert mixed.payload().tolist() == [2, 2, 2, 5, 5, 5]
+    nine = ActivationFrame.virtual(token_count=3, bytes_per_token=1, fill=9).payload
+    assert _restore_of([shared[:3], nine]).payload().tolist() == [7, 7, 7, 9, 9, 9]

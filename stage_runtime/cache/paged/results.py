@@ -180,6 +180,8 @@ class PagedRestore:
     """Bytes of the restored prefix (of all ``pages`` together)."""
     used: Sequence[_Named] = attrs.field(repr=False)
     """The entries used, in token order (their names are made only when :attr:`keys` is read)."""
+    _one_fill: bool | None = attrs.field(default=None, init=False, repr=False)
+    """Whether every page is virtual with one fill byte (None until asked: a stage asks twice)."""
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -206,8 +208,11 @@ class PagedRestore:
         return self.payload_bytes
 
     def _virtual_fill(self) -> bool:
-        pages = self.pages
-        return all(_is_virtual(p) for p in pages) and len({int(p[0]) for p in pages}) == 1
+        one = self._one_fill
+        if one is None:
+            one = _one_virtual_fill(self.pages)
+            object.__setattr__(self, "_one_fill", one)
+        return one
 
     def payload(self) -> Payload:
         """The whole prefix as one read-only 1-D ``uint8`` array (at most one copy).
@@ -264,3 +269,19 @@ class PagedIndexStats:
 
 def _is_virtual(payload: Payload) -> bool:
     return payload.size > 1 and payload.strides[0] == 0
+
+
+def _one_virtual_fill(pages: tuple[Payload, ...]) -> bool:
+    """Whether every page is a zero-stride view and all repeat one byte value."""
+    if not pages:
+        return False
+    # Views of one single-byte array repeat that byte (the pages of virtual frames share one
+    # per fill value): one identity test per page instead of reading a byte from each.
+    base = pages[0].base
+    if (
+        isinstance(base, np.ndarray)
+        and base.nbytes == 1
+        and all(p.base is base and _is_virtual(p) for p in pages)
+    ):
+        return True
+    return all(_is_virtual(p) for p in pages) and len({int(p[0]) for p in pages}) == 1
