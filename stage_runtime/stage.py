@@ -422,7 +422,14 @@ class Stage:
             # The next stage starts on the frame while the cache actor records it; the record's
             # outcome joins the request's reports before the request is settled.
             request.outstanding += 1
-            await self.outbox.send(request)
+            if pending is None:
+                await self.outbox.send(request)
+            else:
+                try:
+                    # No schedule point here: collecting the record's outcome is the next one.
+                    self.outbox.send_nowait(request)
+                except trio.WouldBlock:
+                    await self.outbox.send(request)
         # A failed record crashes the stage (a cache actor's error is not one request's fault);
         # the pipeline then fails the requests in flight.
         records = () if pending is None else tuple(await pending.result())
