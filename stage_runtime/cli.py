@@ -170,8 +170,8 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["lru", "reuse", "adaptive"],
         default=None,
         help="with --index paged: 'lru' evicts the least recently used page, 'reuse' the "
-        "least valuable by reuse and recompute saved, 'adaptive' favours recency or frequency "
-        "as the workload shows (default: lru)",
+        "least valuable by reuse and recompute saved, 'adaptive' keeps the pages of the "
+        "kinds of prompt it has seen come back (default: lru)",
     )
     pipeline.add_argument(
         "--capacity-tokens",

@@ -96,8 +96,8 @@ class PageEviction(enum.StrEnum):
     """Which page the paged index evicts first (leaves only, in every policy).
 
     ``LRU``: the least recently used. ``REUSE``: the least valuable by reuse and recompute saved
-    (GreedyDual-style). ``ADAPTIVE``: recency or frequency as the workload shows, ARC's rule
-    over pages used once or more (see :mod:`stage_runtime.cache.paged.eviction`).
+    (GreedyDual-style). ``ADAPTIVE``: which pages come back, learnt online per class of
+    record (see :mod:`stage_runtime.cache.paged.eviction`).
     """
 
     LRU = "lru"
@@ -377,7 +377,7 @@ class KvCacheConfig:
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
     """Paged mode: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved) or
-    ``adaptive`` (recency or frequency, learnt from the workload)."""
+    ``adaptive`` (which pages come back, learnt from the workload)."""
 
     @property
     def effective_page_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""The paged index's adaptive eviction (ARC's rule over pages used once or again)."""
+"""The paged index's adaptive eviction (per-class reuse learnt online, see
+:class:`~stage_runtime.cache.paged.eviction.AdaptiveEviction`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage_runtime.cache.paged import PagedActivationIndex
-from stage_runtime.cache.paged.eviction import AdaptiveEviction
+from stage_runtime.cache.paged.eviction import _CLASSES, AdaptiveEviction, record_class
 from tests.stage_runtime.test_paged import BPT, record, restored, rows
 
 
@@ -18,35 +19,71 @@ def _index(max_entries: int, *, eviction: str = "adaptive", **bounds: int) -> Pa
     return PagedActivationIndex(page_tokens=1, max_entries=max_entries, eviction=eviction, **bounds)
 
 
-def test_a_prefix_used_twice_outlives_a_flood_of_one_off_prompts() -> None:
-    """Page 1 is recorded twice, then four one-off pages flood a 3-page cache: LRU loses page
-    1 to them; the adaptive policy evicts the one-off pages first and keeps it."""
-    for eviction, kept in (("lru", 0), ("adaptive", 1)):
-        index = _index(3, eviction=eviction)
-        record(index, [1])
-        record(index, [1])
-        for token in (10, 11, 12, 13):
-            record(index, [token])
-        assert restored(index, [1]) == kept, eviction
+def test_record_classes() -> None:
+    """A record's class: whether it continued a known prefix, and the binary order of magnitude
+    of its new pages (0, 1, 2-3, 4-7, ... 64 or more)."""
+    assert [record_class(False, n) for n in (1, 2, 3, 4, 8, 63, 64, 10_000)] == [
+        1,
+        2,
+        2,
+        3,
+        4,
+        6,
+        7,
+        7,
+    ]
+    assert [record_class(True, n) for n in (0, 1, 3, 64, 10_000)] == [8, 9, 10, 15, 15]
 
 
-def test_a_one_off_page_that_comes_back_teaches_it_recency() -> None:
-    """A page evicted from the once class and recorded again raises the target share of the
-    once class (ARC's B1 hit); one evicted from the again class lowers it (B2)."""
-    index = _index(2)
+def _train(index: PagedActivationIndex, records: int = 300) -> None:
+    """Conversations 1-3 come back every few records, each turn adding one page to a known
+    first page (class 9); between them, one-off documents of four new pages (class 3) never
+    come back."""
+    for i in range(records):
+        if i % 2:
+            record(index, [1 + i % 3, 100 + i])
+        else:
+            record(index, [10_000 + 4 * i + k for k in range(4)])
+
+
+def test_values_are_learnt_from_the_records_that_come_back() -> None:
+    """Each class starts at the prior; a class whose first pages come back within the window
+    rises, one whose windows close without a return falls, and it goes first."""
+    index = _index(12)
     strategy = index._eviction
     assert isinstance(strategy, AdaptiveEviction)
-    record(index, [1])
-    record(index, [2])
-    record(index, [3])  # evicts page 1 (once class, oldest)
-    assert strategy.target == 0.0
-    record(index, [1])  # back soon after: recency would have kept it
-    assert strategy.target > 0.0
-    raised = strategy.target
-    for token in (1, 5, 5, 6, 6, 7, 7):  # 1 and the again-class pages churn through the cache
-        record(index, [token])
-    record(index, [5])
-    assert strategy.target <= raised
+    prior = strategy.value(3)
+    assert strategy.value(9) == prior
+    _train(index)
+    assert strategy.value(9) > 0.9
+    assert strategy.value(3) < 0.01
+    assert strategy._order[0] == 3
+
+
+def test_a_learnt_conversation_outlives_a_flood_of_one_off_documents() -> None:
+    """Once the policy has learnt that documents do not come back and conversations do, a
+    conversation's turn outlives three documents that fill the whole cache: LRU loses it."""
+    for eviction, kept in (("lru", 0), ("adaptive", 2)):
+        index = _index(12, eviction=eviction)
+        _train(index)
+        record(index, [1, 999])
+        for doc in range(3):
+            record(index, [50_000 + 4 * doc + k for k in range(4)])
+        assert restored(index, [1, 999]) == kept, eviction
+
+
+def test_a_leaf_unused_for_many_turnovers_goes_first() -> None:
+    """Pages of a valued class are not kept forever: a conversation's turn that never comes
+    back outlives a few documents, but not sixteen turnovers of the cache."""
+    index = _index(12)
+    _train(index)
+    record(index, [1, 999])
+    for doc in range(20):
+        record(index, [50_000 + 4 * doc + k for k in range(4)])
+    assert restored(index, [1, 999]) == 2
+    for doc in range(20, 300):
+        record(index, [50_000 + 4 * doc + k for k in range(4)])
+    assert restored(index, [1, 999]) < 2
 
 
 def test_a_long_record_makes_its_room_in_one_pass_deepest_first(
@@ -78,24 +115,26 @@ def test_an_interrupted_pass_loses_no_leaf(monkeypatch: pytest.MonkeyPatch) -> N
     """An exception in the middle of the one-pass choice (an interrupt) leaves every chosen
     leaf on its heap: the next records still make their room and store their pages."""
     index = _index(4)
-    record(index, [1, 2, 3, 4])
+    for token in (1, 2, 3, 4):
+        record(index, [token])
     calls = 0
     next_leaf = AdaptiveEviction._next_leaf
 
-    def interrupted(self: AdaptiveEviction, kind: int, front: list[Any]) -> Any:
+    def interrupted(self: AdaptiveEviction, aged: list[int]) -> Any:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return next_leaf(self, kind, front)
+        return next_leaf(self, aged)
 
     monkeypatch.setattr(AdaptiveEviction, "_next_leaf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         record(index, [5, 6, 7, 8])
     monkeypatch.undo()
+    assert calls == 3
     strategy = index._eviction
     assert isinstance(strategy, AdaptiveEviction)
-    assert not strategy._pushed
+    assert not strategy._in_pass
     outcome = record(index, [9, 10, 11, 12])
     assert outcome.stored_entries == 4  # type: ignore[attr-defined]
     assert restored(index, [9, 10, 11, 12]) == 4
@@ -115,8 +154,8 @@ def test_an_interrupted_pass_loses_no_leaf(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_cache_stays_prefix_closed_and_within_its_bounds(
     prompts: list[tuple[str, list[int]]], max_entries: int, max_bytes: int
 ) -> None:
-    """Whatever the operations: no page is cached without its parent, the bounds hold, and the
-    classes count exactly the resident pages."""
+    """Whatever the operations: no page is cached without its parent, the bounds hold, child
+    counts are exact, and every resident page has a class and every leaf is on its heap."""
     index = _index(max_entries, max_bytes=max_bytes)
     strategy = index._eviction
     assert isinstance(strategy, AdaptiveEviction)
@@ -140,7 +179,15 @@ def test_the_cache_stays_prefix_closed_and_within_its_bounds(
             assert index.resident_bytes <= max_bytes
         for entry in entries.values():
             assert entry.parent is None or entries.get(entry.parent.key) is entry.parent
-        assert sum(strategy._members) == len(entries)
-        assert sorted(e.tier for e in entries.values()) == sorted(
-            [0] * strategy._members[0] + [1] * strategy._members[1]
-        )
+        children: dict[int, int] = {}
+        for entry in entries.values():
+            if entry.parent is not None:
+                children[id(entry.parent)] = children.get(id(entry.parent), 0) + 1
+        for entry in entries.values():
+            assert entry.children == children.get(id(entry), 0)
+            assert 0 <= entry.tier < _CLASSES
+            if entry.children == 0:  # every leaf can be found on its class's heap
+                assert any(
+                    item[2] is entry and AdaptiveEviction._current(entry.tier, item)
+                    for item in strategy._heaps[entry.tier]
+                )

@@ -140,7 +140,9 @@ class _Entry:
         self.priority = 0.0
         """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
         self.tier = -1
-        """The ``adaptive`` policy's class of a resident entry (0 once, 1 again); -1 else."""
+        """The ``adaptive`` policy's class of a resident entry (that of the last record that used
+        it, :func:`~stage_runtime.cache.paged.eviction.record_class`); -2 while the running
+        record's, -1 else."""
         self.footprint: Footprint | None = None
         """Its token segments while not yet added to the index's footprint."""
 

@@ -1,7 +1,7 @@
-"""Which leaf the paged index evicts first: two strategies behind one interface.
+"""Which leaf the paged index evicts first: three strategies behind one interface.
 
-Both evict only *leaves* (entries with no cached entry after them in their chain), so a cached
-chain never has a gap, and both refuse to make room by evicting the running record's own chain.
+All evict only *leaves* (entries with no cached entry after them in their chain), so a cached
+chain never has a gap, and all refuse to make room by evicting the running record's own chain.
 
 - :class:`LruEviction` (``"lru"``): the least recently used leaf. The index's entry dict is kept
   in eviction order, oldest first, and every operation moves the chain it used to the newest end,
@@ -13,6 +13,10 @@ chain never has a gap, and both refuse to make room by evicting the running reco
   tails and exact entries (they save anything only when the very same prompt returns), and ``L``
   rises to the value of each evicted entry, so old popularity ages out. Ties go to the least
   recently used. Leaves wait in a heap by (value, last use); stale items are skipped.
+- :class:`AdaptiveEviction` (``"adaptive"``): which pages come back, learnt online per class
+  of record (whether it continued a known prefix, and how many new pages it brought); the
+  class of the lowest learnt value gives up its least recently used leaf first, and leaves
+  unused for many turnovers of the cache go before any.
 
 A strategy holds the index it serves and reads its entries and bounds; the index calls it at each
 event (an entry stored, touched, evicted; a record started and ended; room needed).
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
@@ -405,121 +409,199 @@ class ReuseEviction:
         return count, nbytes
 
 
+_CLASSES: Final = 16
+"""Classes of records (and of the pages they used): whether the record continued a prefix seen
+before, times the binary order of magnitude of its new pages (0, 1, 2-3, ... 64 or more)."""
+
+_WINDOW: Final = 256
+"""Records within which a prompt's first page must come back for its record to count as
+reused (the horizon of the learnt values)."""
+
+_PRIOR: Final = (0.1, 0.4)
+"""Pseudo-counts of (reused, decided) records of each class before any is decided."""
+
+_AGE_TURNOVERS: Final = 16
+"""A leaf unused for this many cache turnovers goes first, whatever its class."""
+
 _HISTORY_PER_ENTRY: Final = 8
-"""Pages whose use counts :class:`AdaptiveEviction` remembers, per page the cache may hold."""
+"""Evicted pages :class:`AdaptiveEviction` remembers, per resident page (at least
+:data:`_MIN_HISTORY`)."""
+
+_MIN_HISTORY: Final = 4096
+
+_RATE: Final = 1 / 64
+"""Weight of the last record in the running means of entries stored and clock ticks per
+record (the cache's turnover)."""
+
+
+def record_class(continuing: bool, new_pages: int) -> int:
+    """The class of a record that continued a known prefix (or not) with ``new_pages`` pages
+    seen neither in the cache nor among the pages it evicted lately."""
+    return (8 if continuing else 0) + min(new_pages.bit_length(), 7)
+
+
+class _Watch:
+    """A record waiting to learn whether its prompt's first page comes back within the window."""
+
+    __slots__ = ("kind", "root", "start")
+
+    def __init__(self, start: int, kind: int, root: bytes) -> None:
+        self.start = start
+        self.kind = kind
+        self.root = root
 
 
 class AdaptiveEviction(ReuseEviction):
-    """Recency or frequency, learnt from the workload: ARC's adaptation (Megiddo and Modha, "ARC:
-    A Self-Tuning, Low Overhead Replacement Cache", FAST 2003) over two classes of pages set by
-    their use counts over a long history (as LRFU and TinyLFU keep counts past eviction).
+    """Which pages come back, learnt per class of record: a reuse predictor over a signature
+    of the record, as SHiP (Wu et al., "SHiP: Signature-based Hit Predictor for High Performance
+    Caching", MICRO 2011) learns one per signature, with the ranking by learnt hit probability
+    of LHD (Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI
+    2018) reduced to one value per class.
 
-    A page used by one record so far is in the *once* class, a page used by two or more (in the
-    remembered history, evicted or not) in the *again* class; within a class the least recently
-    used leaf goes first. Room is made from the once class while it holds more than a target
-    share ``p`` of the cache, else from the again class. ``p`` starts at 0 (one-off pages go
-    first, which keeps shared prefixes against a flood of unique prompts) and moves as ARC's
-    does: a page coming back soon after it was evicted from the once class raises it (recency
-    would have kept it), one evicted from the again class lowers it. Leaves wait in one heap per
-    class by last use; stale items are skipped. Evictions take leaves only, never the running
-    record's chain. A use is one record of a prompt (its restore only refreshes recency). A
-    record makes room for its new pages in one pass when it can (:meth:`room_for_pages`): a
-    parent whose last child is chosen becomes a candidate of its class within the pass.
+    A record's class is whether it continued a prefix seen before (its first page resident, or
+    evicted lately) and how many new pages it brought (0, 1, 2-3, ... 64 or more): a turn that
+    appends a little to a known conversation, against a one-off document. Each class's value is
+    the share of its records whose first page was recorded again within :data:`_WINDOW` records,
+    counted online as the windows close (starting from :data:`_PRIOR`). Every page of a record
+    takes the record's class. Leaves wait in one heap per class by last use; room is made from
+    the class of the lowest value first, least recently used first within it, except that a leaf
+    unused for :data:`_AGE_TURNOVERS` turnovers of the cache goes before any (so a class that
+    stopped coming back cannot hold its pages forever). Evictions take leaves only, never the
+    running record's chain. A record makes room for its new pages in one pass when it can
+    (:meth:`room_for_pages`): a parent whose last child is chosen becomes a candidate of its
+    class within the pass.
     """
 
     name = PageEviction.ADAPTIVE
 
     def __init__(self, index: EvictionHost) -> None:
         super().__init__(index)
-        self._heaps: tuple[list[tuple[int, int, _Entry]], list[tuple[int, int, _Entry]]] = ([], [])
-        """Leaves of the once class (0) and of the again class (1), by last use."""
-        self._members = [0, 0]
-        """Resident pages in each class (an entry's class is its ``tier``)."""
-        self._ghosts: tuple[OrderedDict[bytes, None], OrderedDict[bytes, None]] = (
-            OrderedDict(),
-            OrderedDict(),
-        )
-        """Pages evicted lately from each class (ARC's B1 and B2), oldest first."""
-        self._uses: dict[bytes, int] = {}
-        """Records that used each page (evicted pages too; pages used once and no longer
-        resident are forgotten when the history outgrows its bound)."""
-        self.target = 0.0
-        """``p``: how many entries the once class may keep before it yields."""
+        self._heaps: list[list[tuple[int, int, _Entry]]] = [[] for _ in range(_CLASSES)]
+        """Leaves of each class, by last use."""
+        self._reused = [0] * _CLASSES
+        """Records of each class whose first page came back within the window."""
+        self._decided = [0] * _CLASSES
+        """Records of each class whose window closed (or whose first page came back in it)."""
+        self._order: list[int] = list(range(_CLASSES))
+        """Classes by value, the lowest (the first to give up its pages) first."""
+        self._watches: deque[_Watch] = deque()
+        """Records whose window is open, oldest first."""
+        self._watching: dict[bytes, _Watch] = {}
+        """First page -> the latest record of it whose window is open."""
+        self._history: OrderedDict[bytes, None] = OrderedDict()
+        """Pages evicted lately, oldest first (a record that meets one continues a prefix)."""
+        self._history_bound = _HISTORY_PER_ENTRY * _MIN_HISTORY
+        """Pages :attr:`_history` keeps (set as each record ends, from the resident count)."""
+        self._records = 0
+        self._seq = 0
         self._recording = False
         self._op_clock = 0
         """The clock when the running record started: entries it touched have a later use."""
-        self._seq = 0
-        self._pushed: set[int] = set()
-        """Parents :meth:`room_for_pages` put on their heap as the leaves they become once its
-        victims go: :meth:`evicted` does not push them again."""
+        self._root: bytes | None = None
+        self._known = 0
+        """Leading pages of the running record seen before (resident or in the history)."""
+        self._pages = 0
+        """Pages of the running record so far."""
+        self._run = True
+        """Whether every page of the running record so far was seen before."""
+        self._stored = 0
+        """Entries the running record stored."""
+        self._in_pass = False
+        """Whether :meth:`room_for_pages` is evicting the victims it chose (their parents are
+        on their heaps already)."""
+        self._record_clock = 0
+        self._stored_rate = 0.0
+        """Running mean of the entries a record stores."""
+        self._tick_rate = 0.0
+        """Running mean of the clock ticks from one record to the next."""
 
     def record_started(self) -> None:
         super().record_started()
         self._recording = True
         self._op_clock = self._index._clock
-
-    def record_ended(self, last: _Entry | None) -> None:
-        self._recording = False
-        # Only the chain's last entry can be a leaf after the record (each one before has the
-        # next as its child): pushed once here rather than for every page on the way.
-        if last is not None and last.children == 0 and last.tier >= 0:
-            self._push(last.tier, last)
+        self._root = None
+        self._known = self._pages = self._stored = 0
+        self._run = True
 
     def stored(self, entry: _Entry, parent: _Entry | None) -> None:
         if parent is not None:
             parent.children += 1
         key = entry.key
-        once, again = self._ghosts
-        if key in once:
-            del once[key]
-            step = max(len(again) / max(len(once), 1), 1.0)
-            self.target = min(float(self._index.max_entries), self.target + step)
-        elif key in again:
-            del again[key]
-            step = max(len(once) / max(len(again), 1), 1.0)
-            self.target = max(0.0, self.target - step)
-        # A new entry has no class yet, and is no leaf on a heap (record_ended pushes the
-        # chain's last): what _use does, without its changes of class.
-        kind = 1 if self._count_use(key) >= 2 else 0
-        self._members[kind] += 1
-        entry.tier = kind
+        if self._root is None:
+            self._root = key
+        self._pages += 1
+        self._stored += 1
+        if self._run:  # the record's pages so far were all seen before: is this one?
+            history = self._history
+            if key in history:  # evicted lately
+                del history[key]
+                self._known += 1
+            else:
+                self._run = False
+        entry.tier = -2  # the running record's: its class is set when the record ends
 
     def touched(self, entry: _Entry) -> None:
-        if self._recording:
-            self._use(entry)
-        elif entry.children == 0:  # a restore: recency only
+        if self._recording:  # a page of the running record, resident: seen before
+            if self._root is None:
+                self._root = entry.key
+            self._pages += 1
+            if self._run:
+                self._known += 1
+        elif entry.children == 0 and entry.tier >= 0:  # a restore: recency only
             self._push(entry.tier, entry)
 
-    def _use(self, entry: _Entry) -> None:
-        kind = 1 if self._count_use(entry.key) >= 2 else 0
-        previous = entry.tier
-        if previous != kind:
-            if previous >= 0:
-                self._members[previous] -= 1
-            self._members[kind] += 1
+    def record_ended(self, last: _Entry | None) -> None:
+        self._recording = False
+        root = self._root
+        if last is None or root is None:
+            return
+        kind = record_class(self._known > 0, self._pages - self._known)
+        # Every page of the chain takes the record's class; only its last can be a leaf.
+        entry: _Entry | None = last
+        while entry is not None:
             entry.tier = kind
-            if entry.children == 0 and previous >= 0:  # a leaf changing class: its new heap
-                self._push(kind, entry)
+            entry = entry.parent
+        if last.children == 0:
+            self._push(kind, last)
+        self._learn(root, kind)
+        clock = self._index._clock
+        ticks = clock - self._record_clock
+        self._record_clock = clock
+        self._stored_rate += (self._stored - self._stored_rate) * _RATE
+        self._tick_rate += (ticks - self._tick_rate) * _RATE
+        self._history_bound = _HISTORY_PER_ENTRY * max(len(self._index._entries), _MIN_HISTORY)
 
-    def _count_use(self, key: bytes) -> int:
-        """One more use of page ``key`` in the history; its uses so far."""
-        history = self._uses
-        uses = history.get(key, 0) + 1
-        history[key] = uses
-        if len(history) > _HISTORY_PER_ENTRY * self._index.max_entries:
-            self._forget()
-        return uses
+    def _learn(self, root: bytes, kind: int) -> None:
+        """The record of class ``kind`` whose first page is ``root`` ended: close the window it
+        ends (its first page came back) and those that expired; open its own."""
+        self._records += 1
+        now = self._records
+        changed = False
+        watching = self._watching
+        earlier = watching.get(root)
+        if earlier is not None:  # came back within the window
+            self._reused[earlier.kind] += 1
+            self._decided[earlier.kind] += 1
+            changed = True
+        watch = _Watch(now, kind, root)
+        watching[root] = watch
+        watches = self._watches
+        watches.append(watch)
+        while watches[0].start <= now - _WINDOW:
+            expired = watches.popleft()
+            if watching.get(expired.root) is expired:
+                del watching[expired.root]
+                self._decided[expired.kind] += 1
+                changed = True
+        if changed:
+            reused, decided = self._reused, self._decided
+            good, prior = _PRIOR
+            self._order.sort(key=lambda c: (reused[c] + good) / (decided[c] + prior))
 
-    def _forget(self) -> None:
-        """The use history outgrew its bound: forget pages used once that left the cache; if
-        that is not enough, age every count (halved, the zeros forgotten), as TinyLFU's reset
-        does."""
-        bound = _HISTORY_PER_ENTRY * self._index.max_entries
-        entries = self._index._entries
-        kept = {k: n for k, n in self._uses.items() if n >= 2 or k in entries}
-        if len(kept) > bound // 2:
-            kept = {k: n >> 1 for k, n in kept.items() if n >> 1 or k in entries}
-        self._uses = kept
+    def value(self, kind: int) -> float:
+        """The learnt share of records of class ``kind`` whose prompt came back in the window."""
+        good, prior = _PRIOR
+        return (self._reused[kind] + good) / (self._decided[kind] + prior)
 
     def _push(self, kind: int, entry: _Entry) -> None:
         self._seq += 1
@@ -529,12 +611,12 @@ class AdaptiveEviction(ReuseEviction):
             self._compact()
 
     def _compact(self) -> None:
-        for kind in (0, 1):
-            heap = [item for item in self._heaps[kind] if self._current(kind, item)]
+        for kind, heap in enumerate(self._heaps):
+            heap[:] = [item for item in heap if self._current(kind, item)]
             heapq.heapify(heap)
-            self._heaps[kind][:] = heap
 
-    def _current(self, kind: int, item: tuple[int, int, _Entry]) -> bool:
+    @staticmethod
+    def _current(kind: int, item: tuple[int, int, _Entry]) -> bool:
         entry = item[2]
         return entry.tier == kind and entry.children == 0 and entry.last_used == item[0]
 
@@ -542,184 +624,25 @@ class AdaptiveEviction(ReuseEviction):
         return used
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
-        key = entry.key
-        kind = entry.tier
         entry.tier = -1
-        self._members[kind] -= 1
         parent = entry.parent
         if parent is not None:
             parent.children -= 1
-            if parent.children == 0 and parent.tier >= 0 and id(parent) not in self._pushed:
+            if parent.children == 0 and parent.tier >= 0 and not self._in_pass:
                 self._push(parent.tier, parent)
         if reason != "cleared":
-            ghosts = self._ghosts[kind]
-            ghosts[key] = None
-            if len(ghosts) > self._index.max_entries:
-                ghosts.popitem(last=False)
+            history = self._history
+            history[entry.key] = None
+            if len(history) > self._history_bound:
+                history.popitem(last=False)
 
-    def make_room(
-        self,
-        size: int,
-        protect: _Entry | None,
-        also: _Entry | None,
-        evicted: list[_Eviction],
-        *,
-        new_entry: bool,
-    ) -> bool:
-        """Evicts leaves from the class ARC's target picks (the other one when it has none
-        left), least recently used first, never the running record's chain nor ``also``."""
-        index = self._index
-        max_bytes = index.max_bytes
-        if max_bytes and size > max_bytes:
-            return False
-        entries = index._entries
-        limit = index.max_entries - 1 if new_entry else len(entries)
-        checked = False
-        while True:
-            if len(entries) > limit:
-                reason: EvictionReason = "max_entries"
-            elif max_bytes and index._resident_bytes + size > max_bytes:
-                reason = "max_bytes"
-            else:
-                return True
-            if not checked:
-                checked = True
-                count, nbytes = self._pinned(protect, also)
-                if count > limit or (max_bytes and nbytes + size > max_bytes):
-                    return False
-            once_first = self._members[0] > 0 and (
-                self._members[0] > self.target or self._members[1] == 0
-            )
-            order = (0, 1) if once_first else (1, 0)
-            victim = self._pop_class_leaf(order[0], also) or self._pop_class_leaf(order[1], also)
-            if victim is None:
-                return False
-            index._evict_all([(victim, reason)], evicted)
-
-    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
-        """Room for all ``count`` new pages at once (one pass, one eviction call) when it can
-        be made, else page by page (-1)."""
-        index = self._index
-        if index.max_bytes and count * size > index.max_bytes:
-            return -1
-        members = list(self._members)
-        victims: list[tuple[_Entry, EvictionReason]] = []
-        chosen: set[int] = set()  # (a heap may hold a leaf twice with the same last use)
-        # A parent whose children are all chosen becomes a leaf, and a candidate, within the
-        # pass (as it would evicting page by page): its count is lowered while the pass runs.
-        bared: list[_Entry] = []
-        try:
-            try:
-                fit = self._choose(count, size, members, victims, chosen, bared)
-            finally:
-                for parent in bared:
-                    parent.children += 1
-            if fit < 0:
-                self._put_back(victims)  # not enough room: go page by page
-                return -1
-            if victims:
-                index._evict_all(victims, evicted)
-        except BaseException:
-            # (An interrupt in the pass:) the chosen leaves still resident go back on their
-            # heaps, so that none is lost to later evictions.
-            self._put_back(victims)
-            raise
-        finally:
-            self._pushed.clear()
-        return count
-
-    def _put_back(self, victims: list[tuple[_Entry, EvictionReason]]) -> None:
-        """Chosen leaves that were not evicted: on their class heaps again."""
-        entries = self._index._entries
-        for entry, _ in victims:
-            if entry.tier >= 0 and entries.get(entry.key) is entry:
-                self._push(entry.tier, entry)
-
-    def _choose(
-        self,
-        count: int,
-        size: int,
-        members: list[int],
-        victims: list[tuple[_Entry, EvictionReason]],
-        chosen: set[int],
-        bared: list[_Entry],
-    ) -> int:
-        """:meth:`room_for_pages`' pass: choose the victims; ``count``, or -1 when the leaves
-        run out first."""
-        index = self._index
-        max_bytes = index.max_bytes
-        entries = len(index._entries)
-        limit = index.max_entries - count
-        resident = index._resident_bytes
-        need = count * size
-        target = self.target
-        op_clock = self._op_clock
-        pushed = self._pushed
-        heaps = self._heaps
-        # A victim's parent that it leaves a leaf was used before it (a restore or record
-        # touches a chain root first), so it is usually older than every leaf on its class's
-        # heap: then it is that class's next victim, held here instead of pushed and popped.
-        front: list[_Entry | None] = [None, None]
-        try:
-            while True:
-                if entries > limit:
-                    reason: EvictionReason = "max_entries"
-                elif max_bytes and resident + need > max_bytes:
-                    reason = "max_bytes"
-                else:
-                    return count
-                once = members[0]
-                kind = 0 if once > 0 and (once > target or members[1] == 0) else 1
-                victim = self._next_leaf(kind, front)
-                if victim is None:
-                    kind = 1 - kind
-                    victim = self._next_leaf(kind, front)
-                    if victim is None:
-                        return -1
-                if id(victim) in chosen:
-                    continue
-                chosen.add(id(victim))
-                victims.append((victim, reason))
-                members[kind] -= 1
-                entries -= 1
-                resident -= victim.nbytes
-                parent = victim.parent
-                if parent is not None:
-                    parent.children -= 1
-                    bared.append(parent)
-                    tier = parent.tier
-                    if parent.children == 0 and tier >= 0:
-                        pushed.add(id(parent))
-                        heap = heaps[tier]
-                        held = front[tier]
-                        if (
-                            held is None
-                            and parent.last_used <= op_clock
-                            and (not heap or parent.last_used < heap[0][0])
-                        ):
-                            front[tier] = parent
-                        else:
-                            self._push(tier, parent)
-        finally:
-            for held in front:  # not taken: on its heap after all
-                if held is not None:
-                    self._push(held.tier, held)
-
-    def _next_leaf(self, kind: int, front: list[_Entry | None]) -> _Entry | None:
-        """:meth:`_choose`'s next leaf of a class: the held parent when it is older than the
-        heap's oldest leaf, else :meth:`_pop_class_leaf`."""
-        held = front[kind]
-        if held is not None:
-            heap = self._heaps[kind]
-            if not heap or held.last_used < heap[0][0]:
-                front[kind] = None
-                return held
-            front[kind] = None
-            self._push(kind, held)
-        return self._pop_class_leaf(kind, None)
-
-    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
-        return self.make_room(size, parent, None, evicted, new_entry=True)
+    def _age_limit(self) -> int:
+        """Clock ticks after which a leaf goes first: :data:`_AGE_TURNOVERS` times the ticks the
+        cache takes to store as many entries as it holds."""
+        if self._stored_rate <= 0.0:
+            return 1 << 62
+        records = len(self._index._entries) / self._stored_rate
+        return int(_AGE_TURNOVERS * records * max(self._tick_rate, 1.0)) + 1
 
     def _pop_class_leaf(self, kind: int, also: _Entry | None) -> _Entry | None:
         """The least recently used evictable leaf of a class, off its heap (or None)."""
@@ -745,10 +668,199 @@ class AdaptiveEviction(ReuseEviction):
             heapq.heappush(heap, held)
         return victim
 
+    def _aged(self) -> list[int]:
+        """Classes whose least recently used leaf is older than :meth:`_age_limit` (stale items
+        at the tops of the heaps dropped on the way)."""
+        cutoff = min(self._index._clock - self._age_limit(), self._op_clock)
+        aged = []
+        for kind, heap in enumerate(self._heaps):
+            while heap and not self._current(kind, heap[0]):
+                heapq.heappop(heap)
+            if heap and heap[0][0] < cutoff:
+                aged.append(kind)
+        return aged
+
+    def _victim(self, aged: list[int], also: _Entry | None) -> _Entry | None:
+        """The next leaf to go: the oldest of an aged class while one is older than the limit
+        (``aged`` is pruned as they catch up), else the least recently used leaf of the lowest
+        valued class that has one."""
+        if aged:
+            cutoff = min(self._index._clock - self._age_limit(), self._op_clock)
+            heaps = self._heaps
+            while aged:
+                kind = min(aged, key=lambda c: heaps[c][0][0] if heaps[c] else 1 << 62)
+                heap = heaps[kind]
+                while heap and not self._current(kind, heap[0]):
+                    heapq.heappop(heap)
+                if heap and heap[0][0] < cutoff and heap[0][2] is not also:
+                    victim = self._pop_class_leaf(kind, also)
+                    if victim is not None:
+                        return victim
+                aged.remove(kind)
+        heaps = self._heaps
+        for kind in self._order:
+            if heaps[kind]:
+                victim = self._pop_class_leaf(kind, also)
+                if victim is not None:
+                    return victim
+        return None
+
+    def make_room(
+        self,
+        size: int,
+        protect: _Entry | None,
+        also: _Entry | None,
+        evicted: list[_Eviction],
+        *,
+        new_entry: bool,
+    ) -> bool:
+        """Evicts leaves, aged ones first, then by class value (see the class docstring), never
+        the running record's chain nor ``also``."""
+        index = self._index
+        max_bytes = index.max_bytes
+        if max_bytes and size > max_bytes:
+            return False
+        entries = index._entries
+        limit = index.max_entries - 1 if new_entry else len(entries)
+        aged: list[int] | None = None
+        while True:
+            if len(entries) > limit:
+                reason: EvictionReason = "max_entries"
+            elif max_bytes and index._resident_bytes + size > max_bytes:
+                reason = "max_bytes"
+            else:
+                return True
+            if aged is None:
+                count, nbytes = self._pinned(protect, also)
+                if count > limit or (max_bytes and nbytes + size > max_bytes):
+                    return False
+                aged = self._aged()
+            victim = self._victim(aged, also)
+            if victim is None:
+                return False
+            index._evict_all([(victim, reason)], evicted)
+
+    def room_for_pages(self, count: int, size: int, evicted: list[_Eviction]) -> int:
+        """Room for all ``count`` new pages at once (one pass, one eviction call) when it can
+        be made, else page by page (-1)."""
+        index = self._index
+        if index.max_bytes and count * size > index.max_bytes:
+            return -1
+        victims: list[tuple[_Entry, EvictionReason]] = []
+        # A parent whose children are all chosen becomes a leaf, and a candidate, within the
+        # pass (as it would evicting page by page): its count is lowered while the pass runs.
+        bared: list[_Entry] = []
+        try:
+            try:
+                fit = self._choose(count, size, victims, bared)
+            finally:
+                for parent in bared:
+                    parent.children += 1
+            if fit < 0:
+                self._put_back(victims)  # not enough room: go page by page
+                return -1
+            if victims:
+                # The parents the victims leave leaves are on their heaps already (_choose).
+                self._in_pass = True
+                try:
+                    index._evict_all(victims, evicted)
+                finally:
+                    self._in_pass = False
+        except BaseException:
+            # (An interrupt in the pass:) the chosen leaves still resident go back on their
+            # heaps, so that none is lost to later evictions.
+            self._put_back(victims)
+            raise
+        return count
+
+    def _put_back(self, victims: list[tuple[_Entry, EvictionReason]]) -> None:
+        """Chosen leaves that were not evicted: on their class heaps again."""
+        entries = self._index._entries
+        for entry, _ in victims:
+            if entry.tier >= 0 and entries.get(entry.key) is entry:
+                self._push(entry.tier, entry)
+
+    def _choose(
+        self,
+        count: int,
+        size: int,
+        victims: list[tuple[_Entry, EvictionReason]],
+        bared: list[_Entry],
+    ) -> int:
+        """:meth:`room_for_pages`' pass: choose the victims; ``count``, or -1 when the leaves
+        run out first."""
+        index = self._index
+        max_bytes = index.max_bytes
+        entries = len(index._entries)
+        limit = index.max_entries - count
+        resident = index._resident_bytes
+        need = count * size
+        chosen: set[int] = set()  # (a heap may hold a leaf twice with the same last use)
+        aged: list[int] | None = None
+        heaps = self._heaps
+        op_clock = self._op_clock
+        # A victim's parent that it leaves a leaf was used before it, so it is usually older
+        # than every leaf of its class: then (no class being aged) it is the next victim, held
+        # here instead of pushed and popped.
+        held: _Entry | None = None
+        try:
+            while True:
+                if entries > limit:
+                    reason: EvictionReason = "max_entries"
+                elif max_bytes and resident + need > max_bytes:
+                    reason = "max_bytes"
+                else:
+                    return count
+                if aged is None:
+                    aged = self._aged()
+                if held is not None:
+                    victim: _Entry | None = held
+                    held = None
+                else:
+                    victim = self._next_leaf(aged)
+                if victim is None:
+                    return -1
+                if id(victim) in chosen:
+                    continue
+                chosen.add(id(victim))
+                victims.append((victim, reason))
+                entries -= 1
+                resident -= victim.nbytes
+                parent = victim.parent
+                if parent is not None:
+                    parent.children -= 1
+                    bared.append(parent)
+                    tier = parent.tier
+                    if parent.children == 0 and tier >= 0:
+                        heap = heaps[tier]
+                        if (
+                            not aged
+                            and tier == victim.tier
+                            and parent.last_used <= op_clock
+                            and (not heap or parent.last_used < heap[0][0])
+                        ):
+                            held = parent
+                        else:
+                            self._push(tier, parent)
+        finally:
+            if held is not None:  # not taken: on its heap after all
+                self._push(held.tier, held)
+
+    def _next_leaf(self, aged: list[int]) -> _Entry | None:
+        """:meth:`_choose`'s next leaf (:meth:`_victim`)."""
+        return self._victim(aged, None)
+
+    def page_room(self, size: int, parent: _Entry | None, evicted: list[_Eviction]) -> bool:
+        return self.make_room(size, parent, None, evicted, new_entry=True)
+
     def clear(self, evicted: list[_Eviction]) -> None:
         self._op_clock = self._index._clock
         while True:
-            victim = self._pop_class_leaf(0, None) or self._pop_class_leaf(1, None)
+            victim = None
+            for kind in range(_CLASSES):
+                victim = self._pop_class_leaf(kind, None)
+                if victim is not None:
+                    break
             if victim is None:
                 break
             self._index._evict_all([(victim, "cleared")], evicted)
