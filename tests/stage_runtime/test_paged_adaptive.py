@@ -191,3 +191,31 @@ def test_the_cache_stays_prefix_closed_and_within_its_bounds(
                     item[2] is entry and AdaptiveEviction._current(entry.tier, item)
                     for item in strategy._heaps[entry.tier]
                 )
+
+
+@pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
+def test_pages_of_an_interrupted_record_can_still_be_evicted(
+    monkeypatch: pytest.MonkeyPatch, eviction: str
+) -> None:
+    """A record interrupted between two pages still ends for the strategy (the index tells it
+    before the interrupt goes on): the pages it stored are leaves like any other and make
+    room for later records."""
+    index = _index(4, eviction=eviction)
+    put = PagedActivationIndex._store_new
+    calls = 0
+
+    def interrupted(self: PagedActivationIndex, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(PagedActivationIndex, "_store_new", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record(index, [1, 2, 3])
+    monkeypatch.undo()
+    assert restored(index, [1, 2]) == 2
+    outcome = record(index, [5, 6, 7, 8])
+    assert outcome.stored_entries == 4  # type: ignore[attr-defined]
+    assert restored(index, [5, 6, 7, 8]) == 4

@@ -498,6 +498,8 @@ class AdaptiveEviction(ReuseEviction):
         self._op_clock = 0
         """The clock when the running record started: entries it touched have a later use."""
         self._root: bytes | None = None
+        self._last_stored: _Entry | None = None
+        """The latest page the running record stored."""
         self._known = 0
         """Leading pages of the running record seen before (resident or in the history)."""
         self._pages = 0
@@ -520,6 +522,7 @@ class AdaptiveEviction(ReuseEviction):
         self._recording = True
         self._op_clock = self._index._clock
         self._root = None
+        self._last_stored = None
         self._known = self._pages = self._stored = 0
         self._run = True
 
@@ -538,7 +541,10 @@ class AdaptiveEviction(ReuseEviction):
                 self._known += 1
             else:
                 self._run = False
-        entry.tier = -2  # the running record's: its class is set when the record ends
+        # The record's class so far: the whole record's is set when it ends (and if it never
+        # does, interrupted, its pages still have one, so a restore can make them leaves).
+        entry.tier = record_class(self._known > 0, self._pages - self._known)
+        self._last_stored = entry
 
     def touched(self, entry: _Entry) -> None:
         if self._recording:  # a page of the running record, resident: seen before
@@ -553,6 +559,9 @@ class AdaptiveEviction(ReuseEviction):
     def record_ended(self, last: _Entry | None) -> None:
         self._recording = False
         root = self._root
+        if last is None:  # nothing stored, or an interrupted record: up to its last page
+            last = self._last_stored
+        self._last_stored = None
         if last is None or root is None:
             return
         kind = record_class(self._known > 0, self._pages - self._known)

@@ -205,8 +205,19 @@ class PagedActivationIndex:
         if payload.ndim != 1 or payload.dtype != np.uint8:
             msg = f"payload must be a 1-D uint8 array, got {payload.dtype} shape {payload.shape}"
             raise FrameError(msg)
-        n = chain.token_count
         self._eviction.record_started()
+        try:
+            return self._record(chain, payload, meta, token_major)
+        except BaseException:
+            # Interrupted between pages (a KeyboardInterrupt, a MemoryError): the strategy
+            # still hears the record end, so the pages stored so far stay evictable.
+            self._eviction.record_ended(None)
+            raise
+
+    def _record(
+        self, chain: PageChain, payload: Payload, meta: Hashable, token_major: bool
+    ) -> PagedRecordOutcome:
+        n = chain.token_count
         if n == 0 or n < self.min_tokens or payload.size == 0:
             return self._outcome(_Recording(chain, 0, meta), None, truncated=False)
         if not token_major or payload.size % n:
