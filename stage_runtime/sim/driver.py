@@ -592,11 +592,20 @@ def admission_order(requests: Sequence[SimRequest], concurrency: int) -> list[Si
     return sorted(requests, key=lambda request: (request.arrival_s, request.index))
 
 
-def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> None:
+def validate_requests(
+    requests: Sequence[SimRequest], *, block_size: int, max_input_length: int | None = None
+) -> None:
     """Check that every request can be turned into a prompt, before any replay starts.
 
+    Args:
+        requests: The workload.
+        block_size: Tokens per block id.
+        max_input_length: The longest prompt the stages take (their ``ctx_size``); None: no
+            limit.
+
     Raises:
-        ConfigError: naming the request: an empty prompt, more tokens than its blocks hold,
+        ConfigError: naming the request: an empty prompt, a prompt longer than
+            ``max_input_length``, more tokens than its blocks hold,
             block lengths that do not add up, an arrival time that is not a finite number,
             arrivals spanning more than :data:`MAX_ARRIVAL_SPAN_S`, or two requests with the
             same index.
@@ -610,6 +619,13 @@ def validate_requests(requests: Sequence[SimRequest], *, block_size: int) -> Non
         seen.add(request.index)
         if request.input_length < 1:
             msg = f"{where}: input_length must be >= 1, got {request.input_length}"
+            raise ConfigError(msg)
+        if max_input_length is not None and request.input_length > max_input_length:
+            # The pipeline would refuse it only when its turn came, part-way through the replay.
+            msg = (
+                f"{where}: input_length must be <= {max_input_length:,} (the stages' "
+                f"ctx_size), got {request.input_length:,}"
+            )
             raise ConfigError(msg)
         arrival = request.arrival_s
         if (
@@ -697,7 +713,7 @@ async def replay(
         ConfigError: the requests or the settings are invalid.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
-    validate_requests(requests, block_size=config.block_size)
+    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     configs = stage_configs(config, capacity_tokens=capacity)

@@ -33,6 +33,7 @@ from stage_runtime.sim import (
     run_replay,
     run_sweep,
     stage_configs,
+    validate_requests,
 )
 
 P = 1e-3  # prefill seconds per token
@@ -357,6 +358,19 @@ def test_unusable_requests_are_refused_before_the_replay(
     """Requests that cannot become prompts raise ConfigError naming them, before any work."""
     with pytest.raises(ConfigError, match=message):
         run_replay(requests, _config())
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_replay() -> None:
+    """A request longer than the stages' ctx_size, anywhere in the workload, is named before
+    any prefill; it used to pass the checks and stop the replay when its turn came, with the
+    pipeline's error (in an exception group) that did not say which request it was."""
+    requests = [_request(0, [1], 8), _request(1, [2, 3, 4], 40), _request(2, [5], 8)]
+    message = r"request 1: input_length must be <= 32 \(the stages' ctx_size\), got 40"
+    with pytest.raises(ConfigError, match=message):
+        run_replay(requests, _config(ctx_size=32))
+    with pytest.raises(ConfigError, match=message):
+        validate_requests(requests, block_size=16, max_input_length=32)
+    validate_requests(requests, block_size=16)  # no limit given: none applies
 
 
 def test_concurrent_replay_times_follow_the_fifo_pipeline_model() -> None:
