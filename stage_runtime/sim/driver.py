@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from stage_runtime._validators import at_least
+from stage_runtime._validators import at_least, is_int
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import (
     CacheIndex,
@@ -46,7 +46,7 @@ from stage_runtime.config import (
     PageEviction,
     StageConfig,
 )
-from stage_runtime.errors import ConfigError
+from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import (
     MAX_ARRIVAL_SPAN_S,
     MAX_BLOCK_SIZE,
@@ -611,12 +611,17 @@ def validate_requests(
             same index.
     """
     seen: set[int] = set()
-    for request in requests:
+    for position, request in enumerate(requests):
+        if not is_int(request.index):
+            index = shown(request.index)
+            msg = f"request at position {position}: index must be an integer, got {index}"
+            raise ConfigError(msg)
         where = f"request {request.index}"
         if request.index in seen:
             msg = f"{where}: index must be unique, got {request.index} twice"
             raise ConfigError(msg)
         seen.add(request.index)
+        _check_request_types(request, where)
         if request.input_length < 1:
             msg = f"{where}: input_length must be >= 1, got {request.input_length}"
             raise ConfigError(msg)
@@ -666,6 +671,31 @@ def validate_requests(
                 f"got {span:.3g} s"
             )
             raise ConfigError(msg)
+
+
+_INT_TYPE: Final = {int}
+
+
+def _check_request_types(request: SimRequest, where: str) -> None:
+    """Refuse a request whose length, block ids or block lengths are not integers (a
+    hand-built :class:`SimRequest` is not checked when it is made): the tokenizer would
+    otherwise fail on it, or truncate a float, only when its turn came in the replay."""
+    if not is_int(request.input_length):
+        msg = f"{where}: input_length must be an integer, got {shown(request.input_length)}"
+        raise ConfigError(msg)
+    for field in ("block_ids", "block_lengths"):
+        values = getattr(request, field)
+        if values is None and field == "block_lengths":
+            continue
+        if type(values) is tuple and (not values or set(map(type, values)) == _INT_TYPE):
+            continue  # the usual case (a trace line, a synthetic workload), decided at once
+        if not isinstance(values, tuple | list | np.ndarray) or getattr(values, "ndim", 1) != 1:
+            msg = f"{where}: {field} must be a sequence of integers, got {shown(values)}"
+            raise ConfigError(msg)
+        for index, value in enumerate(values):
+            if not is_int(value, numpy=True):
+                msg = f"{where}: {field} must hold integers, got {shown(value)} at position {index}"
+                raise ConfigError(msg)
 
 
 async def _prefill(

@@ -12,7 +12,13 @@ import concurrent.futures
 from collections.abc import Sequence
 
 from stage_runtime.sim._collector import fewer_full_collections
-from stage_runtime.sim.driver import ProgressCallback, ReplayResult, SimConfig, replay
+from stage_runtime.sim.driver import (
+    ProgressCallback,
+    ReplayResult,
+    SimConfig,
+    replay,
+    validate_requests,
+)
 from stage_runtime.sim.fanout import fan_out
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
 from stage_runtime.sim.trace import SimRequest
@@ -98,6 +104,8 @@ def run_sweep(
     """
     for capacity in capacities:
         config.check_capacity(capacity)
+    # Before the theoretical maximum, which would fail on a malformed request without naming it.
+    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     if executor is not None:
         return fan_out(

@@ -350,14 +350,51 @@ async def test_example_program_restores_shared_prompts(
             [_request(0, [1], 8), _request(1, [2], 8, arrival_s=2e9)],
             "arrivals must span at most 1e.09 s .about 31 years., got 2e.09 s",
         ),
+        # Fields of the wrong type (a SimRequest is not checked when it is made) used to fail
+        # in the tokenizer or the theoretical maximum with a TypeError or ValueError that did
+        # not name the request, or (a float) to be truncated silently.
+        (
+            [_request(0, [1], 8), _request(1, [2, "x"], 20), _request(2, [3], 8)],  # type: ignore[list-item]
+            "request 1: block_ids must hold integers, got 'x' at position 1",
+        ),
+        (
+            [_request(0, [1], 8), _request(1, [2, 2.5], 20)],  # type: ignore[list-item]
+            "request 1: block_ids must hold integers, got 2.5 at position 1",
+        ),
+        (
+            [_request(0, [1], 8), SimRequest(index=1, input_length=8, block_ids=None)],  # type: ignore[arg-type]
+            "request 1: block_ids must be a sequence of integers, got None",
+        ),
+        (
+            [_request(0, [1], 8), _request(1, [2], 8.5)],  # type: ignore[arg-type]
+            "request 1: input_length must be an integer, got 8.5",
+        ),
+        (
+            [_request(0, [1], 8), _request(1, [2], True)],
+            "request 1: input_length must be an integer, got True",
+        ),
+        (
+            [
+                _request(0, [1], 8),
+                SimRequest(index=1, input_length=8, block_ids=(1, 2), block_lengths=(4.5, 3.5)),  # type: ignore[arg-type]
+            ],
+            "request 1: block_lengths must hold integers, got 4.5 at position 0",
+        ),
+        (
+            [_request(0, [1], 8), _request("a", [2], 8)],  # type: ignore[arg-type]
+            "request at position 1: index must be an integer, got 'a'",
+        ),
     ],
 )
 def test_unusable_requests_are_refused_before_the_replay(
     requests: list[SimRequest], message: str
 ) -> None:
-    """Requests that cannot become prompts raise ConfigError naming them, before any work."""
+    """Requests that cannot become prompts raise ConfigError naming them, before any work
+    (in a sweep too, whose theoretical maximum is computed first)."""
     with pytest.raises(ConfigError, match=message):
         run_replay(requests, _config())
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(requests, _config(), [0, 64])
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_replay() -> None:
