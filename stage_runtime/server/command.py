@@ -26,6 +26,7 @@ from stage_runtime._cli_support import (
 )
 from stage_runtime.config import unrecognised_cache_mode
 from stage_runtime.errors import ConfigError
+from stage_runtime.limits import MAX_REFERENCE_WIDTH
 
 __all__ = ["add_serve_arguments", "configure_logging", "run_serve"]
 
@@ -37,9 +38,9 @@ _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
 
 
-MAX_WIDTH: Final = 8192
+MAX_WIDTH: Final = MAX_REFERENCE_WIDTH
 """Largest ``--width``: the reference model holds a ``width x width`` float64 matrix per stage
-(512 MiB at 8,192)."""
+(512 MiB at 8,192); a topology's ``[model]`` table has the same bound."""
 
 _width = int_between(1, MAX_WIDTH)
 
