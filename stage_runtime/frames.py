@@ -441,7 +441,10 @@ class ActivationFrame:
             raise FrameError(msg)
         tokens = self.desc.token_count
         row_bytes = self.bytes_per_token
-        if tokens and (row_bytes * tokens != self.payload.size or row_bytes % element.itemsize):
+        if (
+            row_bytes * tokens != self.payload.size  # zero tokens with a payload, too
+            or row_bytes % element.itemsize
+        ):
             msg = (
                 f"payload_bytes {self.payload.size} is not {tokens} rows of whole "
                 f"{element.name} elements"

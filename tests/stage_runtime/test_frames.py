@@ -198,6 +198,17 @@ def test_virtual_rows_are_broadcast_floats() -> None:
     assert float(rows.sum()) == 0.0
 
 
+def test_rows_of_zero_tokens_with_a_payload_is_a_frame_error() -> None:
+    """A frame of no tokens whose payload is not empty is not whole rows: rows() says so, as
+    for any other such frame (it used to raise numpy's "cannot reshape" ValueError)."""
+    desc = ActivationDesc(dtype=1, layout=1, token_count=0, payload_bytes=8)
+    frame = ActivationFrame(desc=desc, payload=np.zeros(8, dtype=np.uint8))
+    with pytest.raises(FrameError, match="payload_bytes 8 is not 0 rows of whole float32"):
+        frame.rows()
+    empty = ActivationFrame(desc=attrs.evolve(desc, payload_bytes=0), payload=np.zeros(0, np.uint8))
+    assert empty.rows().shape == (0, 0)
+
+
 def test_virtual_rejects_negative_sizes() -> None:
     """Negative counts and non-byte fills are refused."""
     with pytest.raises(FrameError, match="token_count must be an integer >= 0, got -1"):
