@@ -217,6 +217,12 @@ def _broadcast_payload(rows: npt.NDArray[Any]) -> npt.NDArray[np.uint8] | None:
     return _virtual_payload(rows.size * rows.dtype.itemsize, int(element[0]))
 
 
+def _check_desc(_instance: object, _attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, ActivationDesc):
+        msg = f"desc must be an ActivationDesc, got {type(value).__name__}"
+        raise FrameError(msg)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ActivationFrame:
     """An activation descriptor plus its read-only ``uint8`` payload.
@@ -226,7 +232,7 @@ class ActivationFrame:
     identity; compare contents with :meth:`same_content`.
     """
 
-    desc: ActivationDesc = attrs.field(validator=attrs.validators.instance_of(ActivationDesc))
+    desc: ActivationDesc = attrs.field(validator=_check_desc)
     """What the payload holds."""
 
     payload: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_payload, repr=False)

@@ -97,6 +97,14 @@ def test_frame_rejects_bad_payloads(payload: object, message: str) -> None:
         ActivationFrame(desc=desc, payload=payload)
 
 
+@pytest.mark.parametrize("desc", [None, {"token_count": 1}, "desc"])
+def test_frame_rejects_a_desc_that_is_not_an_activation_desc(desc: object) -> None:
+    """A descriptor of another type is a FrameError naming desc (it was attrs' TypeError)."""
+    message = f"desc must be an ActivationDesc, got {type(desc).__name__}"
+    with pytest.raises(FrameError, match=message):
+        ActivationFrame(desc=desc, payload=np.zeros(4, dtype=np.uint8))  # type: ignore[arg-type]
+
+
 def test_payload_is_read_only_view_without_copy() -> None:
     """The frame stores a read-only view of the caller's array, not a copy."""
     data = np.arange(8, dtype=np.uint8)
