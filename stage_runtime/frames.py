@@ -586,11 +586,18 @@ class ActivationFrame:
             raise FrameError(msg)
         token_count = a.token_count + b.token_count
         payload_bytes = a.payload_bytes + b.payload_bytes
+        # First: its validators name a token count past u32 before a payload is made of it.
+        desc = attrs.evolve(a, token_count=token_count, payload_bytes=payload_bytes)
         if first.is_virtual and second.is_virtual and first.payload[0] == second.payload[0]:
+            if payload_bytes > _MAX_VIRTUAL_BYTES:  # as virtual() refuses it
+                msg = (
+                    f"concat of virtual frames must be at most {_MAX_VIRTUAL_BYTES:,} bytes, "
+                    f"got {a.payload_bytes:,} + {b.payload_bytes:,} = {payload_bytes:,}"
+                )
+                raise FrameError(msg)
             payload = _virtual_payload(payload_bytes, int(first.payload[0]))
         else:
             payload = np.concatenate((first.payload, second.payload))
-        desc = attrs.evolve(a, token_count=token_count, payload_bytes=payload_bytes)
         return ActivationFrame(desc=desc, payload=payload)
 
     def same_content(self, other: ActivationFrame) -> bool:

@@ -298,6 +298,18 @@ def test_concat_of_virtual_frames_is_virtual() -> None:
     assert (joined.token_count, joined.payload_bytes) == (131_072, 131_072 * 8192)
 
 
+def test_concat_of_virtual_frames_past_numpy_sizes_is_a_frame_error() -> None:
+    """Two virtual frames whose joined payload numpy cannot index (each one is valid) are
+    refused as virtual() refuses such a size; it used to be numpy's "Maximum allowed
+    dimension exceeded" ValueError."""
+    half = ActivationFrame.virtual(token_count=2**30, bytes_per_token=2**33 - 1)
+    with pytest.raises(FrameError, match=r"concat of virtual frames must be at most 9,223,"):
+        ActivationFrame.concat(half, half)
+    many = ActivationFrame.virtual(token_count=2**31 + 5, bytes_per_token=4)
+    with pytest.raises(FrameError, match="token_count must be an integer in"):
+        ActivationFrame.concat(many, many)
+
+
 def test_concat_with_empty_frame_returns_the_other() -> None:
     """An empty side contributes nothing."""
     a = ActivationFrame.from_array(np.ones((2, 4), dtype=np.float32))
