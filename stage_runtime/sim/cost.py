@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
 
-from stage_runtime.errors import ConfigError
+from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import MAX_COST_S
 
 __all__ = ["MAX_COST_S", "CostModel", "Percentiles", "percentiles", "pipeline_finish_times"]
 
 
 def _non_negative_float(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"{attribute.name} must be a number of seconds, got {shown(value)}"
+        raise ConfigError(msg)
     if not value >= 0:  # also refuses NaN
         msg = f"{attribute.name} must be >= 0, got {value}"
         raise ConfigError(msg)
@@ -23,7 +27,16 @@ def _non_negative_float(instance: object, attribute: attrs.Attribute[float], val
 
 
 def _floats(values: Iterable[float]) -> tuple[float, ...]:
-    return tuple(float(value) for value in values)
+    name = "stage_prefill_s_per_token"
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        msg = f"{name} must be a sequence of numbers of seconds, got {shown(values)}"
+        raise ConfigError(msg)
+    costs = tuple(values)
+    for position, value in enumerate(costs):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            msg = f"{name} must hold numbers of seconds, got {shown(value)} at position {position}"
+            raise ConfigError(msg)
+    return tuple(float(value) for value in costs)
 
 
 @attrs.frozen(kw_only=True)

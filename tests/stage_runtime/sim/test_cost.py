@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stage_runtime import ConfigError
@@ -29,6 +31,45 @@ def test_negative_costs_are_refused(field: str) -> None:
     huge: dict[str, Any] = {field: 1e308}  # would overflow the virtual clock
     with pytest.raises(ConfigError, match=f"{field} must be <= 3600 s, got 1e\\+308"):
         CostModel(**huge)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prefill_s_per_token": "1"}, "prefill_s_per_token must be a number of seconds, got '1'"),
+        (
+            {"prefill_s_per_token": True},
+            "prefill_s_per_token must be a number of seconds, got True",
+        ),
+        ({"restore_s_per_byte": None}, "restore_s_per_byte must be a number of seconds, got None"),
+        (
+            {"stage_prefill_s_per_token": "abcd"},
+            "stage_prefill_s_per_token must be a sequence of numbers of seconds, got 'abcd'",
+        ),
+        (
+            {"stage_prefill_s_per_token": 1e-3},
+            "stage_prefill_s_per_token must be a sequence of numbers of seconds, got 0.001",
+        ),
+        (
+            {"stage_prefill_s_per_token": [1e-3, None]},
+            "stage_prefill_s_per_token must hold numbers of seconds, got None at position 1",
+        ),
+        (
+            {"stage_prefill_s_per_token": ["1e-3"]},
+            "stage_prefill_s_per_token must hold numbers of seconds, got '1e-3' at position 0",
+        ),
+    ],
+)
+def test_costs_that_are_not_numbers_are_refused(changes: dict[str, Any], message: str) -> None:
+    """A cost of the wrong type is a ConfigError naming the field, not a TypeError or
+    ValueError from comparing or converting it (nor, for True or "1e-3", a silent 1 s or
+    0.001 s)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        CostModel(**changes)
+    assert CostModel(stage_prefill_s_per_token=(1, np.float32(0.5))).stage_prefill_s_per_token == (
+        1.0,
+        0.5,
+    )
 
 
 def test_pipeline_finish_times_overlap_stages() -> None:
