@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Iterator
 
 import attrs
 import numpy as np
 
-from stage_runtime.errors import ConfigError
+from stage_runtime._validators import is_int
+from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import MAX_BLOCKS, MAX_PROMPT_TOKENS, MAX_REQUESTS
 from stage_runtime.sim.trace import SimRequest
 
@@ -24,6 +26,9 @@ __all__ = ["MAX_BLOCKS", "MAX_PROMPT_TOKENS", "MAX_REQUESTS", "WorkloadSpec", "s
 
 def _at_least(minimum: int) -> attrs._ValidatorType[int]:
     def check(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if not is_int(value):  # bool too: True is not a count
+            msg = f"{attribute.name} must be an integer, got {shown(value)}"
+            raise ConfigError(msg)
         if value < minimum:
             msg = f"{attribute.name} must be >= {minimum}, got {value}"
             raise ConfigError(msg)
@@ -63,6 +68,10 @@ class WorkloadSpec:
     """Seed of the arrival order and times (numpy seeds are non-negative)."""
 
     def __attrs_post_init__(self) -> None:
+        rate = self.requests_per_s
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            msg = f"requests_per_s must be a number, got {shown(rate)}"
+            raise ConfigError(msg)
         if not self.requests_per_s > 0:
             msg = f"requests_per_s must be > 0, got {self.requests_per_s}"
             raise ConfigError(msg)
@@ -132,6 +141,9 @@ def synthetic_workload(spec: WorkloadSpec, *, block_size: int = 512) -> list[Sim
     Returns:
         The requests, indexed and timed in arrival order.
     """
+    if not is_int(block_size):
+        msg = f"block_size must be an integer, got {shown(block_size)}"
+        raise ConfigError(msg)
     if block_size < 1:
         msg = f"block_size must be >= 1, got {block_size}"
         raise ConfigError(msg)

@@ -57,12 +57,31 @@ def test_conversation_turns_extend_the_previous_turn_in_order() -> None:
         ({"requests_per_s": 0.0}, "requests_per_s must be > 0, got 0.0"),
         ({"groups": 0, "conversations": 0}, "the workload has no requests"),
         ({"seed": -1}, "seed must be >= 0, got -1"),
+        # Wrong types used to raise TypeError (from the comparison, or from numpy or range()
+        # once the workload was built), or to count True as 1.
+        ({"groups": 1.5}, "groups must be an integer, got 1.5"),
+        ({"question_tokens": None}, "question_tokens must be an integer, got None"),
+        ({"turns": True}, "turns must be an integer, got True"),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"requests_per_s": "1"}, "requests_per_s must be a number, got '1'"),
+        ({"requests_per_s": True}, "requests_per_s must be a number, got True"),
     ],
 )
 def test_impossible_workloads_are_refused(kwargs: dict[str, object], message: str) -> None:
     """Bad shapes raise ConfigError naming the field."""
     with pytest.raises(ConfigError, match=message):
         WorkloadSpec(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "message"),
+    [(None, "block_size must be an integer, got None"), (True, "must be an integer, got True")],
+)
+def test_a_block_size_that_is_not_an_integer_is_refused(block_size: object, message: str) -> None:
+    """synthetic_workload names a block size of the wrong type (None was a TypeError, True
+    made blocks of one token)."""
+    with pytest.raises(ConfigError, match=message):
+        synthetic_workload(WorkloadSpec(), block_size=block_size)  # type: ignore[arg-type]
 
 
 def test_a_rate_so_small_that_arrivals_overflow_is_refused() -> None:
