@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 import msgspec
 
-from stage_runtime._validators import is_int
+from stage_runtime._validators import check_int, is_int
 from stage_runtime.config import _DuplicateKeyError, _unique_keys
 from stage_runtime.errors import TraceFormatError, json_error_detail, shown
 from stage_runtime.limits import U64_MAX
@@ -327,7 +327,15 @@ def read_trace_lines(
 
     Raises:
         TraceFormatError: A line is malformed and ``skip_bad_lines`` is false.
+        ConfigError: ``block_size``, ``limit`` or ``max_input_length`` is not an integer in
+            range (checked first: a block size of 0 would have every line refused, the first
+            one named as if it were bad).
     """
+    check_int("block_size", block_size, low=1)
+    if limit is not None:
+        check_int("limit", limit, low=0)
+    if max_input_length is not None:
+        check_int("max_input_length", max_input_length, low=1)
     requests: list[SimRequest] = []
     skipped = 0
     first_error: str | None = None
@@ -381,6 +389,8 @@ def read_trace(
     Raises:
         TraceFormatError: A line is malformed (file, line and field in the message; a line that
             is not UTF-8 text is one) and ``skip_bad_lines`` is false.
+        ConfigError: ``block_size``, ``limit`` or ``max_input_length`` is not an integer in
+            range.
         OSError: The file cannot be opened.
     """
     name = os.fspath(path)

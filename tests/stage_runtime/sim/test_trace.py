@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from stage_runtime import TraceFormatError
+from stage_runtime import ConfigError, TraceFormatError
 from stage_runtime.sim import SimRequest, parse_trace_line, read_demo_trace, read_trace
 
 
@@ -179,6 +180,31 @@ def test_limit_stops_after_that_many_requests(tmp_path: Path) -> None:
     result = read_trace(path, limit=2)
     assert len(result.requests) == 2
     assert result.skipped_lines == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # A block size of 0 used to blame the first line ("input_length must be <=
+        # block_size * len(hash_ids) = 0 * 2"), None to raise a TypeError; a negative limit
+        # read nothing without a word.
+        ({"block_size": 0}, "block_size must be an integer >= 1, got 0"),
+        ({"block_size": None}, "block_size must be an integer >= 1, got None"),
+        ({"block_size": True}, "block_size must be an integer >= 1, got True"),
+        ({"limit": -1}, "limit must be an integer >= 0, got -1"),
+        ({"limit": "2"}, "limit must be an integer >= 0, got '2'"),
+        ({"max_input_length": 0}, "max_input_length must be an integer >= 1, got 0"),
+        ({"max_input_length": 1.5}, "max_input_length must be an integer >= 1, got 1.5"),
+    ],
+)
+def test_bad_reading_arguments_are_config_errors_not_bad_lines(
+    tmp_path: Path, arguments: dict[str, object], message: str
+) -> None:
+    """An argument out of range is the caller's error, named before any line is read."""
+    path = _write(tmp_path, [_line(), _line()])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_trace(path, **arguments)  # type: ignore[arg-type]
+    assert len(read_trace(path, limit=0).requests) == 0
 
 
 def test_non_utf8_file_is_a_trace_format_error(tmp_path: Path) -> None:
