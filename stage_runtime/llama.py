@@ -182,6 +182,15 @@ class LlamaConfig:
         if head_dim < 2 or head_dim % 2:
             msg = f"{source}: head_dim must be even and >= 2, got {head_dim}"
             raise ConfigError(msg)
+        # Python's json reads NaN and Infinity; these would make every activation NaN or inf.
+        if not (math.isfinite(config.rope_theta) and config.rope_theta > 0):
+            msg = f"{source}: rope_theta must be a finite number > 0, got {config.rope_theta!r}"
+            raise ConfigError(msg)
+        if not (math.isfinite(config.rms_norm_eps) and config.rms_norm_eps >= 0):
+            msg = (
+                f"{source}: rms_norm_eps must be a finite number >= 0, got {config.rms_norm_eps!r}"
+            )
+            raise ConfigError(msg)
         config.inverse_frequencies(source=source)  # a bad rope_scaling fails here, at load
         return config
 
@@ -201,13 +210,28 @@ class LlamaConfig:
         try:
             if kind in (None, "default"):
                 return inverse
-            factor = float(scaling["factor"])
+            factor = _positive_scaling(scaling, "factor", scaling["factor"], source)
             if kind == "linear":
                 return inverse / factor
             if kind == "llama3":
-                low = float(scaling.get("low_freq_factor", 1.0))
-                high = float(scaling.get("high_freq_factor", 4.0))
-                context = float(scaling["original_max_position_embeddings"])
+                low = _positive_scaling(
+                    scaling, "low_freq_factor", scaling.get("low_freq_factor", 1.0), source
+                )
+                high = _positive_scaling(
+                    scaling, "high_freq_factor", scaling.get("high_freq_factor", 4.0), source
+                )
+                context = _positive_scaling(
+                    scaling,
+                    "original_max_position_embeddings",
+                    scaling["original_max_position_embeddings"],
+                    source,
+                )
+                if not high > low:  # the blend below divides by high - low
+                    msg = (
+                        f"{source}: rope_scaling high_freq_factor must be > low_freq_factor, "
+                        f"got {high!r} and {low!r}"
+                    )
+                    raise ConfigError(msg)
                 wavelength = 2 * math.pi / inverse
                 scaled = np.where(wavelength > context / low, inverse / factor, inverse)
                 blend = (context / wavelength - low) / (high - low)
@@ -215,11 +239,23 @@ class LlamaConfig:
                 medium = (wavelength >= context / high) & (wavelength <= context / low)
                 result: npt.NDArray[np.float64] = np.where(medium, smoothed, scaled)
                 return result
+        except ConfigError:
+            raise  # already names the key (it is a ValueError too)
         except (KeyError, TypeError, ValueError) as exc:
             msg = f"{source}: rope_scaling {dict(scaling)!r} is malformed: {exc!r}"
             raise ConfigError(msg) from None
         msg = f"{source}: rope_scaling type must be linear or llama3, got {kind!r}"
         raise ConfigError(msg)
+
+
+def _positive_scaling(scaling: Mapping[str, Any], key: str, value: Any, source: str) -> float:
+    """``rope_scaling[key]`` as a float, which must be finite and > 0 (a factor of 0 divides
+    by zero; NaN, which Python's json reads, would make every activation NaN)."""
+    number = float(value)  # a TypeError or ValueError is the caller's "malformed"
+    if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
+        msg = f"{source}: rope_scaling {key} must be a finite number > 0, got {value!r}"
+        raise ConfigError(msg)
+    return number
 
 
 # ------------------------------------------------------------------------------- safetensors

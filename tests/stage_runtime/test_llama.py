@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,49 @@ def test_bad_model_directories_are_config_errors(tmp_path: Path) -> None:
     (directory / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no weights"):
         LlamaStageModel.load(directory, layer_start=0, layer_end=2)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rope_theta": 0}, "rope_theta must be a finite number > 0, got 0.0"),
+        ({"rope_theta": -1.0}, "rope_theta must be a finite number > 0, got -1.0"),
+        ({"rope_theta": float("nan")}, "rope_theta must be a finite number > 0, got nan"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a finite number >= 0, got -1.0"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number >= 0, got inf"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 0}},
+            "rope_scaling factor must be a finite number > 0, got 0",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": float("nan")}},
+            "rope_scaling factor must be a finite number > 0, got nan",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8,
+                    "low_freq_factor": 4,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "rope_scaling high_freq_factor must be > low_freq_factor, got 4.0 and 4.0",
+        ),
+    ],
+)
+def test_numbers_that_would_make_activations_nan_are_config_errors(
+    tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    """A config.json whose rotary or norm constants divide by zero or are NaN (Python's json
+    reads NaN) is refused at load, naming the key; it used to load and compute NaN or inf
+    activations (numpy's RuntimeWarnings at most), which the caches then recorded."""
+    directory = write_random_llama(tmp_path / "m", num_hidden_layers=1)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LlamaConfig.from_file(directory / "config.json")
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
