@@ -42,8 +42,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import is_int
 from stage_runtime.config import KvCacheConfig, StageConfig
-from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.errors import ConfigError, FrameError, shown
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import (
     THREAD_THRESHOLD_MACS,
@@ -388,6 +389,24 @@ def _read_header(file: Path) -> Iterator[tuple[str, _Tensor]]:
         except (KeyError, TypeError, ValueError):
             msg = f"{file}: malformed safetensors entry for {name}: {entry!r}"
             raise ConfigError(msg) from None
+        # As the format says: a string shape, an unhashable dtype or a None offset raised
+        # TypeError or ValueError below, and a negative offset read the header's bytes as the
+        # tensor's.
+        where = f"{file}: malformed safetensors entry for {name}:"
+        if not isinstance(dtype, str):
+            msg = f"{where} dtype must be a string, got {shown(dtype)}"
+            raise ConfigError(msg)
+        if not isinstance(entry["shape"], list) or not all(
+            is_int(size) and size >= 0 for size in shape
+        ):
+            msg = f"{where} shape must be a list of integers >= 0, got {shown(entry['shape'])}"
+            raise ConfigError(msg)
+        if not (is_int(start) and is_int(end) and 0 <= start <= end):
+            msg = (
+                f"{where} data_offsets must be two integers 0 <= begin <= end, "
+                f"got {shown(entry['data_offsets'])}"
+            )
+            raise ConfigError(msg)
         if dtype not in _DTYPES:
             msg = f"{file}: tensor {name} has dtype {dtype}; supported: {', '.join(_DTYPES)}"
             raise ConfigError(msg)

@@ -200,6 +200,32 @@ def test_half_precision_weights_are_upcast_once(tmp_path: Path, dtype: str) -> N
     assert (half / "model.safetensors.index.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": ["F32"]}, "dtype must be a string, got ['F32']"),
+        ({"shape": "ab"}, "shape must be a list of integers >= 0, got 'ab'"),
+        ({"shape": [-2, -2]}, "shape must be a list of integers >= 0, got [-2, -2]"),
+        ({"data_offsets": [None, 16]}, "data_offsets must be two integers 0 <= begin <= end"),
+        ({"data_offsets": ["x", 16]}, "data_offsets must be two integers 0 <= begin <= end"),
+        # A negative begin pointed into the header: its JSON was read as the tensor's floats.
+        ({"data_offsets": [-16, 0]}, "data_offsets must be two integers 0 <= begin <= end"),
+    ],
+)
+def test_malformed_safetensors_entries_are_config_errors(
+    tmp_path: Path, entry: dict[str, object], message: str
+) -> None:
+    """A header entry of the wrong types or with a negative offset is a ConfigError naming
+    the file, the tensor and the field (it was a TypeError or ValueError, or garbage)."""
+    header = json.dumps({"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], **entry}})
+    data = header.encode()
+    (tmp_path / "model.safetensors").write_bytes(len(data).to_bytes(8, "little") + data + bytes(16))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"malformed safetensors entry for t: {message}")
+    ):
+        SafetensorsFiles(tmp_path)
+
+
 def test_bad_model_directories_are_config_errors(tmp_path: Path) -> None:
     """A missing file, another architecture, a wrong shape or a layer range outside the model
     is a ConfigError naming what is wrong."""
