@@ -29,6 +29,7 @@ from stage_runtime._validators import check_int
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame
+from stage_runtime.limits import I32_MAX
 
 __all__ = [
     "CausalMixModel",
@@ -432,6 +433,9 @@ def virtual_model_factory(
         ConfigError: an argument is not an integer (a number for ``seconds_per_token``) in range.
     """
     width = _int_at_least("width", width, 1)
+    if width > I32_MAX:  # the width in every cache key: the stages would fail as they start
+        msg = f"width must be <= {I32_MAX:,} (a cache key's activation_width), got {width:,}"
+        raise ConfigError(msg)
     bytes_per_token = _int_at_least("bytes_per_token", bytes_per_token, 0)
     seconds_per_token = _seconds("seconds_per_token", seconds_per_token)
 

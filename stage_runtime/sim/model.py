@@ -7,10 +7,11 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from stage_runtime._validators import is_int
 from stage_runtime.config import StageConfig
-from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.errors import ConfigError, FrameError, shown
 from stage_runtime.frames import ActivationDType, ActivationFrame
-from stage_runtime.limits import U32_MAX
+from stage_runtime.limits import I32_MAX, U32_MAX
 from stage_runtime.models import ModelFactory, StageModel
 from stage_runtime.sim.cost import CostModel
 
@@ -146,9 +147,22 @@ def simulated_model_factory(
     Returns:
         A callable building a :class:`SimulatedStageModel` from a stage's configuration.
     """
+    if cost is not None and not isinstance(cost, CostModel):
+        msg = f"cost must be a CostModel or None, got {type(cost).__name__}"
+        raise ConfigError(msg)
     costs = CostModel() if cost is None else cost
+    if not is_int(bytes_per_token):
+        msg = f"bytes_per_token must be an integer, got {shown(bytes_per_token)}"
+        raise ConfigError(msg)
     if bytes_per_token < 1:
         msg = f"bytes_per_token must be >= 1, got {bytes_per_token}"
+        raise ConfigError(msg)
+    if bytes_per_token // _BYTES_PER_ELEMENT > I32_MAX:
+        # Its bf16 width is every cache key's activation_width: the stages failed as they started.
+        msg = (
+            f"bytes_per_token must be <= {(I32_MAX + 1) * _BYTES_PER_ELEMENT - 1:,} (a bf16 "
+            f"width within int32), got {bytes_per_token:,}"
+        )
         raise ConfigError(msg)
 
     def build(config: StageConfig) -> StageModel:

@@ -127,6 +127,12 @@ def test_width_must_be_positive() -> None:
         ),
         (virtual_model_factory, {"width": 0}, "width must be an integer >= 1, got 0"),
         (virtual_model_factory, {"width": True}, "width must be an integer >= 1, got True"),
+        (  # the stages used to fail as they started, on the cache key's activation_width
+            virtual_model_factory,
+            {"width": 2**40},
+            "width must be <= 2,147,483,647 (a cache key's activation_width), "
+            "got 1,099,511,627,776",
+        ),
         (
             virtual_model_factory,
             {"bytes_per_token": -8},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import trio.testing
 from stage_runtime import ConfigError
 from stage_runtime.errors import FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame
-from stage_runtime.sim import CostModel, SimulatedStageModel
+from stage_runtime.sim import CostModel, SimulatedStageModel, simulated_model_factory
 
 COST = CostModel(prefill_s_per_token=1e-3, restore_s_per_byte=1e-6)
 
@@ -83,6 +85,28 @@ async def test_without_sleep_forward_returns_at_once(
     out = await model.forward(inputs, 0, None)
     assert trio.current_time() == start
     assert out.token_count == 100
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bytes_per_token": "8"}, "bytes_per_token must be an integer, got '8'"),
+        ({"bytes_per_token": 0}, "bytes_per_token must be >= 1, got 0"),
+        (
+            {"bytes_per_token": 2**40},
+            "bytes_per_token must be <= 4,294,967,295 (a bf16 width within int32), "
+            "got 1,099,511,627,776",
+        ),
+        ({"cost": 0.5}, "cost must be a CostModel or None, got float"),
+    ],
+)
+def test_the_factory_checks_its_arguments_when_called(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """A bad argument fails where the factory is made: a string was a TypeError there, and
+    a size whose width no cache key holds passed and failed every stage as it started."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        simulated_model_factory(**kwargs)  # type: ignore[arg-type]
 
 
 async def test_bad_start_and_sizes_are_refused() -> None:
