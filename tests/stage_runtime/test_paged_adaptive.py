@@ -219,3 +219,27 @@ def test_pages_of_an_interrupted_record_can_still_be_evicted(
     outcome = record(index, [5, 6, 7, 8])
     assert outcome.stored_entries == 4  # type: ignore[attr-defined]
     assert restored(index, [5, 6, 7, 8]) == 4
+
+
+@pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
+def test_a_record_interrupted_before_its_first_new_page_leaves_its_chain_evictable(
+    monkeypatch: pytest.MonkeyPatch, eviction: str
+) -> None:
+    """Interrupted after refreshing cached pages but before storing any: the refreshed chain
+    is still made of leaves and parents the strategy can evict, by records and by clear."""
+    index = _index(4, eviction=eviction)
+    record(index, [1, 2])
+
+    def interrupted(self: PagedActivationIndex, *args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PagedActivationIndex, "_store_new", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record(index, [1, 2, 3])
+    monkeypatch.undo()
+    outcome = record(index, [5, 6, 7, 8])
+    assert outcome.stored_entries == 4  # type: ignore[attr-defined]
+    assert restored(index, [1, 2]) == 0
+    record(index, [1, 2])
+    index.clear()
+    assert index.statistics().entries == 0

@@ -141,8 +141,8 @@ class _Entry:
         """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
         self.tier = -1
         """The ``adaptive`` policy's class of a resident entry (that of the last record that used
-        it, :func:`~stage_runtime.cache.paged.eviction.record_class`); -2 while the running
-        record's, -1 else."""
+        it, :func:`~stage_runtime.cache.paged.eviction.record_class`; while a record runs, its
+        class so far); -1 when not resident."""
         self.footprint: Footprint | None = None
         """Its token segments while not yet added to the index's footprint."""
 

@@ -424,8 +424,8 @@ _AGE_TURNOVERS: Final = 16
 """A leaf unused for this many cache turnovers goes first, whatever its class."""
 
 _HISTORY_PER_ENTRY: Final = 8
-"""Evicted pages :class:`AdaptiveEviction` remembers, per resident page (at least
-:data:`_MIN_HISTORY`)."""
+"""Evicted pages :class:`AdaptiveEviction` remembers, per resident page, counting at least
+:data:`_MIN_HISTORY` resident (so at least 32,768 however small the cache)."""
 
 _MIN_HISTORY: Final = 4096
 
@@ -498,8 +498,8 @@ class AdaptiveEviction(ReuseEviction):
         self._op_clock = 0
         """The clock when the running record started: entries it touched have a later use."""
         self._root: bytes | None = None
-        self._last_stored: _Entry | None = None
-        """The latest page the running record stored."""
+        self._deepest: _Entry | None = None
+        """The deepest page the running record reached so far (stored or refreshed)."""
         self._known = 0
         """Leading pages of the running record seen before (resident or in the history)."""
         self._pages = 0
@@ -522,7 +522,7 @@ class AdaptiveEviction(ReuseEviction):
         self._recording = True
         self._op_clock = self._index._clock
         self._root = None
-        self._last_stored = None
+        self._deepest = None
         self._known = self._pages = self._stored = 0
         self._run = True
 
@@ -544,12 +544,13 @@ class AdaptiveEviction(ReuseEviction):
         # The record's class so far: the whole record's is set when it ends (and if it never
         # does, interrupted, its pages still have one, so a restore can make them leaves).
         entry.tier = record_class(self._known > 0, self._pages - self._known)
-        self._last_stored = entry
+        self._deepest = entry
 
     def touched(self, entry: _Entry) -> None:
         if self._recording:  # a page of the running record, resident: seen before
             if self._root is None:
                 self._root = entry.key
+            self._deepest = entry
             self._pages += 1
             if self._run:
                 self._known += 1
@@ -560,8 +561,8 @@ class AdaptiveEviction(ReuseEviction):
         self._recording = False
         root = self._root
         if last is None:  # nothing stored, or an interrupted record: up to its last page
-            last = self._last_stored
-        self._last_stored = None
+            last = self._deepest
+        self._deepest = None
         if last is None or root is None:
             return
         kind = record_class(self._known > 0, self._pages - self._known)
@@ -641,7 +642,11 @@ class AdaptiveEviction(ReuseEviction):
                 self._push(parent.tier, parent)
         if reason != "cleared":
             history = self._history
-            history[entry.key] = None
+            key = entry.key
+            if key in history:  # evicted again: now the latest
+                history.move_to_end(key)
+            else:
+                history[key] = None
             if len(history) > self._history_bound:
                 history.popitem(last=False)
 
