@@ -21,6 +21,7 @@ from stage_runtime._validators import check_int, int_range, is_int
 from stage_runtime.errors import FrameError
 from stage_runtime.limits import I32_MAX as _I32_MAX
 from stage_runtime.limits import I32_MIN as _I32_MIN
+from stage_runtime.limits import MAX_VIRTUAL_BYTES as _MAX_VIRTUAL_BYTES
 from stage_runtime.limits import U32_MAX as _U32_MAX
 from stage_runtime.limits import U64_MAX as _U64_MAX
 
@@ -57,10 +58,6 @@ _NUMPY_DTYPE: Final[dict[ActivationDType, np.dtype[Any]]] = {
     ActivationDType.F16: np.dtype(np.float16),
     ActivationDType.BF16: np.dtype(np.uint16),
 }
-
-
-_MAX_VIRTUAL_BYTES: Final = 2**63 - 1
-"""Largest virtual payload: numpy cannot index an array longer than this."""
 
 
 def _int_in(low: int, high: int) -> Any:

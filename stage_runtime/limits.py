@@ -61,3 +61,6 @@ MAX_PROMPT_TOKENS: Final = 1_000_000_000
 MAX_BLOCKS: Final = 20_000_000
 """Most blocks, summed over the requests' prompts, a synthetic workload may hold: what its
 memory grows with (a small ``block_size`` makes many)."""
+
+MAX_VIRTUAL_BYTES: Final = 2**63 - 1
+"""Largest virtual frame payload: numpy cannot index an array longer than this."""

@@ -409,8 +409,8 @@ class Stage:
                 base=base, tokens=tokens, activation_width=width, frame=output
             )
             try:
-                # No schedule point here: forwarding the frame (or collecting the outcome, at
-                # the last stage) is the next one.
+                # No schedule point here: waiting for the record's outcome, below, is the next
+                # one (or sending downstream, when the next stage's channel is full).
                 pending = cache.ask_later_nowait(record)
             except trio.WouldBlock:
                 pending = await cache.ask_later(record)

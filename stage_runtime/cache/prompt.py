@@ -7,8 +7,8 @@ nobody can change: the caller's own when it is read-only and owns its memory (wh
 hands every stage), a private copy otherwise.
 
 Grid fingerprints (:class:`GridFingerprints`) are cheap digests of the prefixes at the lookup
-grid's lengths: a linear hash with random odd weights of a sample of the tokens (8 per block of
-the grid's stride, and every token after the last whole block), one vectorised pass.
+grid's lengths: a linear hash with random odd weights of a sample of the tokens (about 8 per
+block of the grid's stride, and every token after the last whole block), one vectorised pass.
 They depend on the tokens and the grid only, so every stage of a pipeline shares one set per
 request (:func:`grid_fingerprints` remembers the last few). They are a filter, never a key: equal
 prefixes have equal fingerprints, so a prefix whose fingerprint is not among the resident ones
@@ -194,22 +194,24 @@ def _weights_for(n: int) -> npt.NDArray[np.int32]:
 _add = np.add.reduce
 
 SAMPLES_PER_BLOCK: Final = 8
-"""Tokens a fingerprint reads from each whole block of the grid's stride (every token of a
-block shorter than twice this): evenly spaced, the block's last token among them."""
+"""About how many tokens a fingerprint reads from each whole block of the grid's stride: every
+``stride // 8``-th (8 to 15 of them; every token of a block shorter than 16), ending with the
+block's last token when 8 divides the stride."""
 
 
 def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
     """For each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length),
     a fingerprint of ``tokens[:c]``: over the whole blocks of ``stride`` tokens, the sampled
-    tokens (every ``step``-th, ending with each block's last, see :data:`SAMPLES_PER_BLOCK`)
-    times the weights of their sample positions; over the rest (``c % stride`` tokens), every
-    token times the weight of its position in the block. Products wrap at 32 bits, sums are
-    exact; the sum is shifted left 40 bits, with ``c`` in the low bits.
+    tokens (every ``step``-th of each block, ``step = max(stride // 8, 1)``, starting at
+    ``step - 1``; see :data:`SAMPLES_PER_BLOCK`) times the weights of their sample positions;
+    over the rest (``c % stride`` tokens), every token times the weight of its position in the
+    block. Products wrap at 32 bits, sums are exact; the sum is shifted left 40 bits, with ``c``
+    in the low bits.
 
     Equal prefixes have equal fingerprints, which is all the filter needs: two prefixes that
     differ only in unsampled tokens share one, and a restore then hashes and looks up that
-    length for nothing (the key decides). Reading 8 tokens of a block instead of 512 makes the
-    fingerprints of a prompt cost a fraction of its hash."""
+    length for nothing (the key decides). Reading 8 tokens of a 512-token block instead of all
+    of them makes the fingerprints of a prompt cost a fraction of its hash."""
     if not counts:
         return []
     top = counts[0]

@@ -11,14 +11,13 @@ from stage_runtime._validators import is_int
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError, shown
 from stage_runtime.frames import ActivationDType, ActivationFrame
-from stage_runtime.limits import I32_MAX, U32_MAX
+from stage_runtime.limits import I32_MAX, MAX_VIRTUAL_BYTES, U32_MAX
 from stage_runtime.models import ModelFactory, StageModel
 from stage_runtime.sim.cost import CostModel
 
 __all__ = ["SimulatedStageModel", "simulated_model_factory"]
 
 _BYTES_PER_ELEMENT = 2  # bf16
-_MAX_VIRTUAL_BYTES = 2**63 - 1  # ActivationFrame.virtual's bound (numpy's longest array)
 
 
 @attrs.define(eq=False)
@@ -117,7 +116,7 @@ class SimulatedStageModel:
         if (
             type(token_count) is int
             and 0 <= token_count <= U32_MAX
-            and token_count * self.bytes_per_token <= _MAX_VIRTUAL_BYTES
+            and token_count * self.bytes_per_token <= MAX_VIRTUAL_BYTES
         ):
             # Every field was checked once, in the template: only the counts differ.
             return template._virtual_rows(token_count)
