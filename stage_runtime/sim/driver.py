@@ -612,7 +612,7 @@ def validate_requests(
     """
     seen: set[int] = set()
     for position, request in enumerate(requests):
-        if not is_int(request.index):
+        if not is_int(request.index, numpy=True):
             index = shown(request.index)
             msg = f"request at position {position}: index must be an integer, got {index}"
             raise ConfigError(msg)
@@ -680,7 +680,7 @@ def _check_request_types(request: SimRequest, where: str) -> None:
     """Refuse a request whose length, block ids or block lengths are not integers (a
     hand-built :class:`SimRequest` is not checked when it is made): the tokenizer would
     otherwise fail on it, or truncate a float, only when its turn came in the replay."""
-    if not is_int(request.input_length):
+    if not is_int(request.input_length, numpy=True):
         msg = f"{where}: input_length must be an integer, got {shown(request.input_length)}"
         raise ConfigError(msg)
     for field in ("block_ids", "block_lengths"):

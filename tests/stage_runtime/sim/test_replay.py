@@ -582,3 +582,18 @@ def test_the_paged_index_defaults_to_a_page_count_bound_not_the_ladders_64() -> 
     assert attrs.evolve(SimConfig(max_entries=7), index="paged").max_entries == 7
     with pytest.raises(ConfigError, match=r"^max_entries must be an integer >= 1, got 0$"):
         SimConfig(max_entries=0)
+
+
+def test_numpy_integer_fields_replay_as_their_ints() -> None:
+    """A hand-built request may hold numpy integers (an index, a length read from an array):
+    it replays exactly as the same request with Python ints."""
+    plain = [_request(0, [1, 2], 30), _request(1, [1, 2, 3], 40)]
+    numpy_fields = [
+        SimRequest(index=np.int64(0), input_length=np.int64(30), block_ids=(1, 2)),  # type: ignore[arg-type]
+        SimRequest(index=np.int32(1), input_length=np.int32(40), block_ids=(1, 2, 3)),  # type: ignore[arg-type]
+    ]
+    expected = run_replay(plain, _config())
+    got = run_replay(numpy_fields, _config())
+    assert got.restored_tokens == expected.restored_tokens > 0
+    assert got.prompt_tokens == expected.prompt_tokens == 70
+    assert got.stages == expected.stages
