@@ -83,7 +83,9 @@ class MissTracker:
     def evicted(self, key: Hashable) -> None:
         """Remember that ``key`` was evicted (as the newest tombstone)."""
         tombstones = self._tombstones
-        tombstones.pop(key, None)
+        if key in tombstones:
+            tombstones.move_to_end(key)
+            return
         tombstones[key] = None
         while len(tombstones) > self.capacity:
             tombstones.popitem(last=False)
