@@ -66,10 +66,8 @@ def test_costs_that_are_not_numbers_are_refused(changes: dict[str, Any], message
     0.001 s)."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         CostModel(**changes)
-    assert CostModel(stage_prefill_s_per_token=(1, np.float32(0.5))).stage_prefill_s_per_token == (
-        1.0,
-        0.5,
-    )
+    numpy_costs: tuple[Any, ...] = (1, np.float32(0.5))  # an int and a numpy float are numbers
+    assert CostModel(stage_prefill_s_per_token=numpy_costs).stage_prefill_s_per_token == (1.0, 0.5)
 
 
 def test_pipeline_finish_times_overlap_stages() -> None:
