@@ -215,6 +215,50 @@ async def test_results_route_back_to_their_callers() -> None:
             )
 
 
+async def test_a_stage_waits_to_queue_its_record_when_the_mailbox_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage queues its record at once when its cache actor's mailbox has room; when it has
+    none (here: always) it waits in ``ask_later`` instead. Every prefill still gets its own
+    output, and every stage's records reach its report."""
+    from actors import ActorRef
+
+    def full(self: Any, message: Any) -> Any:
+        raise trio.WouldBlock
+
+    waited = 0
+    ask_later = ActorRef.ask_later
+
+    async def counting(self: Any, message: Any) -> Any:
+        nonlocal waited
+        waited += 1
+        return await ask_later(self, message)
+
+    monkeypatch.setattr(ActorRef, "ask_later_nowait", full)
+    monkeypatch.setattr(ActorRef, "ask_later", counting)
+    prompts = [prompt(40 + 7 * i, start=3 * i) for i in range(6)]
+    configs = stage_configs(3, min_tokens=8, stride=8, max_entries=64)
+    outputs: dict[int, PrefillResult] = {}
+
+    async def one(pipeline: Any, i: int) -> None:
+        outputs[i] = await pipeline.prefill(prompts[i], session_id="s", request_id=f"r{i}")
+
+    async with (
+        open_pipeline(configs, mix_factory(), channel_size=0, environ=NO_ENV) as pipeline,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(len(prompts)):
+            nursery.start_soon(one, pipeline, i)
+    assert waited == 3 * len(prompts)  # every stage, every prompt
+    async with open_pipeline(uncached(configs), mix_factory(), environ=NO_ENV) as cold:
+        for i, tokens in enumerate(prompts):
+            reference = await cold.prefill(tokens, session_id="s")
+            np.testing.assert_allclose(
+                outputs[i].frame.rows(), reference.frame.rows(), rtol=1e-6, atol=1e-6
+            )
+            assert all(stage.records for stage in outputs[i].stages)
+
+
 async def test_bounded_channels_push_back_on_callers() -> None:
     """With a blocked last stage, stage 0 runs ahead only as far as the channels hold."""
     registry = ModelRegistry(mix_factory())
