@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime.errors import ConfigError
 from stage_runtime.limits import U64_MAX
 from stage_runtime.sim.trace import SimRequest
 
@@ -55,7 +56,11 @@ class PageTable:
 
 def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     """The pages of ``requests`` (in the order given), each block as
-    :meth:`SimRequest.block_layout` lays it out."""
+    :meth:`SimRequest.block_layout` lays it out.
+
+    Raises:
+        ConfigError: a request's ``block_lengths`` hold a length outside ``[0, block_size]``.
+    """
     ids: list[int] = []
     explicit: list[int] = []
     counts: list[int] = []
@@ -71,6 +76,12 @@ def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
             ends.append(request.input_length - block_size * (used - 1) if taken else -1)
         else:
             layout = request.block_layout(block_size)
+            if any(not 0 <= count <= block_size for _, count in layout):
+                msg = (
+                    f"request {request.index}: block_lengths must lie in [0, {block_size}], "
+                    f"got {list(request.block_lengths)}"
+                )
+                raise ConfigError(msg)
             ids.extend(block_id for block_id, _ in layout)
             explicit.extend(count for _, count in layout)
             counts.append(len(layout))

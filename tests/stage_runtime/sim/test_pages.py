@@ -3,9 +3,11 @@ the walks they replaced (a dict of chains per block, one request at a time)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage_runtime.errors import ConfigError
 from stage_runtime.sim import SimRequest, theoretical_max_hit_ratio
 from stage_runtime.sim.clairvoyant import clairvoyant_hits, plan
 from stage_runtime.sim.pages import page_table
@@ -107,3 +109,13 @@ def test_an_empty_workload_has_an_empty_table() -> None:
     table = page_table([], block_size=BLOCK)
     assert (table.offsets.tolist(), table.pages.tolist(), table.requests) == ([0], [], 0)
     assert len(plan([], block_size=BLOCK).next_use) == 0
+
+
+def test_block_lengths_outside_a_block_are_config_errors() -> None:
+    """A hand-built request whose explicit lengths do not fit a block is refused, naming it
+    (replays refuse it earlier, in their request checks)."""
+    bad = SimRequest(index=7, input_length=2, block_ids=(1, 2), block_lengths=(-1, 3))
+    with pytest.raises(ConfigError, match=r"request 7: block_lengths must lie in \[0, 4\]"):
+        page_table([bad], block_size=BLOCK)
+    with pytest.raises(ConfigError, match="request 7"):
+        theoretical_max_hit_ratio([bad], block_size=BLOCK)
