@@ -252,9 +252,14 @@ class LlamaConfig:
 def _positive_scaling(scaling: Mapping[str, Any], key: str, value: Any, source: str) -> float:
     """``rope_scaling[key]`` as a float, which must be finite and > 0 (a factor of 0 divides
     by zero; NaN, which Python's json reads, would make every activation NaN)."""
-    number = float(value)  # a TypeError or ValueError is the caller's "malformed"
-    if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
-        msg = f"{source}: rope_scaling {key} must be a finite number > 0, got {value!r}"
+    msg = f"{source}: rope_scaling {key} must be a finite number > 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(msg)  # (a string such as "2.0" too: JSON has numbers for that)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ConfigError(msg) from None
+    if not (math.isfinite(number) and number > 0):
         raise ConfigError(msg)
     return number
 

@@ -267,6 +267,14 @@ def test_bad_model_directories_are_config_errors(tmp_path: Path) -> None:
             "rope_scaling factor must be a finite number > 0, got nan",
         ),
         (
+            {"rope_scaling": {"rope_type": "linear", "factor": "2.0"}},
+            "rope_scaling factor must be a finite number > 0, got '2.0'",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 10**400}},
+            "rope_scaling factor must be a finite number > 0, got 1000",
+        ),
+        (
             {
                 "rope_scaling": {
                     "rope_type": "llama3",
