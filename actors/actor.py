@@ -556,10 +556,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
             return await self._ask(message)
 
     async def _ask(self, message: Any) -> ReplyT:
-        cell = self._cell
-        if trio.lowlevel.current_task() is cell.task:
-            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
-            raise RuntimeError(msg)
+        cell = self._asked_cell()
         reply = Reply()
         envelope = (message, reply)
         cell.asks_waiting += 1
@@ -572,6 +569,15 @@ class ActorRef(Generic[MessageT, ReplyT]):
             return cast(ReplyT, await reply.wait())
         finally:
             cell.asks_waiting -= 1
+
+    def _asked_cell(self) -> _Cell:
+        """The actor's cell, unless the caller is the actor itself (its ask would wait for its
+        own reply forever)."""
+        cell = self._cell
+        if trio.lowlevel.current_task() is cell.task:
+            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
+            raise RuntimeError(msg)
+        return cell
 
     @overload
     async def ask_later(self, message: Asks[AnswerT]) -> PendingReply[AnswerT]: ...
@@ -592,10 +598,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
             ActorStoppedError: The actor has stopped (nothing is sent).
             RuntimeError: Called from the actor's own task, or from another thread or trio run.
         """
-        cell = self._cell
-        if trio.lowlevel.current_task() is cell.task:
-            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
-            raise RuntimeError(msg)
+        self._asked_cell()
         reply = Reply()
         envelope = (message, reply)
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -614,17 +617,14 @@ class ActorRef(Generic[MessageT, ReplyT]):
     def ask_later_nowait(self, message: Any) -> PendingReply[Any]:
         """:meth:`ask_later` if the mailbox has room right now, without a schedule point (as
         ``send_nowait`` is to ``send``): for a caller that reaches one next anyway, as a stage
-        does when it forwards its frame. ``await ask_later(...)`` is the fallback when full.
+        does, which waits for the reply next. ``await ask_later(...)`` is the fallback when full.
 
         Raises:
             trio.WouldBlock: The mailbox is full (nothing is sent).
             ActorStoppedError: The actor has stopped (nothing is sent).
             RuntimeError: Called from the actor's own task, or from another thread or trio run.
         """
-        cell = self._cell
-        if trio.lowlevel.current_task() is cell.task:
-            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
-            raise RuntimeError(msg)
+        cell = self._asked_cell()
         reply = Reply()
         if not self._send_now((message, reply)):
             msg = f"mailbox of actor {cell.name!r} is full"

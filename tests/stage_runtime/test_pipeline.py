@@ -191,21 +191,23 @@ async def test_concurrent_prefills_overlap_across_stages(
     assert {result.request_id for result in results} == {f"prefill-{i}" for i in range(10)}
 
 
-async def test_results_route_back_to_their_callers() -> None:
-    """Many concurrent prefills each get the output of their own prompt."""
-    prompts = [prompt(40 + 7 * i, start=3 * i) for i in range(12)]
-    configs = stage_configs(2, min_tokens=8, stride=8, max_entries=4)
+async def _concurrent_prefills(
+    configs: list[StageConfig], count: int, *, channel_size: int
+) -> list[PrefillResult]:
+    """``count`` prefills of different prompts started at once; each result is checked to be
+    its own prompt's output (a cold pipeline's, within float tolerance)."""
+    prompts = [prompt(40 + 7 * i, start=3 * i) for i in range(count)]
     outputs: dict[int, PrefillResult] = {}
 
     async def one(pipeline: Any, i: int) -> None:
         outputs[i] = await pipeline.prefill(prompts[i], session_id="s", request_id=f"r{i}")
 
     async with (
-        open_pipeline(configs, mix_factory(), channel_size=1, environ=NO_ENV) as pipeline,
+        open_pipeline(configs, mix_factory(), channel_size=channel_size, environ=NO_ENV) as pipe,
         trio.open_nursery() as nursery,
     ):
-        for i in range(len(prompts)):
-            nursery.start_soon(one, pipeline, i)
+        for i in range(count):
+            nursery.start_soon(one, pipe, i)
     async with open_pipeline(uncached(configs), mix_factory(), environ=NO_ENV) as cold:
         for i, tokens in enumerate(prompts):
             reference = await cold.prefill(tokens, session_id="s")
@@ -213,6 +215,13 @@ async def test_results_route_back_to_their_callers() -> None:
             np.testing.assert_allclose(
                 outputs[i].frame.rows(), reference.frame.rows(), rtol=1e-6, atol=1e-6
             )
+    return [outputs[i] for i in range(count)]
+
+
+async def test_results_route_back_to_their_callers() -> None:
+    """Many concurrent prefills each get the output of their own prompt."""
+    configs = stage_configs(2, min_tokens=8, stride=8, max_entries=4)
+    await _concurrent_prefills(configs, 12, channel_size=1)
 
 
 async def test_a_stage_waits_to_queue_its_record_when_the_mailbox_is_full(
@@ -236,27 +245,10 @@ async def test_a_stage_waits_to_queue_its_record_when_the_mailbox_is_full(
 
     monkeypatch.setattr(ActorRef, "ask_later_nowait", full)
     monkeypatch.setattr(ActorRef, "ask_later", counting)
-    prompts = [prompt(40 + 7 * i, start=3 * i) for i in range(6)]
     configs = stage_configs(3, min_tokens=8, stride=8, max_entries=64)
-    outputs: dict[int, PrefillResult] = {}
-
-    async def one(pipeline: Any, i: int) -> None:
-        outputs[i] = await pipeline.prefill(prompts[i], session_id="s", request_id=f"r{i}")
-
-    async with (
-        open_pipeline(configs, mix_factory(), channel_size=0, environ=NO_ENV) as pipeline,
-        trio.open_nursery() as nursery,
-    ):
-        for i in range(len(prompts)):
-            nursery.start_soon(one, pipeline, i)
-    assert waited == 3 * len(prompts)  # every stage, every prompt
-    async with open_pipeline(uncached(configs), mix_factory(), environ=NO_ENV) as cold:
-        for i, tokens in enumerate(prompts):
-            reference = await cold.prefill(tokens, session_id="s")
-            np.testing.assert_allclose(
-                outputs[i].frame.rows(), reference.frame.rows(), rtol=1e-6, atol=1e-6
-            )
-            assert all(stage.records for stage in outputs[i].stages)
+    results = await _concurrent_prefills(configs, 6, channel_size=0)
+    assert waited == 3 * len(results)  # every stage, every prompt
+    assert all(stage.records for result in results for stage in result.stages)
 
 
 async def test_bounded_channels_push_back_on_callers() -> None:

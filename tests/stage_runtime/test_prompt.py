@@ -34,6 +34,15 @@ def _definition(tokens: np.ndarray, count: int, stride: int) -> int:
     return int(wrapped.sum())
 
 
+def _ladder_cache(grid: int) -> StageCache:
+    """A ladder stage cache whose minimum length and stride are ``grid`` tokens."""
+    config = StageConfig(stage_id="stage-0", model_id="m", layer_start=0, layer_end=4)
+    cache_config = KvCacheConfig(
+        mode=CacheMode.LOOKUP_RECORD, min_tokens=grid, shared_prefix_stride_tokens=grid
+    )
+    return StageCache(config, cache_config, CandidatePolicy.from_cache_config(cache_config))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     min_tokens=st.integers(0, 150),
@@ -95,11 +104,7 @@ def test_lengths_whose_sums_agree_keep_their_own_fingerprints() -> None:
     assert len(set(grid.prints)) == len(grid.counts)
     assert grid.among({grid.prints[grid.position(32)]: 1}) == [32]
 
-    config = StageConfig(stage_id="stage-0", model_id="m", layer_start=0, layer_end=4)
-    cache_config = KvCacheConfig(
-        mode=CacheMode.LOOKUP_RECORD, min_tokens=8, shared_prefix_stride_tokens=8
-    )
-    cache = StageCache(config, cache_config, CandidatePolicy.from_cache_config(cache_config))
+    cache = _ladder_cache(8)
     base = MessageBase(stage_id="stage-0")
     frame = ActivationFrame.virtual(token_count=32, bytes_per_token=8, fill=1)
     cache.record(base, tokens[:32].copy(), 2, frame)
@@ -137,11 +142,7 @@ def test_a_prefix_differing_only_in_unsampled_tokens_shares_a_fingerprint_but_ne
     second[0] += 1  # position 0 is not sampled (the samples end each 64-token step)
     assert GridFingerprints(first, policy).prints == GridFingerprints(second, policy).prints
 
-    config = StageConfig(stage_id="stage-0", model_id="m", layer_start=0, layer_end=4)
-    cache_config = KvCacheConfig(
-        mode=CacheMode.LOOKUP_RECORD, min_tokens=512, shared_prefix_stride_tokens=512
-    )
-    cache = StageCache(config, cache_config, CandidatePolicy.from_cache_config(cache_config))
+    cache = _ladder_cache(512)
     base = MessageBase(stage_id="stage-0")
     frame = ActivationFrame.virtual(token_count=1024, bytes_per_token=8, fill=1)
     cache.record(base, first, 2, frame)
