@@ -1611,7 +1611,10 @@ class ServeProcess:
                 if self.events[-1]["event"] == name:
                     return self.events[-1]
             chunk = await self.process.stderr.receive_some()
-            assert chunk, f"process exited before logging {name}: {self._buffer!r}"
+            assert chunk, (
+                f"process exited before logging {name}: events {self.events[-5:]!r}, "
+                f"other lines {self.lines[-20:]!r}, unread {self._buffer!r}"
+            )
             self._buffer += chunk
 
 
