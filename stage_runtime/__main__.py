@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from stage_runtime.cli import main
+from stage_runtime.cli import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -9,10 +9,13 @@ errors the same way (``must be ..., got X``). Library code never calls these.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import math
 import sys
+import threading
 from collections.abc import Callable
+from typing import TextIO
 
 import structlog
 
@@ -59,6 +62,64 @@ def configure_logging(*, level: str = "info", log_format: str = "auto") -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+
+
+class WholeLines(io.TextIOBase):
+    """A text stream that passes on only whole lines, each in one write under one lock.
+
+    Two threads printing to one stream can splice their lines together: ``print`` writes the
+    text and the newline in two calls, and a driver of Ray placement has Ray's log forwarding
+    printing the stage processes' lines while structlog writes its own (a JSON event then
+    shared a line with another, and a reader could parse neither). Here each thread's text is
+    held until its newline, and every line goes out whole. :meth:`flush` passes on the calling
+    thread's unfinished line too.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._held = threading.local()
+
+    def write(self, text: str) -> int:
+        held: str = getattr(self._held, "text", "") + text
+        lines, newline, rest = held.rpartition("\n")
+        self._held.text = rest
+        if newline:
+            with self._lock:
+                self.stream.write(lines + newline)
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        rest: str = getattr(self._held, "text", "")
+        self._held.text = ""
+        with self._lock:
+            if rest:
+                self.stream.write(rest)
+            self.stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]  # (the wrapped stream's)
+        return self.stream.encoding
+
+
+def whole_line_stderr() -> None:
+    """Make ``sys.stderr`` a :class:`WholeLines` stream (once), where the logs go: for the
+    command line's own process only, which owns its standard streams. (Not stdout: a replay
+    writes its JSON document there, in pieces with no newline.)"""
+    stream = sys.stderr
+    if stream is not None and not isinstance(stream, WholeLines):
+        sys.stderr = WholeLines(stream)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

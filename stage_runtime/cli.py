@@ -30,6 +30,7 @@ from stage_runtime._cli_support import (
     int_between,
     non_negative_float,
     positive_float,
+    whole_line_stderr,
 )
 from stage_runtime.errors import ConfigError, TraceFormatError
 
@@ -794,6 +795,14 @@ def _write_json(payload: object, target: str, stdout: TextIO) -> None:
         return
     with open(target, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def console_main() -> int:
+    """The ``stage-runtime`` and ``python -m stage_runtime`` entry point: :func:`main` in a
+    process whose stderr passes on whole lines only (threads writing at once, as a Ray
+    driver's log forwarding and structlog do, never splice two log lines into one)."""
+    whole_line_stderr()
+    return main()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -579,9 +579,36 @@ def test_progress_bar_shows_on_terminals_only_and_never_with_json_stdout(
 
 
 def test_console_script_is_stage_runtime() -> None:
-    """`stage-runtime` is installed as a console script running cli.main."""
+    """`stage-runtime` is installed as a console script running cli.main (through
+    console_main, which makes its stderr pass on whole lines)."""
     scripts = importlib.metadata.entry_points(group="console_scripts")
-    assert {ep.name: ep.value for ep in scripts}["stage-runtime"] == "stage_runtime.cli:main"
+    entry = {ep.name: ep.value for ep in scripts}["stage-runtime"]
+    assert entry == "stage_runtime.cli:console_main"
+
+
+def test_whole_lines_never_splices_two_threads_lines() -> None:
+    """A thread's text waits for its newline, so a line another thread writes meanwhile goes
+    out before it, whole; flush passes on an unfinished line; the wrapped stream's tty and
+    file number show through."""
+    import io
+    import threading
+
+    from stage_runtime._cli_support import WholeLines
+
+    out = io.StringIO()
+    stream = WholeLines(out)
+    stream.write('{"event": "first"}')  # what print writes before its newline
+    other = threading.Thread(target=lambda: stream.write('{"event": "other"}\n'))
+    other.start()
+    other.join()
+    stream.write("\n")
+    stream.write("two\nlines\nand a rest")
+    assert out.getvalue() == '{"event": "other"}\n{"event": "first"}\ntwo\nlines\n'
+    stream.flush()
+    assert out.getvalue().endswith("lines\nand a rest")
+    assert stream.isatty() is False
+    with pytest.raises(io.UnsupportedOperation):
+        stream.fileno()  # (a StringIO has none)
 
 
 def test_every_flag_reaches_the_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
