@@ -8,6 +8,7 @@ pipeline. Every test is bounded by ``trio.fail_after``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -1687,6 +1688,21 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _processes_with_environment(entry: str) -> list[int]:
+    """Pids of this user's processes (not this one) whose environment holds ``entry``
+    (``NAME=value``)."""
+    found = []
+    for process in Path("/proc").iterdir():
+        if process.name.isdigit() and int(process.name) != os.getpid():
+            try:
+                environment = (process / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if entry.encode() in environment:
+                found.append(int(process.name))
+    return found
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 async def test_serve_with_ray_placement_serves_and_leaves_no_process_on_sigint() -> None:
     """``serve --placement ray`` starts its own Ray instance, answers from stage processes,
@@ -1718,6 +1734,11 @@ async def test_serve_with_ray_placement_serves_and_leaves_no_process_on_sigint()
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
+        # A run that failed part-way can leave Ray's processes (its agents rename themselves,
+        # so their command lines no longer say where they came from; their environment does).
+        for pid in _processes_with_environment(f"RAY_TMPDIR={temp}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
 
