@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
 
+from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime.accounting import CacheAccounting, MissReason, PrefixFootprint
 from stage_runtime.cache.paged.chains import PageChain, page_chain
 from stage_runtime.cache.prompt import Prompt
@@ -260,72 +261,65 @@ class LadderIndex:
         """
         n = prompt.n
         payload_bytes = frame.payload.size
-        if n < self.policy.min_tokens or payload_bytes == 0:
+        policy = self.policy
+        if n < policy.min_tokens or payload_bytes == 0:
             return []
-        if frame.desc.token_count != n or frame.desc.payload_bytes != payload_bytes:
+        desc = frame.desc
+        if desc.token_count != n or desc.payload_bytes != payload_bytes:
             return []
-        counts = self.policy.record_candidate_token_counts(n)
+        counts = prompt.record_counts(policy)
         hashes = prompt.hash_counts(counts)
         store = self.store
         key_of = self._keys(prompt)
-        grid = prompt.grid(self.policy)
+        grid = prompt.grid(policy)
         group = prompt.group
         prints = self._prints
+        tombstones = self._tombstones
+        # Every length below n cuts the frame the same way (its layout, flags and rows), so
+        # one check answers for all of them; each entry is cut when first looked up.
+        cuttable = len(counts) == 1 or frame.prefix_error(counts[-1]) is None
+        row_bytes = payload_bytes // n
         pending: _PendingPrompt | None = None
         records: list[ResidentActivationRecord] = []
         for count in counts:
             if count == n:
-                candidate = frame
-            elif frame.prefix_error(count) is None:
-                candidate = frame._cut(count)
+                size = payload_bytes
+                evicted = store._store(key := key_of(count, hashes[count]), count, size, frame)
+            elif cuttable:
+                size = row_bytes * count
+                key = key_of(count, hashes[count])
+                evicted = store._store(key, count, size, frame, count)
             else:
                 continue
-            key = key_of(count, hashes[count])
-            size = candidate.payload.size
-            evicted = store._store(key, count, size, candidate)
-            gone = 0
-            if evicted:
-                if len(evicted) == 1:
-                    gone = evicted[0].payload_bytes
-                else:
-                    gone = sum(entry.payload_bytes for entry in evicted)
-            records.append(
-                ResidentActivationRecord(
-                    page_id=key,
-                    token_count=count,
-                    payload_bytes=size,
-                    evicted_entries=len(evicted) if evicted else 0,
-                    evicted_bytes=gone,
-                    entries=len(store._entries),
-                    resident_bytes=store._resident_bytes,
-                    evicted=evicted or (),
-                )
-            )
             if evicted is None:
+                records.append(_record(key, count, size, (), store))
                 continue
             self._records += 1
             # The bookkeeping: what left, then the entry that came in.
             if evicted:
                 self._evicted(evicted)
+            records.append(_record(key, count, size, evicted, store))
             if key not in prints:
                 fingerprint = grid.prints[grid.position(count)]
                 prints[key] = (group, fingerprint)
-                _count_in(self._resident_prints, group, fingerprint)
-            if key in self._tombstones:
+                inner = self._resident_prints.get(group)
+                if inner is None:
+                    self._resident_prints[group] = {fingerprint: 1}
+                else:
+                    inner[fingerprint] = inner.get(fingerprint, 0) + 1
+            if key in tombstones:
                 self._unbury(key)
-            bpt = max(size // max(count, 1), 1)
+            bpt = size // count if size >= count else 1
             if pending is None:
                 pending = _PendingPrompt(self._namespace(prompt), prompt.tokens, self._page_tokens)
-            if (
-                not self._eager_footprint
-                and self._namespace_bpt.setdefault(pending.namespace, bpt) != bpt
-            ):
+            if not self._eager_footprint:
+                if self._namespace_bpt.setdefault(pending.namespace, bpt) == bpt:
+                    if key not in self._pending:
+                        self._pending[key] = (pending, count, bpt)
+                    continue
                 self._flush_footprint()
                 self._eager_footprint = True
-            if self._eager_footprint:
-                self._footprint.add(key, pending.chain().segments(count), bpt)
-            elif key not in self._pending:
-                self._pending[key] = (pending, count, bpt)
+            self._footprint.add(key, pending.chain().segments(count), bpt)
         return records
 
     def _namespace(self, prompt: Prompt) -> bytes:
@@ -344,11 +338,13 @@ class LadderIndex:
         """Entries left the store: forget their footprint and fingerprint, and bury the ones
         the bounds evicted (``cleared`` ones leave no tombstone)."""
         tombstones = self._tombstones
+        pending = self._pending
+        prints = self._prints
         for entry in entries:
             key = entry.key
-            if self._pending.pop(key, None) is None:
+            if pending.pop(key, None) is None:
                 self._footprint.remove(key)
-            where = self._prints.pop(key, None)
+            where = prints.pop(key, None)
             if where is not None:
                 _uncount_in(self._resident_prints, *where)
             if entry.reason == "cleared":
@@ -357,11 +353,17 @@ class LadderIndex:
                 self._unbury(key)
             tombstones[key] = where
             if where is not None:
-                _count_in(self._tombstone_prints, *where)
-            while len(tombstones) > TOMBSTONES:
-                _, oldest = tombstones.popitem(last=False)
-                if oldest is not None:
-                    _uncount_in(self._tombstone_prints, *oldest)
+                group, fingerprint = where
+                inner = self._tombstone_prints.get(group)
+                if inner is None:
+                    self._tombstone_prints[group] = {fingerprint: 1}
+                else:
+                    inner[fingerprint] = inner.get(fingerprint, 0) + 1
+            if len(tombstones) > TOMBSTONES:
+                while len(tombstones) > TOMBSTONES:
+                    _, oldest = tombstones.popitem(last=False)
+                    if oldest is not None:
+                        _uncount_in(self._tombstone_prints, *oldest)
 
     def _unbury(self, key: str) -> None:
         """``key`` is resident again: forget its tombstone."""
@@ -409,6 +411,29 @@ class LadderIndex:
             if key in store:  # (an entry dropped behind the index's back is not)
                 footprint.add(key, prompt.chain().segments(count), bpt)
         self._pending.clear()
+
+
+def _record(
+    key: str,
+    count: int,
+    size: int,
+    evicted: tuple[EvictedEntry, ...],
+    store: ResidentActivationCache,
+) -> ResidentActivationRecord:
+    """The record of one stored (or refused, with no evictions) length."""
+    if not evicted:
+        gone = 0
+    elif len(evicted) == 1:
+        gone = evicted[0].payload_bytes
+    else:
+        gone = sum(entry.payload_bytes for entry in evicted)
+    return _resident_record(
+        key, count, size, len(evicted), gone, len(store._entries), store._resident_bytes, evicted
+    )
+
+
+_resident_record = unchecked_constructor(ResidentActivationRecord)
+"""``ResidentActivationRecord`` from every field in order, unchecked."""
 
 
 class _KeyMaker:

@@ -7,8 +7,8 @@ nobody can change: the caller's own when it is read-only and owns its memory (wh
 hands every stage), a private copy otherwise.
 
 Grid fingerprints (:class:`GridFingerprints`) are cheap digests of the prefixes at the lookup
-grid's lengths: a linear hash with random odd weights of a sample of the tokens (about 8 per
-block of the grid's stride, and every token after the last whole block), one vectorised pass.
+grid's lengths: Python's ``hash`` of a sample of the tokens (the last two of each block of the
+grid's stride, and every token after the last whole block), one copy of the sample per prompt.
 They depend on the tokens and the grid only, so every stage of a pipeline shares one set per
 request (:func:`grid_fingerprints` remembers the last few). They are a filter, never a key: equal
 prefixes have equal fingerprints, so a prefix whose fingerprint is not among the resident ones
@@ -22,8 +22,6 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 import blake3
-import numpy as np
-import numpy.typing as npt
 
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.identity import TokenArray, _hash_counts, _prelude
@@ -51,6 +49,8 @@ class Prompt:
 
     __slots__ = (
         "_grid",
+        "_ladder",
+        "_ladder_policy",
         "base",
         "config",
         "group",
@@ -81,6 +81,8 @@ class Prompt:
         """What besides the tokens tells two prompts' keys apart on one stage."""
         self.hashes: dict[int, str] = {} if hashes is None else hashes
         self._grid: GridFingerprints | None = None
+        self._ladder: list[int] = []
+        self._ladder_policy: CandidatePolicy | None = None
 
     def same_request(
         self, config: StageConfig, base: MessageBase, token_start: int, width: int
@@ -113,6 +115,14 @@ class Prompt:
                 fresh = {c: salted_prefix_hash(v, salt) for c, v in fresh.items()}
             known.update(fresh)
         return known
+
+    def record_counts(self, policy: CandidatePolicy) -> list[int]:
+        """``policy.record_candidate_token_counts(n)``, computed once per policy (a restore
+        hashes them with its probes, the record stores them). Not to be changed."""
+        if self._ladder_policy is not policy:
+            self._ladder = policy.record_candidate_token_counts(self.n)
+            self._ladder_policy = policy
+        return self._ladder
 
     def grid(self, policy: CandidatePolicy) -> GridFingerprints:
         """The lookup grid of this prompt under ``policy`` with its fingerprints."""
@@ -163,73 +173,39 @@ class GridFingerprints:
         return sorted([by_print[f] for f in by_print.keys() & prints.keys()], reverse=True)
 
 
-_WEIGHTS_SEED: Final = 0x5EED_CAFE_F00D
-_weights: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)
-
-
-def _position_weights(start: int, stop: int) -> npt.NDArray[np.int32]:
-    """The weights of positions ``start..stop-1``: each a function of its position alone
-    (SplitMix64 of the seeded position, made odd), so any thread computes the same ones."""
-    x = np.arange(start, stop, dtype=np.uint64) + np.uint64(_WEIGHTS_SEED)
-    x = x * np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return (x.astype(np.uint32).view(np.int32)) | np.int32(1)
-
-
-def _weights_for(n: int) -> npt.NDArray[np.int32]:
-    """Random-looking odd 32-bit weights, one per token position, grown on demand. A
-    position's weight depends on the position only, so fingerprints stay comparable for the
-    life of the process, even when two threads (units of a thread pool) grow it at once."""
-    global _weights
-    weights = _weights
-    if weights.size < n:
-        size = max(n, 2 * weights.size, 4096)
-        weights = np.concatenate((weights, _position_weights(weights.size, size)))
-        _weights = weights
-    return weights[:n]
-
-
-_add = np.add.reduce
-
-SAMPLES_PER_BLOCK: Final = 8
-"""About how many tokens a fingerprint reads from each whole block of the grid's stride: every
-``stride // 8``-th (8 to 15 of them; every token of a block shorter than 16), ending with the
-block's last token when 8 divides the stride."""
+SAMPLE_TOKENS: Final = 2
+"""How many tokens a fingerprint reads from each whole block of the grid's stride: the block's
+last two (all of a block shorter than that)."""
 
 
 def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
     """For each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length),
-    a fingerprint of ``tokens[:c]``: over the whole blocks of ``stride`` tokens, the sampled
-    tokens (every ``step``-th of each block, ``step = max(stride // 8, 1)``, starting at
-    ``step - 1``; see :data:`SAMPLES_PER_BLOCK`) times the weights of their sample positions;
-    over the rest (``c % stride`` tokens), every token times the weight of its position in the
-    block. Products wrap at 32 bits, sums are exact; the sum is shifted left 40 bits, with ``c``
-    in the low bits.
+    a fingerprint of ``tokens[:c]``: Python's ``hash`` of the bytes of the sampled tokens of
+    its whole blocks of ``stride`` tokens (the last :data:`SAMPLE_TOKENS` of each), followed
+    by every token of the rest (``c % stride`` tokens), shifted left 40 bits with ``c`` in the
+    low bits (two lengths of one prompt never share a fingerprint, so each names one grid
+    line).
 
-    Equal prefixes have equal fingerprints, which is all the filter needs: two prefixes that
-    differ only in unsampled tokens share one, and a restore then hashes and looks up that
-    length for nothing (the key decides). Reading 8 tokens of a 512-token block instead of all
-    of them makes the fingerprints of a prompt cost a fraction of its hash."""
+    Equal prefixes have equal fingerprints within a process, which is all the filter needs
+    (``hash`` of bytes is salted per process, and fingerprints never leave it). Two prefixes
+    that differ only in unsampled tokens share one, and a restore then hashes and looks up
+    that length for nothing: a digest of a pass the record makes anyway, and one lookup (the
+    key decides). Reading two tokens of a 512-token block keeps the fingerprints of a prompt
+    to one copy of a few hundred bytes and a ``hash`` per grid line."""
     if not counts:
         return []
     top = counts[0]
     blocks = top // stride
-    step = max(stride // SAMPLES_PER_BLOCK, 1)
-    sampled = tokens[: blocks * stride].reshape(blocks, stride)[:, step - 1 :: step]
-    width = sampled.shape[1]
-    products = sampled * _weights_for(blocks * width).reshape(blocks, width)
-    ends = np.cumsum(_add(products, axis=1, dtype=np.int64))
+    sample = min(SAMPLE_TOKENS, stride)
+    width = 4 * sample
+    ends = tokens[: blocks * stride].reshape(blocks, stride)[:, stride - sample :].tobytes()
 
     def one(count: int) -> int:
         whole, part = divmod(count, stride)
-        value = int(ends[whole - 1]) if whole else 0
         if part:
             start = whole * stride
-            tail = tokens[start:count] * _weights_for(part)
-            value += int(_add(tail, dtype=np.int64))
-        return value
+            return hash(ends[: whole * width] + tokens[start:count].tobytes())
+        return hash(ends[: whole * width])
 
     if len(counts) < 3:
         sums = [one(c) for c in counts]
@@ -237,10 +213,8 @@ def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> 
         # The lines between the first and the last length are consecutive multiples of the
         # stride.
         high, low = counts[1] // stride, counts[-2] // stride
-        lines: list[int] = ends[low - 1 : high][::-1].tolist()
+        lines = [hash(ends[: whole * width]) for whole in range(high, low - 1, -1)]
         sums = [one(counts[0]), *lines, one(counts[-1])]
-    # The length goes in too: two lengths of one prompt can have equal sums (a block of zero
-    # tokens adds nothing), and a fingerprint must name one grid line.
     return [(value << 40) | count for value, count in zip(sums, counts, strict=True)]
 
 

@@ -13,6 +13,7 @@ from typing import Final, Literal
 
 import attrs
 
+from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime._validators import check_int_in
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
@@ -120,16 +121,30 @@ class ResidentCacheStats:
 
 
 class _Entry:
-    __slots__ = ("byte_size", "frame", "last_used", "token_count")
+    """A stored frame. ``cut`` is the token count to cut ``frame`` at when it is first looked
+    up (the ladder index stores the prefixes of one frame that way: most are never read), or
+    None when ``frame`` is stored as given."""
+
+    __slots__ = ("byte_size", "cut", "frame", "last_used", "token_count")
 
     def __init__(
-        self, token_count: int, byte_size: int, last_used: int, frame: ActivationFrame
+        self,
+        token_count: int,
+        byte_size: int,
+        last_used: int,
+        frame: ActivationFrame,
+        cut: int | None = None,
     ) -> None:
         self.token_count = token_count
         self.byte_size = byte_size
         self.last_used = last_used
         self.frame = frame
+        self.cut = cut
 
+
+_evicted_entry = unchecked_constructor(EvictedEntry)
+"""``EvictedEntry(key, token_count, payload_bytes, reason, entries_after, resident_bytes_after)``
+from the cache's own values, unchecked."""
 
 _REFUSED: Final = CacheRecordOutcome()
 _STORED: Final = CacheRecordOutcome(stored=True)
@@ -230,6 +245,9 @@ class ResidentActivationCache:
         self._hits += 1
         entry.last_used = self._clock
         self._entries[key] = entry
+        if entry.cut is not None:
+            entry.frame = entry.frame._cut(entry.cut)
+            entry.cut = None
         return CacheLookup(
             token_count=entry.token_count,
             byte_size=entry.byte_size,
@@ -277,10 +295,16 @@ class ResidentActivationCache:
         )
 
     def _store(
-        self, key: str, token_count: int, byte_size: int, frame: ActivationFrame
+        self,
+        key: str,
+        token_count: int,
+        byte_size: int,
+        frame: ActivationFrame,
+        cut: int | None = None,
     ) -> tuple[EvictedEntry, ...] | None:
         """:meth:`record` of checked arguments (for the ladder index, which builds them):
-        the entries evicted, least recently used first, or None when refused."""
+        the entries evicted, least recently used first, or None when refused. With ``cut``,
+        the entry is ``frame._cut(cut)`` (``byte_size`` its size), cut when first looked up."""
         if token_count < self.min_tokens or byte_size == 0:
             return None
         self._clock = clock = self._clock + 1
@@ -292,6 +316,7 @@ class ResidentActivationCache:
         evicted: tuple[EvictedEntry, ...] = ()
         max_entries, max_bytes = self.max_entries, self.max_bytes
         left = len(entries)
+        gone = 0
         while left:
             if left >= max_entries:
                 reason: EvictionReason = "max_entries"
@@ -302,23 +327,18 @@ class ResidentActivationCache:
             victim_key = next(iter(entries))
             victim = entries.pop(victim_key)
             left -= 1
-            resident -= victim.byte_size
+            size = victim.byte_size
+            resident -= size
+            gone += size
             evicted += (
-                EvictedEntry(
-                    key=victim_key,
-                    token_count=victim.token_count,
-                    payload_bytes=victim.byte_size,
-                    reason=reason,
-                    entries_after=left,
-                    resident_bytes_after=resident,
-                ),
+                _evicted_entry(victim_key, victim.token_count, size, reason, left, resident),
             )
-        entries[key] = _Entry(token_count, byte_size, clock, frame)
+        entries[key] = _Entry(token_count, byte_size, clock, frame, cut)
         self._resident_bytes = resident + byte_size
         self._records += 1
         if evicted:
             self._evictions += len(evicted)
-            self._evicted_bytes += sum(entry.payload_bytes for entry in evicted)
+            self._evicted_bytes += gone
         return evicted
 
     def clear(self) -> tuple[EvictedEntry, ...]:

@@ -16,11 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-import numpy as np
 import pytest
 
 from stage_runtime import ConfigError
-from stage_runtime.cache import prompt as prompt_module
 from stage_runtime.cli import main
 from stage_runtime.data import demo_trace
 from stage_runtime.sim import (
@@ -141,17 +139,15 @@ def test_a_fanned_out_sweep_of_the_excerpt_equals_the_one_process_sweep(
 
 @pytest.mark.parametrize("index", ["ladder", "paged"])
 def test_a_thread_pool_fans_out_to_the_one_process_results(
-    index: str, monkeypatch: pytest.MonkeyPatch
+    index: str,
 ) -> None:
     """Units in threads of this process (trio runs at once, sharing the module's memos of
-    recent grids and segments and the fingerprints' position weights, which threads may grow
-    together) report what one process does, switching threads as often as they can."""
+    recent grids and segments) report what one process does, switching threads as often as
+    they can."""
     config = SimConfig(index=index, stages=2, max_entries=512)
     capacities = [100_000, 0]
     requests = EXCERPT[:120]
     expected = run_sweep(requests, config, capacities)
-    # The units' threads grow the weights from nothing, side by side.
-    monkeypatch.setattr(prompt_module, "_weights", np.zeros(0, dtype=np.int32))
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:

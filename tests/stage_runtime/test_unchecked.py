@@ -1,0 +1,48 @@
+"""The hot path's unchecked constructors build what the classes' own ``__init__`` builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+
+from stage_runtime._unchecked import unchecked_constructor
+from stage_runtime.cache.ladder import _resident_record
+from stage_runtime.cache.resident import EvictedEntry, _evicted_entry
+from stage_runtime.cache.results import ResidentActivationRecord
+
+
+def test_an_unchecked_eviction_equals_a_checked_one() -> None:
+    fields: tuple[Any, ...] = ("act:s:0:512:0:ab:w8", 512, 4096, "max_bytes", 3, 12_288)
+    names = [field.name for field in attrs.fields(EvictedEntry)]
+    checked = EvictedEntry(**dict(zip(names, fields, strict=True)))
+    unchecked = _evicted_entry(*fields)
+    assert type(unchecked) is EvictedEntry
+    assert unchecked == checked
+    assert hash(unchecked) == hash(checked)
+    assert attrs.asdict(unchecked) == attrs.asdict(checked)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        unchecked.key = "other"  # type: ignore[misc]
+
+
+def test_an_unchecked_record_equals_a_checked_one() -> None:
+    evicted = (_evicted_entry("act:x", 512, 4096, "max_entries", 63, 0),)
+    fields: tuple[Any, ...] = ("act:s:0:1024:0:cd:w8", 1024, 8192, 1, 4096, 64, 524_288, evicted)
+    names = [field.name for field in attrs.fields(ResidentActivationRecord)]
+    assert len(names) == len(fields)  # a new field must be passed by the ladder index too
+    checked = ResidentActivationRecord(**dict(zip(names, fields, strict=True)))
+    unchecked = _resident_record(*fields)
+    assert unchecked == checked
+    assert repr(unchecked) == repr(checked)
+
+
+def test_only_slotted_attrs_classes_have_one() -> None:
+    @attrs.frozen(slots=False)
+    class Loose:
+        value: int
+
+    with pytest.raises(TypeError, match="slotted"):
+        unchecked_constructor(Loose)
+    with pytest.raises(attrs.exceptions.NotAnAttrsClassError):
+        unchecked_constructor(int)
