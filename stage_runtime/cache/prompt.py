@@ -7,8 +7,8 @@ nobody can change: the caller's own when it is read-only and owns its memory (wh
 hands every stage), a private copy otherwise.
 
 Grid fingerprints (:class:`GridFingerprints`) are cheap digests of the prefixes at the lookup
-grid's lengths: Python's ``hash`` of a sample of the tokens (the last two of each block of the
-grid's stride, and every token after the last whole block), one copy of the sample per prompt.
+grid's lengths: a rolling hash of a sample of the tokens (the last two of each block of the
+grid's stride, and every token after the last whole block), one pass over the samples.
 They depend on the tokens and the grid only, so every stage of a pipeline shares one set per
 request (:func:`grid_fingerprints` remembers the last few). They are a filter, never a key: equal
 prefixes have equal fingerprints, so a prefix whose fingerprint is not among the resident ones
@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 import blake3
+import numpy as np
 
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.identity import TokenArray, _hash_counts, _prelude
@@ -138,7 +139,16 @@ class Prompt:
 class GridFingerprints:
     """The lookup candidates of one prompt (longest first) and a fingerprint of each prefix."""
 
-    __slots__ = ("_stride", "by_print", "counts", "grid_key", "policy", "prints", "tokens")
+    __slots__ = (
+        "_stride",
+        "by_print",
+        "counts",
+        "grid_key",
+        "policy",
+        "prints",
+        "shared_prints",
+        "tokens",
+    )
 
     def __init__(self, tokens: TokenArray, policy: CandidatePolicy) -> None:
         self.tokens = tokens
@@ -153,7 +163,10 @@ class GridFingerprints:
         self.prints: list[int] = _prefix_fingerprints(tokens, counts, stride)
         """The fingerprint of each prefix of ``counts``, in the same order."""
         self.by_print: dict[int, int] = dict(zip(self.prints, counts, strict=True))
-        """Fingerprint -> candidate length."""
+        """Fingerprint -> candidate length (the longest, where two share one)."""
+        self.shared_prints = len(self.by_print) < len(counts)
+        """Whether two lengths of this prompt share a fingerprint (a 64-bit coincidence, or a
+        constructed prompt): :meth:`among` then checks every length."""
 
     def position(self, count: int) -> int:
         """The index of candidate length ``count`` in :attr:`counts` (a candidate: unchecked).
@@ -169,53 +182,65 @@ class GridFingerprints:
     def among(self, prints: Mapping[int, object]) -> list[int]:
         """The candidate lengths whose fingerprint is a key of ``prints``, longest first (the
         two key sets are intersected in C, walking the smaller one)."""
+        if self.shared_prints:
+            return [c for f, c in zip(self.prints, self.counts, strict=True) if f in prints]
         by_print = self.by_print
-        return sorted([by_print[f] for f in by_print.keys() & prints.keys()], reverse=True)
+        found = by_print.keys() & prints.keys()
+        if not found:
+            return []
+        return sorted([by_print[f] for f in found], reverse=True)
 
 
 SAMPLE_TOKENS: Final = 2
 """How many tokens a fingerprint reads from each whole block of the grid's stride: the block's
-last two (all of a block shorter than that)."""
+last two (the last one of a one-token block)."""
+
+_MULTIPLIER: Final = 0x9E3779B97F4A7C15
+_MASK64: Final = (1 << 64) - 1
 
 
 def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> list[int]:
     """For each ``c`` in ``counts`` (a grid: ``N``, lines ``stride`` apart, the last length),
-    a fingerprint of ``tokens[:c]``: Python's ``hash`` of the bytes of the sampled tokens of
-    its whole blocks of ``stride`` tokens (the last :data:`SAMPLE_TOKENS` of each), followed
-    by every token of the rest (``c % stride`` tokens), shifted left 40 bits with ``c`` in the
-    low bits (two lengths of one prompt never share a fingerprint, so each names one grid
-    line).
+    a fingerprint of ``tokens[:c]``, XORed with ``c``.
 
-    Equal prefixes have equal fingerprints within a process, which is all the filter needs
-    (``hash`` of bytes is salted per process, and fingerprints never leave it). Two prefixes
-    that differ only in unsampled tokens share one, and a restore then hashes and looks up
-    that length for nothing: a digest of a pass the record makes anyway, and one lookup (the
-    key decides). Reading two tokens of a 512-token block keeps the fingerprints of a prompt
-    to one copy of a few hundred bytes and a ``hash`` per grid line."""
+    Over the whole blocks of ``stride`` tokens, a polynomial rolling hash (mod 2**64) of one
+    sample per block: its last :data:`SAMPLE_TOKENS` tokens as one unsigned 64-bit value (the
+    last token as a Python int for a one-token block). For the rest (``c % stride`` tokens),
+    Python's ``hash`` of that and the bytes of every remaining token (salted per process;
+    fingerprints never leave it).
+
+    Equal prefixes have equal fingerprints, which is all the filter needs. Two prefixes that
+    differ only in unsampled tokens share one, and a restore then hashes and looks up that
+    length for nothing: a digest of a pass the record makes anyway, and one lookup (the key
+    decides). Two lengths of one prompt may share one too; :class:`GridFingerprints` then
+    checks every length."""
     if not counts:
         return []
-    top = counts[0]
-    blocks = top // stride
-    sample = min(SAMPLE_TOKENS, stride)
-    width = 4 * sample
-    ends = tokens[: blocks * stride].reshape(blocks, stride)[:, stride - sample :].tobytes()
+    blocks = counts[0] // stride
+    if stride >= SAMPLE_TOKENS:
+        ends = tokens[: blocks * stride].reshape(blocks, stride)[:, stride - SAMPLE_TOKENS :]
+        samples: list[int] = np.ascontiguousarray(ends).view(np.uint64).ravel().tolist()
+    else:
+        samples = tokens[:blocks].tolist()
+    rolling = [0]
+    value = 0
+    for sample in samples:
+        value = (value * _MULTIPLIER + sample) & _MASK64
+        rolling.append(value)
 
     def one(count: int) -> int:
         whole, part = divmod(count, stride)
+        value = rolling[whole]
         if part:
-            start = whole * stride
-            return hash(ends[: whole * width] + tokens[start:count].tobytes())
-        return hash(ends[: whole * width])
+            value = hash((value, tokens[whole * stride : count].tobytes()))
+        return value ^ count
 
     if len(counts) < 3:
-        sums = [one(c) for c in counts]
-    else:
-        # The lines between the first and the last length are consecutive multiples of the
-        # stride.
-        high, low = counts[1] // stride, counts[-2] // stride
-        lines = [hash(ends[: whole * width]) for whole in range(high, low - 1, -1)]
-        sums = [one(counts[0]), *lines, one(counts[-1])]
-    return [(value << 40) | count for value, count in zip(sums, counts, strict=True)]
+        return [one(c) for c in counts]
+    # The lines between the first and the last length are consecutive multiples of the stride.
+    high, low = counts[1] // stride, counts[-2] // stride
+    lines = [rolling[whole] ^ (whole * stride) for whole in range(high, low - 1, -1)]
+    return [one(counts[0]), *lines, one(counts[-1])]
 
 
 _PRELUDES: Final = 64

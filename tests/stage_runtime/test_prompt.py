@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,13 +19,22 @@ from stage_runtime.policy import CandidatePolicy
 
 
 def _definition(tokens: np.ndarray, count: int, stride: int) -> int:
-    """The bytes of the last SAMPLE_TOKENS tokens of each whole block of ``stride`` tokens,
-    then of every token of the rest, hashed by Python's ``hash``."""
-    sample = min(SAMPLE_TOKENS, stride)
-    blocks = count // stride
-    positions = [b * stride + i for b in range(blocks) for i in range(stride - sample, stride)]
-    data = tokens[positions].tobytes() + tokens[blocks * stride : count].tobytes()
-    return hash(data)
+    """A polynomial hash (mod 2**64, multiplier 0x9E3779B97F4A7C15) of the last two tokens of
+    each whole block of ``stride`` tokens, read as one unsigned 64-bit value (the last token, as
+    a signed int, for one-token blocks); then, when tokens remain, Python's ``hash`` of it and
+    the bytes of the rest; XORed with ``count``."""
+    blocks, part = divmod(count, stride)
+    value = 0
+    for block in range(blocks):
+        end = (block + 1) * stride
+        if stride >= SAMPLE_TOKENS:
+            sample = int(tokens[end - 2 : end].view(np.uint64)[0])
+        else:
+            sample = int(tokens[end - 1])
+        value = (value * 0x9E3779B97F4A7C15 + sample) % 2**64
+    if part:
+        value = hash((value, tokens[blocks * stride : count].tobytes()))
+    return value ^ count
 
 
 def _ladder_cache(grid: int) -> StageCache:
@@ -55,9 +65,10 @@ def test_grid_fingerprints_follow_their_definition(
     stride_of = policy.effective_stride
     assert grid.counts == policy.candidate_token_counts(len(tokens))
     for index, count in enumerate(grid.counts):
-        assert grid.prints[index] == (_definition(array, count, stride_of) << 40) | count
+        assert grid.prints[index] == _definition(array, count, stride_of)
         assert grid.position(count) == index
-        assert grid.by_print[grid.prints[index]] == count
+        if not grid.shared_prints:
+            assert grid.by_print[grid.prints[index]] == count
 
 
 def test_equal_prefixes_have_equal_fingerprints_across_prompts() -> None:
@@ -126,3 +137,34 @@ def test_a_prefix_differing_only_in_unsampled_tokens_shares_a_fingerprint_but_ne
     hit = cache.restore(base, first, 2)
     assert hit is not None
     assert hit.token_count == 1024
+
+
+def test_a_prompt_whose_lengths_share_a_fingerprint_checks_every_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should two lengths of one prompt ever share a fingerprint, the filter lets through every
+    length with a resident fingerprint rather than one of them: a shorter entry is still
+    found, and the restore and record go on as usual."""
+    from stage_runtime.cache import prompt
+
+    monkeypatch.setattr(
+        prompt, "_prefix_fingerprints", lambda tokens, counts, stride: [7] * len(counts)
+    )
+    policy = CandidatePolicy(min_tokens=8, stride_tokens=8)
+    tokens = np.arange(1, 36, dtype=np.int32)
+    grid = GridFingerprints(tokens, policy)
+    assert grid.shared_prints
+    assert grid.among({7: 1}) == grid.counts
+    assert grid.among({8: 1}) == []
+
+    cache = _ladder_cache(8)
+    base = MessageBase(stage_id="stage-0")
+    cache.record(
+        base,
+        tokens[:16].copy(),
+        2,
+        ActivationFrame.virtual(token_count=16, bytes_per_token=8, fill=1),
+    )
+    restore = cache.restore(base, tokens, 2)
+    assert restore is not None
+    assert restore.token_count == 16
