@@ -176,8 +176,12 @@ def _check_common(
     if not isinstance(message.base, MessageBase):
         msg = f"base must be a MessageBase, got {type(message.base).__name__}"
         raise ConfigError(msg)
-    width = check_non_negative_int("activation_width", message.activation_width, numpy=True)
-    start = check_non_negative_int("token_start", message.token_start, numpy=True)
+    width = message.activation_width
+    if type(width) is not int or width < 0:  # (plain ints, the usual case, need no more)
+        width = check_non_negative_int("activation_width", width, numpy=True)
+    start = message.token_start
+    if type(start) is not int or start < 0:
+        start = check_non_negative_int("token_start", start, numpy=True)
     tokens = message.tokens
     if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1):
         tokens = as_token_array(tokens)  # else the pipeline validated it once at entry

@@ -40,6 +40,7 @@ import trio
 
 from actors import ActorRef, ActorStatistics, PendingReply, spawn
 from actors.errors import being_cancelled, stray_cancelled_error
+from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.cache_actor import (
@@ -51,8 +52,14 @@ from stage_runtime.cache_actor import (
     RecordActivation,
     RestoreActivationPages,
 )
-from stage_runtime.config import MessageBase, StageConfig
-from stage_runtime.errors import FrameError, StageFailedError, sole_exception
+from stage_runtime.config import SCHEMA_VERSION, MessageBase, StageConfig, check_id
+from stage_runtime.errors import (
+    ConfigError,
+    FrameError,
+    StageFailedError,
+    shown,
+    sole_exception,
+)
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
@@ -157,6 +164,24 @@ class StageStats:
         return None if self.cache is None else self.cache.accounting
 
 
+_unchecked_message_base = unchecked_constructor(MessageBase)
+"""``MessageBase`` from every field in order, unchecked (see ``Stage._message_base``)."""
+
+
+def _client_id(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A non-empty printable string (``config.check_id``): a stage puts it in every message to
+    its cache without checking it again."""
+    if not isinstance(value, str) or not value:
+        msg = f"{attribute.name} must be a non-empty string, got {shown(value)}"
+        raise ConfigError(msg)
+    check_id(attribute.name, value)
+
+
+def _optional_client_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _client_id(instance, attribute, value)
+
+
 @attrs.define(eq=False)
 class PrefillRequest:
     """One prefill travelling down the pipeline, with its own one-shot reply.
@@ -166,10 +191,10 @@ class PrefillRequest:
     waits on ``done`` and calls :meth:`abandon` if it gives up first.
     """
 
-    request_id: str
+    request_id: str = attrs.field(validator=_client_id)
     """Caller's request id (generated when the caller gave none)."""
 
-    session_id: str
+    session_id: str = attrs.field(validator=_client_id)
     """Caller's session id; metadata only (never part of a cache key)."""
 
     tokens: npt.NDArray[np.int32]
@@ -195,7 +220,7 @@ class PrefillRequest:
     abandoned: bool = False
     """Whether the caller gave up; stages skip abandoned requests."""
 
-    cache_salt: str | None = None
+    cache_salt: str | None = attrs.field(default=None, validator=_optional_client_id)
     """Tenant salt for the cache keys (see ``MessageBase.cache_salt``); None shares."""
 
     outstanding: int = 0
@@ -501,14 +526,20 @@ class Stage:
         return await _copying(ActivationFrame.concat, restored, suffix, nbytes=copied)
 
     def _message_base(self, request: PrefillRequest) -> MessageBase:
+        # Every field was checked already: the request's ids by the request, the rest by the
+        # stage's config. (MessageBase's own validators cost a few microseconds per message.)
         config = self.config
-        return MessageBase(
-            run_id=config.run_id,
-            request_id=request.request_id,
-            session_id=request.session_id,
-            cache_salt=request.cache_salt,
-            stage_id=config.stage_id,
-            stage_index=config.stage_index,
-            topology_id=config.topology_id,
-            model_id=config.model_id,
+        return _unchecked_message_base(
+            SCHEMA_VERSION,
+            config.run_id,
+            request.request_id,
+            request.session_id,
+            config.stage_id,
+            config.stage_index,
+            config.topology_id,
+            config.model_id,
+            None,
+            None,
+            None,
+            request.cache_salt,
         )

@@ -264,7 +264,12 @@ class StageCache:
         ):
             # The record of the prompt just restored (its arguments were checked then).
             return last
-        start = _check_start(token_start)
+        # (Plain ints in range, the usual case, skip the general checks.)
+        start = (
+            token_start
+            if type(token_start) is int and 0 <= token_start <= U64_MAX
+            else _check_start(token_start)
+        )
         if config is not self.config and not isinstance(config, StageConfig):
             msg = f"config must be a StageConfig, got {type(config).__name__}"
             raise ConfigError(msg)
@@ -280,7 +285,11 @@ class StageCache:
             array: TokenArray = tokens  # type: ignore[assignment]  # (as_token_array's answer)
         else:
             array = as_token_array(tokens)
-        width = _check_width(activation_width)
+        width = (
+            activation_width
+            if type(activation_width) is int and 0 <= activation_width <= I32_MAX
+            else _check_width(activation_width)
+        )
         if (
             last is not None
             and last.n == array.size

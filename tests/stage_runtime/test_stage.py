@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from actors.testing import LogEvent, capture_actor_logs, events_named
-from stage_runtime.errors import FrameError
+from stage_runtime.config import MessageBase
+from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import CausalMixModel, StageModel
 from stage_runtime.stage import PrefillRequest, Stage
@@ -131,3 +132,48 @@ async def test_abandoned_request_is_skipped() -> None:
     stats = await stage.statistics()
     assert stats.cache is not None
     assert stats.cache.records == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "complaint"),
+    [
+        ("request_id", "", "non-empty string"),
+        ("session_id", 7, "non-empty string"),
+        ("cache_salt", "", "non-empty string"),
+        ("request_id", "a\x1b[2Jb", "control characters"),
+        ("cache_salt", "\udfff", "valid UTF-8"),
+    ],
+)
+def test_a_request_refuses_ids_its_stages_would_pass_on_unchecked(
+    field: str, value: object, complaint: str
+) -> None:
+    """A stage builds its cache messages' envelope from the request's ids without checking
+    them again, so the request checks them, when made and when changed."""
+    fields: dict[str, Any] = {"request_id": "r", "session_id": "s", field: value}
+    with pytest.raises(ConfigError, match=f"{field} must .*{complaint}"):
+        PrefillRequest(tokens=prompt(4), **fields)
+    good = request(4)
+    with pytest.raises(ConfigError, match=field):
+        setattr(good, field, value)
+    assert (good.request_id, good.session_id, good.cache_salt) == ("r", "s", None)
+
+
+def test_a_stages_envelope_equals_a_checked_one() -> None:
+    """The envelope a stage builds unchecked is the one MessageBase itself would build."""
+    config = attrs.evolve(stage_configs(2, min_tokens=8)[1], run_id="run", topology_id="topo")
+    _, inbox = trio.open_memory_channel[PrefillRequest](1)
+    stage = Stage(config=config, model_factory=mix_factory(), inbox=inbox, outbox=None)
+    req = PrefillRequest(request_id="r", session_id="s", tokens=prompt(4), cache_salt="tenant")
+    checked = MessageBase(
+        run_id="run",
+        request_id="r",
+        session_id="s",
+        cache_salt="tenant",
+        stage_id=config.stage_id,
+        stage_index=config.stage_index,
+        topology_id="topo",
+        model_id=config.model_id,
+    )
+    built = stage._message_base(req)
+    assert built == checked
+    assert repr(built) == repr(checked)
