@@ -46,7 +46,6 @@ from stage_runtime.config import (
     KeyPath,
     StageConfig,
     _parse_toml,
-    check_id,
     key_path,
     structure,
     unrecognised_cache_mode,
@@ -235,15 +234,9 @@ class Pipeline:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             msg = f"cache_salt must be a non-empty string or None, got {cache_salt!r}"
             raise ConfigError(msg)
-        # Checked here, not where a stage hashes the salt or logs the ids: there a bad string
-        # would crash the stage instead of failing this call.
-        for name, text in (
-            ("session_id", session_id),
-            ("request_id", request_id),
-            ("cache_salt", cache_salt),
-        ):
-            if text is not None:
-                check_id(name, text)
+        # The request checks that the ids are printable text: here, not where a stage hashes
+        # the salt or logs the ids, where a bad string would crash the stage instead of failing
+        # this call.
         request = PrefillRequest(
             request_id=request_id,
             session_id=session_id,

@@ -167,6 +167,11 @@ class StageStats:
 _unchecked_message_base = unchecked_constructor(MessageBase)
 """``MessageBase`` from every field in order, unchecked (see ``Stage._message_base``)."""
 
+_unchecked_restore = unchecked_constructor(RestoreActivationPages)
+_unchecked_record = unchecked_constructor(RecordActivation)
+"""A stage's messages to its cache, from every field in order, unchecked (their one
+converter keeps a read-only array that owns its data as it is; the actor checks the rest)."""
+
 
 def _client_id(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """A non-empty printable string (``config.check_id``): a stage puts it in every message to
@@ -385,15 +390,22 @@ class Stage:
         width = model.activation_width
         # Only the cache needs request metadata; an uncached stage skips building it.
         base = self._message_base(request) if self._lookup or self._record else None
+        # A read-only array that owns its data (what the pipeline hands every stage) is what a
+        # message would keep of the tokens anyway: its messages are then built unchecked.
+        frozen = type(tokens) is np.ndarray and not tokens.flags.writeable and tokens.base is None
         restored: ActivationFrame | None = None
         output: ActivationFrame | None = None
         failed = False
         with trio.CancelScope() as scope:
             request._scope = scope
             if base is not None and self._lookup:
-                hit = await cache.ask(
-                    RestoreActivationPages(base=base, tokens=tokens, activation_width=width)
-                )
+                if frozen:
+                    restore = _unchecked_restore(base, tokens, width, 0)
+                else:
+                    restore = RestoreActivationPages(
+                        base=base, tokens=tokens, activation_width=width
+                    )
+                hit = await cache.ask(restore)
                 if hit is not None:  # join the pages (a view of one; maybe a copy of many)
                     restored = await _copying(hit.frame, nbytes=hit.copy_bytes())
             k = 0 if restored is None else restored.token_count
@@ -430,9 +442,12 @@ class Stage:
         if base is not None and self._record:
             if self.borrowed_inputs and request.frame is not None:
                 output = _owned(output, request.frame)
-            record = RecordActivation(
-                base=base, tokens=tokens, activation_width=width, frame=output
-            )
+            if frozen:
+                record = _unchecked_record(base, tokens, width, output, 0)
+            else:
+                record = RecordActivation(
+                    base=base, tokens=tokens, activation_width=width, frame=output
+                )
             try:
                 # No schedule point here: waiting for the record's outcome, below, is the next
                 # one (or sending downstream, when the next stage's channel is full).

@@ -46,3 +46,27 @@ def test_only_slotted_attrs_classes_have_one() -> None:
         unchecked_constructor(Loose)
     with pytest.raises(attrs.exceptions.NotAnAttrsClassError):
         unchecked_constructor(int)
+
+
+def test_a_stages_unchecked_messages_hold_what_checked_ones_would() -> None:
+    """For the read-only tokens a stage gets from the pipeline, the messages it builds unchecked
+    hold the same fields as checked ones, the tokens themselves included (not a copy)."""
+    import numpy as np
+
+    from stage_runtime.cache_actor import RecordActivation, RestoreActivationPages
+    from stage_runtime.config import MessageBase
+    from stage_runtime.frames import ActivationFrame
+    from stage_runtime.stage import _unchecked_record, _unchecked_restore
+
+    tokens = np.arange(16, dtype=np.int32)
+    tokens.flags.writeable = False
+    base = MessageBase(stage_id="stage-0")
+    frame = ActivationFrame.virtual(token_count=16, bytes_per_token=8, fill=1)
+    restore = _unchecked_restore(base, tokens, 2, 0)
+    record = _unchecked_record(base, tokens, 2, frame, 0)
+    checked_restore = RestoreActivationPages(base=base, tokens=tokens, activation_width=2)
+    checked_record = RecordActivation(base=base, tokens=tokens, activation_width=2, frame=frame)
+    assert attrs.asdict(restore, recurse=False) == attrs.asdict(checked_restore, recurse=False)
+    assert attrs.asdict(record, recurse=False) == attrs.asdict(checked_record, recurse=False)
+    assert restore.tokens is tokens
+    assert checked_restore.tokens is tokens
