@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage_runtime.cache.paged import PagedActivationIndex
+from stage_runtime.cache.paged import index as index_module
 from stage_runtime.cache.paged.eviction import _CLASSES, AdaptiveEviction, record_class
 from tests.stage_runtime.test_paged import BPT, record, restored, rows
 
@@ -201,20 +202,21 @@ def test_pages_of_an_interrupted_record_can_still_be_evicted(
     before the interrupt goes on): the pages it stored are leaves like any other and make
     room for later records."""
     index = _index(4, eviction=eviction)
-    put = PagedActivationIndex._store_new
+    segment = index_module._shared_segment  # type: ignore[attr-defined]
     calls = 0
 
-    def interrupted(self: PagedActivationIndex, *args: Any, **kwargs: Any) -> Any:
+    def interrupted(*args: Any) -> Any:  # (each new page cuts its token bytes first)
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return put(self, *args, **kwargs)
+        return segment(*args)
 
-    monkeypatch.setattr(PagedActivationIndex, "_store_new", interrupted)
+    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
     with pytest.raises(KeyboardInterrupt):
         record(index, [1, 2, 3])
     monkeypatch.undo()
+    assert index.statistics().pages == 2  # the counters hold the pages stored
     assert restored(index, [1, 2]) == 2
     outcome = record(index, [5, 6, 7, 8])
     assert outcome.stored_entries == 4  # type: ignore[attr-defined]
@@ -230,10 +232,10 @@ def test_a_record_interrupted_before_its_first_new_page_leaves_its_chain_evictab
     index = _index(4, eviction=eviction)
     record(index, [1, 2])
 
-    def interrupted(self: PagedActivationIndex, *args: Any, **kwargs: Any) -> Any:
+    def interrupted(*args: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(PagedActivationIndex, "_store_new", interrupted)
+    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
     with pytest.raises(KeyboardInterrupt):
         record(index, [1, 2, 3])
     monkeypatch.undo()

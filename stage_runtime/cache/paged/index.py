@@ -31,7 +31,7 @@ from stage_runtime.cache.paged.entries import (
     _shared_segment,
     _stored,
 )
-from stage_runtime.cache.paged.eviction import EvictionStrategy, eviction_for
+from stage_runtime.cache.paged.eviction import EvictionStrategy, LruEviction, eviction_for
 from stage_runtime.cache.paged.results import (
     EntryKind,
     EvictedPage,
@@ -236,7 +236,8 @@ class PagedActivationIndex:
         # them; every page after the first missing one is new (_put_new_pages).
         while first_new < len(keys) and keys[first_new] in entries:
             first_new += 1
-        touched = self._eviction.touched
+        lru = type(self._eviction) is LruEviction  # (its touch: a move to the newest end)
+        touched = entries.move_to_end if lru else self._eviction.touched
         size = p * bpt
         for i, key in enumerate(keys[:first_new]):
             existing = entries[key]
@@ -248,7 +249,7 @@ class PagedActivationIndex:
                 # _put of a cached page with the same rows, inline: a refresh (_touch).
                 self._clock += 1
                 existing.last_used = self._clock
-                touched(existing)
+                touched(key if lru else existing)  # type: ignore[arg-type]
                 op.reused_entries += 1
                 parent = existing
                 continue
@@ -398,14 +399,45 @@ class PagedActivationIndex:
         # Each page's footprint segment (_footprint_segments), from one lookup of the prompt's.
         tokens = chain.tokens
         made = _segments_of(tokens)
-        for i in range(first, stop):
-            if fit < 0 and not eviction.page_room(size, parent, op.evicted):
-                stop = i  # the bounds cannot fit this page: the chain ends before it
-                break
-            segment = shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
-            start = i * p
-            rows = _shared_segment(tokens, start, start + p, made)
-            parent = self._store_new(op, keys[i], "page", parent, start, p, segment, rows)
+        # _store_new of each page, inline (a long prompt stores hundreds of pages per stage):
+        # the counters nothing reads meanwhile are added once, after the loop.
+        entries = self._entries
+        unfootprinted = self._unfootprinted
+        forget_tombstone = self._misses.cached
+        stored = None if type(eviction) is LruEviction else eviction.stored  # (LRU: no-op)
+        label, bpt, meta = chain.label, op.bytes_per_token, op.meta
+        group = chain.root_key if parent is None else parent.key
+        done = first
+        try:
+            for i in range(first, stop):
+                if fit < 0 and not eviction.page_room(size, parent, op.evicted):
+                    stop = i  # the bounds cannot fit this page: the chain ends before it
+                    break
+                segment = (
+                    shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
+                )
+                start = i * p
+                rows = _shared_segment(tokens, start, start + p, made)
+                key = keys[i]
+                self._clock = clock = self._clock + 1
+                entry = _Entry(
+                    key, label, "page", parent, group, start, p, segment, size, bpt, meta, clock
+                )
+                entry.footprint = rows
+                entries[key] = entry
+                unfootprinted[key] = entry
+                self._resident_bytes += size
+                done = i + 1
+                if stored is not None:
+                    stored(entry, parent)
+                forget_tombstone(key)
+                parent, group = entry, key
+        finally:  # (also when interrupted: the counters cover every page stored)
+            pages = done - first
+            self._kinds["page"] += pages
+            self._records += pages
+            op.stored_entries += pages
+            op.stored_bytes += pages * size
         return parent, stop == len(keys)
 
     def _uncount_footprint(self, key: bytes) -> None:
@@ -528,13 +560,18 @@ class PagedActivationIndex:
             final: MissReason = reason if reason is not None else "never_seen"
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
-        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages.
-        touched = self._eviction.touched
-        for entry in self._eviction.touch_order(used):
-            self._clock += 1
-            entry.last_used = self._clock
+        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages. (LRU's
+        # touch is a move to the newest end: made here directly, without a call per page.)
+        eviction = self._eviction
+        lru = type(eviction) is LruEviction
+        touched = self._entries.move_to_end if lru else eviction.touched
+        clock = self._clock
+        for entry in eviction.touch_order(used):
+            clock += 1
+            entry.last_used = clock
             entry.hits += 1
-            touched(entry)
+            touched(entry.key if lru else entry)  # type: ignore[arg-type]
+        self._clock = clock
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
