@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import attrs
 import numpy as np
@@ -69,27 +69,31 @@ def _int_in(low: int, high: int) -> Any:
 def _to_dtype(value: object) -> ActivationDType:
     if type(value) is ActivationDType:
         return value
-    if isinstance(value, bool):  # True == 1 == F32, but not a dtype
-        msg = f"dtype must be one of {[int(d) for d in ActivationDType]}, got {value!r}"
-        raise FrameError(msg)
-    try:
-        return ActivationDType(value)  # type: ignore[arg-type]
-    except (ValueError, TypeError):
-        msg = f"dtype must be one of {[int(d) for d in ActivationDType]}, got {value!r}"
-        raise FrameError(msg) from None
+    return _member(ActivationDType, "dtype", value)
 
 
 def _to_layout(value: object) -> ActivationLayout:
     if type(value) is ActivationLayout:
         return value
-    if isinstance(value, bool):
-        msg = f"layout must be one of {[int(v) for v in ActivationLayout]}, got {value!r}"
-        raise FrameError(msg)
-    try:
-        return ActivationLayout(value)  # type: ignore[arg-type]
-    except (ValueError, TypeError):
-        msg = f"layout must be one of {[int(v) for v in ActivationLayout]}, got {value!r}"
-        raise FrameError(msg) from None
+    return _member(ActivationLayout, "layout", value)
+
+
+_Code = TypeVar("_Code", ActivationDType, ActivationLayout)
+
+
+def _member(kind: type[_Code], name: str, value: object) -> _Code:
+    """The member of ``kind`` whose code is the integer ``value`` (a member itself, or a numpy
+    integer); a FrameError naming ``name`` for anything else: a bool (True == 1 == F32), or a
+    float or string that merely compares equal to a code (1.0), is not a code."""
+    if isinstance(value, kind):
+        return value
+    if is_int(value, numpy=True):
+        try:
+            return kind(int(value))
+        except ValueError:
+            pass
+    msg = f"{name} must be one of {[int(member) for member in kind]}, got {value!r}"
+    raise FrameError(msg)
 
 
 @attrs.frozen(kw_only=True)

@@ -60,6 +60,9 @@ def test_desc_defaults_match_upstream() -> None:
         ({"flags": True}, "flags must be an integer in [0, 18,446,744,073,709,551,615], got True"),
         ({"dtype": 9}, "dtype must be one of [0, 1, 2, 3], got 9"),
         ({"layout": "rows"}, "layout must be one of [0, 1], got 'rows'"),
+        ({"dtype": 1.0}, "dtype must be one of [0, 1, 2, 3], got 1.0"),
+        ({"layout": 1.0}, "layout must be one of [0, 1], got 1.0"),
+        ({"dtype": "1"}, "dtype must be one of [0, 1, 2, 3], got '1'"),
     ],
 )
 def test_desc_rejects_bad_fields(changes: dict[str, object], message: str) -> None:
@@ -73,6 +76,14 @@ def test_desc_rejects_bad_fields(changes: dict[str, object], message: str) -> No
     fields.update(changes)
     with pytest.raises(FrameError, match=f"^{re.escape(message)}$"):
         ActivationDesc(**fields)  # type: ignore[arg-type]
+
+
+def test_desc_takes_codes_as_members_ints_or_numpy_ints() -> None:
+    """A code given as a member, an int or a numpy integer is the member (what a decoded
+    wire frame holds); a float equal to a code (1.0) was once taken as one and is not."""
+    for dtype in (ActivationDType.F16, 2, np.int64(2), np.uint8(2)):
+        desc = ActivationDesc(dtype=dtype, layout=1, token_count=1, payload_bytes=2)
+        assert desc.dtype is ActivationDType.F16
 
 
 def test_frame_rejects_payload_size_mismatch() -> None:
