@@ -157,6 +157,22 @@ def _nonempty_str(instance: object, attribute: attrs.Attribute[Any], value: obje
         raise ConfigError(msg)
 
 
+def _printable(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A string without control characters (:func:`check_id`): a name a log line shows."""
+    if not isinstance(value, str):
+        msg = f"{attribute.name} must be a string, got {shown(value)}"
+        raise ConfigError(msg)
+    check_id(attribute.name, value)
+
+
+def _name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A non-empty :func:`_printable` string."""
+    _printable(instance, attribute, value)
+    if not value:
+        msg = f"{attribute.name} must be a non-empty string, got {shown(value)}"
+        raise ConfigError(msg)
+
+
 def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         _str(instance, attribute, value)
@@ -489,11 +505,11 @@ class StageConfig:
     marked *identity* feed the prefix hash (spec §1.2); changing one changes every cache key.
     """
 
-    stage_id: str = attrs.field(validator=_nonempty_str)
-    """Name of the stage (identity)."""
+    stage_id: str = attrs.field(validator=_name)
+    """Name of the stage (identity); printable text (it names the stage in every log line)."""
 
-    model_id: str = attrs.field(validator=_nonempty_str)
-    """Model name (identity)."""
+    model_id: str = attrs.field(validator=_name)
+    """Model name (identity); printable text."""
 
     layer_start: int = attrs.field(validator=u32)
     """First layer this stage runs (identity)."""
@@ -504,10 +520,10 @@ class StageConfig:
     stage_index: int = attrs.field(default=0, validator=u32)
     """Position of the stage in the pipeline (identity)."""
 
-    run_id: str = attrs.field(default="", validator=_str)
+    run_id: str = attrs.field(default="", validator=_printable)
     """Run name; not part of the identity."""
 
-    topology_id: str = attrs.field(default="", validator=_str)
+    topology_id: str = attrs.field(default="", validator=_printable)
     """Topology name; not part of the identity (V-D onward), so caches survive restarts."""
 
     package_ref: str | None = attrs.field(default=None, validator=_optional_str)
