@@ -13,7 +13,7 @@ import inspect
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Final, Generic, TypeVar, cast, overload
 
 import attrs
 import structlog
@@ -39,6 +39,10 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+_NEVER_AWAITABLE: Final = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict})
+"""Result types a handler's reply is never awaited for, known without ``inspect.isawaitable``
+(which costs a few ABC checks per message)."""
 
 MessageT = TypeVar("MessageT")
 ReplyT = TypeVar("ReplyT")
@@ -340,7 +344,9 @@ class _Cell:
                     result = handle(message)
                     # A plain def may still hand back an awaitable (a decorated or partial async
                     # handler); await it rather than replying with a coroutine object.
-                    if is_async or inspect.isawaitable(result):
+                    if is_async or (
+                        type(result) not in _NEVER_AWAITABLE and inspect.isawaitable(result)
+                    ):
                         result = await result
                 except trio.Cancelled as cancelled:
                     if being_cancelled():
