@@ -454,14 +454,6 @@ class _KeyMaker:
         return f"{self._head}{count}{self._middle}{prefix_hash[7:23]}{self._tail}"
 
 
-def _count_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:
-    inner = counts.get(group)
-    if inner is None:
-        counts[group] = {fingerprint: 1}
-    else:
-        inner[fingerprint] = inner.get(fingerprint, 0) + 1
-
-
 def _uncount_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:
     inner = counts[group]
     left = inner[fingerprint] - 1
