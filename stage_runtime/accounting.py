@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Literal
 
 import attrs
@@ -88,6 +88,19 @@ class MissTracker:
             return
         tombstones[key] = None
         while len(tombstones) > self.capacity:
+            tombstones.popitem(last=False)
+
+    def evicted_all(self, keys: Iterable[Hashable]) -> None:
+        """:meth:`evicted` of each of ``keys``, in order."""
+        tombstones = self._tombstones
+        move = tombstones.move_to_end
+        for key in keys:
+            if key in tombstones:
+                move(key)
+            else:
+                tombstones[key] = None
+        capacity = self.capacity
+        while len(tombstones) > capacity:
             tombstones.popitem(last=False)
 
     def cached(self, key: Hashable) -> None:

@@ -26,6 +26,27 @@ def test_miss_tracker_forgets_the_oldest_tombstone_first() -> None:
     assert len(tracker) == 1
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 6),
+    before=st.lists(st.integers(0, 9), max_size=12),
+    batch=st.lists(st.integers(0, 9), max_size=12),
+)
+def test_burying_a_batch_equals_burying_each_in_turn(
+    capacity: int, before: list[int], batch: list[int]
+) -> None:
+    """evicted_all (what the paged index calls once per room-making) keeps the tombstones one
+    evicted call per key would keep, in the same order."""
+    one, many = MissTracker(capacity=capacity), MissTracker(capacity=capacity)
+    for key in before:
+        one.evicted(key)
+        many.evicted(key)
+    for key in batch:
+        one.evicted(key)
+    many.evicted_all(batch)
+    assert list(one._tombstones) == list(many._tombstones)
+
+
 def test_footprint_counts_shared_leading_tokens_once() -> None:
     """Two segments after one parent that agree on 2 tokens need 2 + 2 + 1 token rows."""
     footprint = PrefixFootprint()

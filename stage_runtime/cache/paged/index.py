@@ -467,37 +467,44 @@ class PagedActivationIndex:
         entries = self._entries
         kinds = self._kinds
         unfootprinted = self._unfootprinted
-        tombstone = self._misses.evicted
         strategy = self._eviction
+        hook = None if type(strategy) is LruEviction else strategy.evicted  # (LRU: no-op)
+        buried: list[bytes] = []
+        gone = 0
         resident = self._resident_bytes
-        for entry, reason in victims:
-            key = entry.key
-            del entries[key]
-            kind = entry.kind
-            kinds[kind] -= 1
-            size = entry.nbytes
-            resident -= size
-            strategy.evicted(entry, reason)
-            if unfootprinted.pop(key, None) is None:
-                self._footprint.remove(key)
-            if reason != "cleared":
-                tombstone(key)
-                self._evictions += 1
-                self._evicted_bytes += size
-            evicted.append(
-                (
-                    entry.label,
-                    kind,
-                    entry.token_start,
-                    entry.token_count,
-                    key,
-                    size,
-                    reason,
-                    len(entries),
-                    resident,
+        try:
+            for entry, reason in victims:
+                key = entry.key
+                del entries[key]
+                kind = entry.kind
+                kinds[kind] -= 1
+                size = entry.nbytes
+                resident -= size
+                self._resident_bytes = resident
+                if hook is not None:
+                    hook(entry, reason)
+                if unfootprinted.pop(key, None) is None:
+                    self._footprint.remove(key)
+                if reason != "cleared":
+                    buried.append(key)
+                    gone += size
+                evicted.append(
+                    (
+                        entry.label,
+                        kind,
+                        entry.token_start,
+                        entry.token_count,
+                        key,
+                        size,
+                        reason,
+                        len(entries),
+                        resident,
+                    )
                 )
-            )
-        self._resident_bytes = resident
+        finally:  # (the counters and tombstones cover every entry removed, even if interrupted)
+            self._evictions += len(buried)
+            self._evicted_bytes += gone
+            self._misses.evicted_all(buried)
 
     # ---------------------------------------------------------------- restore
 
