@@ -165,8 +165,8 @@ def _printable(_instance: object, attribute: attrs.Attribute[Any], value: object
     check_id(attribute.name, value)
 
 
-def _name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """A non-empty :func:`_printable` string."""
+def check_name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """attrs validator: a non-empty string without control characters (:func:`check_id`)."""
     _printable(instance, attribute, value)
     if not value:
         msg = f"{attribute.name} must be a non-empty string, got {shown(value)}"
@@ -505,10 +505,10 @@ class StageConfig:
     marked *identity* feed the prefix hash (spec §1.2); changing one changes every cache key.
     """
 
-    stage_id: str = attrs.field(validator=_name)
+    stage_id: str = attrs.field(validator=check_name)
     """Name of the stage (identity); printable text (it names the stage in every log line)."""
 
-    model_id: str = attrs.field(validator=_name)
+    model_id: str = attrs.field(validator=check_name)
     """Model name (identity); printable text."""
 
     layer_start: int = attrs.field(validator=u32)

@@ -52,12 +52,10 @@ from stage_runtime.cache_actor import (
     RecordActivation,
     RestoreActivationPages,
 )
-from stage_runtime.config import SCHEMA_VERSION, MessageBase, StageConfig, check_id
+from stage_runtime.config import SCHEMA_VERSION, MessageBase, StageConfig, check_name
 from stage_runtime.errors import (
-    ConfigError,
     FrameError,
     StageFailedError,
-    shown,
     sole_exception,
 )
 from stage_runtime.frames import ActivationFrame
@@ -164,42 +162,36 @@ class StageStats:
         return None if self.cache is None else self.cache.accounting
 
 
+# A stage's envelope and messages to its cache, built from every field in order, unchecked:
+# the envelope's fields were checked by the stage's config and the request; the messages' one
+# converter keeps a read-only array that owns its data as it is, and the actor checks the rest.
 _unchecked_message_base = unchecked_constructor(MessageBase)
-"""``MessageBase`` from every field in order, unchecked (see ``Stage._message_base``)."""
-
 _unchecked_restore = unchecked_constructor(RestoreActivationPages)
 _unchecked_record = unchecked_constructor(RecordActivation)
-"""A stage's messages to its cache, from every field in order, unchecked (their one
-converter keeps a read-only array that owns its data as it is; the actor checks the rest)."""
 
 
-def _client_id(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """A non-empty printable string (``config.check_id``): a stage puts it in every message to
-    its cache without checking it again."""
-    if not isinstance(value, str) or not value:
-        msg = f"{attribute.name} must be a non-empty string, got {shown(value)}"
-        raise ConfigError(msg)
-    check_id(attribute.name, value)
-
-
-def _optional_client_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def _optional_name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
-        _client_id(instance, attribute, value)
+        check_name(instance, attribute, value)
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, on_setattr=attrs.setters.NO_OP)
 class PrefillRequest:
     """One prefill travelling down the pipeline, with its own one-shot reply.
+
+    Its ids are checked when it is made (non-empty printable text): a stage puts them in every
+    message to its cache without checking them again. They are not to be changed afterwards
+    (assignments are not checked: the stages set the other fields on every request).
 
     Created by :meth:`Pipeline.prefill <stage_runtime.pipeline.Pipeline.prefill>`; stages fill
     in ``frame`` and ``reports`` and settle it with :meth:`succeed` or :meth:`fail`; the caller
     waits on ``done`` and calls :meth:`abandon` if it gives up first.
     """
 
-    request_id: str = attrs.field(validator=_client_id)
+    request_id: str = attrs.field(validator=check_name)
     """Caller's request id (generated when the caller gave none)."""
 
-    session_id: str = attrs.field(validator=_client_id)
+    session_id: str = attrs.field(validator=check_name)
     """Caller's session id; metadata only (never part of a cache key)."""
 
     tokens: npt.NDArray[np.int32]
@@ -225,7 +217,7 @@ class PrefillRequest:
     abandoned: bool = False
     """Whether the caller gave up; stages skip abandoned requests."""
 
-    cache_salt: str | None = attrs.field(default=None, validator=_optional_client_id)
+    cache_salt: str | None = attrs.field(default=None, validator=_optional_name)
     """Tenant salt for the cache keys (see ``MessageBase.cache_salt``); None shares."""
 
     outstanding: int = 0

@@ -137,25 +137,21 @@ async def test_abandoned_request_is_skipped() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "complaint"),
     [
-        ("request_id", "", "non-empty string"),
-        ("session_id", 7, "non-empty string"),
-        ("cache_salt", "", "non-empty string"),
-        ("request_id", "a\x1b[2Jb", "control characters"),
-        ("cache_salt", "\udfff", "valid UTF-8"),
+        ("request_id", "", "must be a non-empty string"),
+        ("session_id", 7, "must be a string"),
+        ("cache_salt", "", "must be a non-empty string"),
+        ("request_id", "a\x1b[2Jb", "must not hold control characters"),
+        ("cache_salt", "\udfff", "must be valid UTF-8"),
     ],
 )
 def test_a_request_refuses_ids_its_stages_would_pass_on_unchecked(
     field: str, value: object, complaint: str
 ) -> None:
     """A stage builds its cache messages' envelope from the request's ids without checking
-    them again, so the request checks them, when made and when changed."""
+    them again, so the request checks them when it is made."""
     fields: dict[str, Any] = {"request_id": "r", "session_id": "s", field: value}
-    with pytest.raises(ConfigError, match=f"{field} must .*{complaint}"):
+    with pytest.raises(ConfigError, match=f"^{field} {complaint}"):
         PrefillRequest(tokens=prompt(4), **fields)
-    good = request(4)
-    with pytest.raises(ConfigError, match=field):
-        setattr(good, field, value)
-    assert (good.request_id, good.session_id, good.cache_salt) == ("r", "s", None)
 
 
 def test_a_stages_envelope_equals_a_checked_one() -> None:
