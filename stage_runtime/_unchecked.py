@@ -24,7 +24,8 @@ def unchecked_constructor(cls: type[_T]) -> Callable[..., _T]:
     tests check each one built this way against its own ``__init__``).
 
     Raises:
-        TypeError: ``cls`` is not a slotted attrs class.
+        attrs.exceptions.NotAnAttrsClassError: ``cls`` is not an attrs class.
+        TypeError: ``cls`` is an attrs class without slots.
     """
     names = [field.name for field in attrs.fields(cls)]  # type: ignore[arg-type]
     if "__slots__" not in vars(cls):

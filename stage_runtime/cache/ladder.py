@@ -164,9 +164,7 @@ class LadderIndex:
             store._miss(total)
             if suspects:
                 # The record of this prompt comes next: its lengths join the same pass.
-                hashes = prompt.hash_counts(
-                    [*suspects, *self.policy.record_candidate_token_counts(prompt.n)]
-                )
+                hashes = prompt.hash_counts([*suspects, *prompt.record_counts(self.policy)])
                 key_of = self._keys(prompt)
                 tombstones = self._tombstones
                 for count in suspects:
@@ -177,7 +175,7 @@ class LadderIndex:
             return None
         hits_before = store.hits
         # The record of this prompt comes next: its lengths join the same pass.
-        wanted = [*probes, *suspects, *self.policy.record_candidate_token_counts(prompt.n)]
+        wanted = [*probes, *suspects, *prompt.record_counts(self.policy)]
         hashes = prompt.hash_counts(wanted)
         position = 0  # grid index of the next length not yet accounted for
         key_of = self._keys(prompt)
@@ -253,8 +251,8 @@ class LadderIndex:
 
         Nothing is stored for fewer than ``min_tokens`` tokens, an empty payload, or a frame
         whose counts disagree with the prompt or its payload. Each length stores a zero-copy
-        prefix view of ``frame``; a length the frame cannot be cut at (opaque layout, side-band
-        flags, ragged rows) is skipped alone.
+        prefix view of ``frame`` (cut when first looked up); when the frame cannot be cut
+        (opaque layout, side-band flags, ragged rows), only its full length is stored.
 
         Returns:
             One record per stored length, longest first, with the evictions it caused.
@@ -268,6 +266,8 @@ class LadderIndex:
         if desc.token_count != n or desc.payload_bytes != payload_bytes:
             return []
         counts = prompt.record_counts(policy)
+        if not counts:
+            return []
         hashes = prompt.hash_counts(counts)
         store = self.store
         key_of = self._keys(prompt)
@@ -359,11 +359,10 @@ class LadderIndex:
                     self._tombstone_prints[group] = {fingerprint: 1}
                 else:
                     inner[fingerprint] = inner.get(fingerprint, 0) + 1
-            if len(tombstones) > TOMBSTONES:
-                while len(tombstones) > TOMBSTONES:
-                    _, oldest = tombstones.popitem(last=False)
-                    if oldest is not None:
-                        _uncount_in(self._tombstone_prints, *oldest)
+            while len(tombstones) > TOMBSTONES:
+                _, oldest = tombstones.popitem(last=False)
+                if oldest is not None:
+                    _uncount_in(self._tombstone_prints, *oldest)
 
     def _unbury(self, key: str) -> None:
         """``key`` is resident again: forget its tombstone."""

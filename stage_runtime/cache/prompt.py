@@ -163,7 +163,7 @@ class GridFingerprints:
         self.prints: list[int] = _prefix_fingerprints(tokens, counts, stride)
         """The fingerprint of each prefix of ``counts``, in the same order."""
         self.by_print: dict[int, int] = dict(zip(self.prints, counts, strict=True))
-        """Fingerprint -> candidate length (the longest, where two share one)."""
+        """Fingerprint -> candidate length (the shortest, where two share one)."""
         self.shared_prints = len(self.by_print) < len(counts)
         """Whether two lengths of this prompt share a fingerprint (a 64-bit coincidence, or a
         constructed prompt): :meth:`among` then checks every length."""
@@ -193,7 +193,8 @@ class GridFingerprints:
 
 SAMPLE_TOKENS: Final = 2
 """How many tokens a fingerprint reads from each whole block of the grid's stride: the block's
-last two (the last one of a one-token block)."""
+last two (the last one of a one-token block). Not a setting: the two int32 tokens are read as
+one unsigned 64-bit value."""
 
 _MULTIPLIER: Final = 0x9E3779B97F4A7C15
 _MASK64: Final = (1 << 64) - 1

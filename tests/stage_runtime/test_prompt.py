@@ -98,13 +98,15 @@ def test_stages_share_one_grid_per_prompt_array() -> None:
 
 
 def test_lengths_of_one_prompt_keep_their_own_fingerprints() -> None:
-    """Each grid length has its own fingerprint, even where the samples of two lengths could
-    hash alike (the length is part of it), and an entry at the longer one is found."""
+    """Each grid length has its own fingerprint, even where the rolling hashes of two lengths
+    are equal (leading blocks of zero tokens all hash to 0: the length is part of it), and an
+    entry at the longer one is found."""
     policy = CandidatePolicy(min_tokens=8, stride_tokens=8)
     tokens = np.concatenate(
-        [np.arange(1, 17, dtype=np.int32), np.zeros(16, dtype=np.int32), np.ones(3, np.int32)]
+        [np.zeros(32, dtype=np.int32), np.arange(1, 17, dtype=np.int32), np.ones(3, np.int32)]
     )
     grid = GridFingerprints(tokens, policy)
+    assert not grid.shared_prints
     assert len(set(grid.prints)) == len(grid.counts)
     assert grid.among({grid.prints[grid.position(32)]: 1}) == [32]
 

@@ -572,13 +572,11 @@ class PagedActivationIndex:
         eviction = self._eviction
         lru = type(eviction) is LruEviction
         touched = self._entries.move_to_end if lru else eviction.touched
-        clock = self._clock
         for entry in eviction.touch_order(used):
-            clock += 1
+            self._clock = clock = self._clock + 1
             entry.last_used = clock
             entry.hits += 1
             touched(entry.key if lru else entry)  # type: ignore[arg-type]
-        self._clock = clock
         self._hits += 1
         self._restored_tokens += covered
         first = used[0]
