@@ -51,7 +51,7 @@ from stage_runtime.cache.stage_cache import StageCache
 from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
-from stage_runtime.identity import as_token_array
+from stage_runtime.identity import _frozen, as_token_array
 
 __all__ = [
     "CacheActor",
@@ -85,7 +85,7 @@ def _snapshot(
     an iterable of tokens at all (None, a string, a set, a mapping) is passed on as it is, for
     the actor to name."""
     if isinstance(tokens, np.ndarray):
-        if tokens.flags.writeable or tokens.base is not None:
+        if not _frozen(tokens):
             return cast("npt.NDArray[np.int32]", tokens.copy())
         return cast("npt.NDArray[np.int32]", tokens)
     if isinstance(tokens, tuple | range | str | bytes | AbstractSet | Mapping) or not isinstance(

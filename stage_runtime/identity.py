@@ -145,6 +145,13 @@ def _current_platform() -> PlatformIdentity:
 # tokens
 
 
+def _frozen(array: npt.NDArray[Any]) -> bool:
+    """Whether nobody can change ``array``'s elements: it is read-only and owns its memory (a
+    view could see its base changed). What the pipeline hands every stage is frozen; the cache
+    keeps, hashes and puts in messages a frozen array as it is, and copies any other."""
+    return not array.flags.writeable and array.base is None
+
+
 def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | Iterable[int]) -> TokenArray:
     """Validate token ids once and return them as a 1-D little-endian int32 array.
 

@@ -59,6 +59,7 @@ from stage_runtime.errors import (
     sole_exception,
 )
 from stage_runtime.frames import ActivationFrame
+from stage_runtime.identity import _frozen
 from stage_runtime.integration import ResidentActivationRecord
 from stage_runtime.models import ModelFactory, StageModel
 
@@ -384,7 +385,7 @@ class Stage:
         base = self._message_base(request) if self._lookup or self._record else None
         # A read-only array that owns its data (what the pipeline hands every stage) is what a
         # message would keep of the tokens anyway: its messages are then built unchecked.
-        frozen = type(tokens) is np.ndarray and not tokens.flags.writeable and tokens.base is None
+        frozen = type(tokens) is np.ndarray and _frozen(tokens)
         restored: ActivationFrame | None = None
         output: ActivationFrame | None = None
         failed = False

@@ -25,7 +25,7 @@ import blake3
 import numpy as np
 
 from stage_runtime.config import MessageBase, StageConfig
-from stage_runtime.identity import TokenArray, _hash_counts, _prelude
+from stage_runtime.identity import TokenArray, _frozen, _hash_counts, _prelude
 from stage_runtime.policy import CandidatePolicy
 from stage_runtime.tenancy import salted_prefix_hash
 
@@ -35,7 +35,7 @@ __all__ = ["GridFingerprints", "Prompt", "grid_fingerprints", "owned_tokens"]
 def owned_tokens(array: TokenArray) -> TokenArray:
     """``array`` itself when nobody can change it (read-only, owning its memory), else a
     read-only private copy."""
-    if array.flags.writeable or array.base is not None:
+    if not _frozen(array):
         array = array.copy()
         array.flags.writeable = False
     return array

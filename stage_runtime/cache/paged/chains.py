@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.errors import ConfigError
-from stage_runtime.identity import TokenArray, as_token_array
+from stage_runtime.identity import TokenArray, _frozen, as_token_array
 
 __all__ = ["PageChain", "page_chain"]
 
@@ -40,7 +40,7 @@ def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArr
     """
     ids = as_token_array(tokens)
     if isinstance(tokens, np.ndarray) and np.may_share_memory(ids, tokens):
-        if not tokens.flags.writeable and tokens.base is None and ids is tokens:
+        if ids is tokens and _frozen(tokens):
             return ids
         ids = ids.copy()
     ids.flags.writeable = False
