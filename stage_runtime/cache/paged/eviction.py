@@ -604,9 +604,7 @@ class AdaptiveEviction(ReuseEviction):
                 self._decided[expired.kind] += 1
                 changed = True
         if changed:
-            reused, decided = self._reused, self._decided
-            good, prior = _PRIOR
-            self._order.sort(key=lambda c: (reused[c] + good) / (decided[c] + prior))
+            self._order.sort(key=self.value)
 
     def value(self, kind: int) -> float:
         """The learnt share of records of class ``kind`` whose prompt came back in the window."""
@@ -667,9 +665,9 @@ class AdaptiveEviction(ReuseEviction):
         pop = heapq.heappop
         while heap:
             item = pop(heap)
-            entry = item[2]
-            if entry.tier != kind or entry.children or entry.last_used != item[0]:
+            if not self._current(kind, item):
                 continue  # stale: no longer a leaf of this class used then
+            entry = item[2]
             if entry.last_used > op_clock:  # the running record's: so is everything after it
                 heapq.heappush(heap, item)
                 break
