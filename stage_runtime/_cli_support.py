@@ -93,10 +93,11 @@ class WholeLines(io.TextIOBase):
 
     def flush(self) -> None:
         rest: str = getattr(self._held, "text", "")
+        if not rest:
+            return  # write() flushed every whole line it passed on
         self._held.text = ""
         with self._lock:
-            if rest:
-                self.stream.write(rest)
+            self.stream.write(rest)
             self.stream.flush()
 
     def writable(self) -> bool:
