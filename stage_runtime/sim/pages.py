@@ -54,13 +54,34 @@ class PageTable:
         return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
 
 
+_last_table: tuple[tuple[SimRequest, ...], int, PageTable] | None = None
+
+
 def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     """The pages of ``requests`` (in the order given), each block as
-    :meth:`SimRequest.block_layout` lays it out.
+    :meth:`SimRequest.block_layout` lays it out. Remembered for the last workload (the same
+    request objects in the same order, and block size): a replay's theoretical maximum and its
+    clairvoyant plan share one table. Its arrays are read-only.
 
     Raises:
         ConfigError: a request's ``block_lengths`` hold a length outside ``[0, block_size]``.
     """
+    global _last_table
+    workload = tuple(requests)
+    last = _last_table
+    if (
+        last is not None
+        and last[1] == block_size
+        and len(last[0]) == len(workload)
+        and all(a is b for a, b in zip(last[0], workload, strict=True))
+    ):
+        return last[2]
+    table = _page_table(workload, block_size)
+    _last_table = (workload, block_size, table)
+    return table
+
+
+def _page_table(requests: tuple[SimRequest, ...], block_size: int) -> PageTable:
     ids: list[int] = []
     explicit: list[int] = []
     counts: list[int] = []
@@ -90,12 +111,11 @@ def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(count_array, out=offsets[1:])
     total = int(offsets[-1])
-    return PageTable(
-        offsets=offsets,
-        pages=_number_chains(_block_ids(ids), offsets, total),
-        used=_used(count_array, offsets, np.asarray(ends, dtype=np.int64), explicit, block_size),
-        prompt_tokens=prompt_tokens,
-    )
+    pages = _number_chains(_block_ids(ids), offsets, total)
+    tokens = _used(count_array, offsets, np.asarray(ends, dtype=np.int64), explicit, block_size)
+    for shared in (offsets, pages, tokens):
+        shared.flags.writeable = False
+    return PageTable(offsets=offsets, pages=pages, used=tokens, prompt_tokens=prompt_tokens)
 
 
 def _block_ids(ids: list[int]) -> npt.NDArray[np.uint64]:
