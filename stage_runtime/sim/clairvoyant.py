@@ -38,7 +38,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from stage_runtime.sim.pages import page_table
+from stage_runtime.sim.pages import page_table, same_workload
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["ClairvoyantPlan", "ClairvoyantResult", "clairvoyant_hits", "plan", "plan_of"]
@@ -125,12 +125,7 @@ def plan_of(requests: Sequence[SimRequest], *, block_size: int) -> ClairvoyantPl
     order, and block size): the replays of a sweep, or a benchmark's repeats, share it."""
     global _last_plan
     last = _last_plan
-    if (
-        last is not None
-        and last[1] == block_size
-        and len(last[0]) == len(requests)
-        and all(a is b for a, b in zip(last[0], requests, strict=True))
-    ):
+    if last is not None and same_workload(last[0], last[1], requests, block_size):
         return last[2]
     workload = plan(requests, block_size=block_size)
     _last_plan = (tuple(requests), block_size, workload)

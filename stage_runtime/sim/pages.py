@@ -10,7 +10,7 @@ blocks), so both figures cost a few milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -20,7 +20,7 @@ from stage_runtime.errors import ConfigError
 from stage_runtime.limits import U64_MAX
 from stage_runtime.sim.trace import SimRequest
 
-__all__ = ["PageTable", "page_table"]
+__all__ = ["PageTable", "page_table", "same_workload"]
 
 _Ints = npt.NDArray[np.int64]
 
@@ -57,6 +57,21 @@ class PageTable:
 _last_table: tuple[tuple[SimRequest, ...], int, PageTable] | None = None
 
 
+def same_workload(
+    known: Sequence[SimRequest],
+    known_block_size: int,
+    requests: Sequence[SimRequest],
+    block_size: int,
+) -> bool:
+    """Whether ``requests`` are the very request objects of ``known``, in the same order, at
+    the same block size (what a memo of a workload's figures may be reused for)."""
+    return (
+        known_block_size == block_size
+        and len(known) == len(requests)
+        and all(a is b for a, b in zip(known, requests, strict=True))
+    )
+
+
 def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     """The pages of ``requests`` (in the order given), each block as
     :meth:`SimRequest.block_layout` lays it out. Remembered for the last workload (the same
@@ -69,12 +84,7 @@ def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     global _last_table
     workload = tuple(requests)
     last = _last_table
-    if (
-        last is not None
-        and last[1] == block_size
-        and len(last[0]) == len(workload)
-        and all(a is b for a, b in zip(last[0], workload, strict=True))
-    ):
+    if last is not None and same_workload(last[0], last[1], workload, block_size):
         return last[2]
     table = _page_table(workload, block_size)
     _last_table = (workload, block_size, table)
