@@ -107,6 +107,13 @@ class MissTracker:
         """Forget ``key``'s tombstone: it is resident again."""
         self._tombstones.pop(key, None)
 
+    def cached_all(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`cached` of each of ``keys`` (set operations in C: most have no tombstone)."""
+        tombstones = self._tombstones
+        if tombstones:
+            for key in tombstones.keys() & keys:
+                del tombstones[key]
+
     def was_evicted(self, key: Hashable) -> bool:
         """Whether ``key`` has a tombstone."""
         return key in self._tombstones

@@ -47,6 +47,27 @@ def test_burying_a_batch_equals_burying_each_in_turn(
     assert list(one._tombstones) == list(many._tombstones)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 6),
+    before=st.lists(st.integers(0, 9), max_size=12),
+    batch=st.lists(st.integers(0, 9), max_size=12),
+)
+def test_forgetting_a_batch_equals_forgetting_each_in_turn(
+    capacity: int, before: list[int], batch: list[int]
+) -> None:
+    """cached_all (what the paged index calls once per record's new pages) keeps the tombstones
+    one cached call per key would keep, in the same order."""
+    one, many = MissTracker(capacity=capacity), MissTracker(capacity=capacity)
+    for key in before:
+        one.evicted(key)
+        many.evicted(key)
+    for key in batch:
+        one.cached(key)
+    many.cached_all(batch)
+    assert list(one._tombstones) == list(many._tombstones)
+
+
 def test_footprint_counts_shared_leading_tokens_once() -> None:
     """Two segments after one parent that agree on 2 tokens need 2 + 2 + 1 token rows."""
     footprint = PrefixFootprint()

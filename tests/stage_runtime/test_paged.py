@@ -8,6 +8,7 @@ import tracemalloc
 import weakref
 from collections.abc import Sequence
 
+import blake3
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from stage_runtime.cache.paged import PagedActivationIndex, page_chain
+from stage_runtime.cache.paged import PagedActivationIndex, chains, page_chain
 from stage_runtime.cache.paged.results import PagedRestore
 from stage_runtime.errors import ConfigError, FrameError
 
@@ -106,6 +107,63 @@ def test_index_chain_reusing_recent_prompts_gives_the_same_keys(
         assert memo.tail_key == fresh.tail_key
         assert memo.exact_key == fresh.exact_key
         assert memo.tokens.tolist() == tokens
+
+
+@pytest.mark.parametrize("tokens", [[7, 8, 9, 10, 11], [7, 8, 9, 10], [7], []])
+def test_chain_keys_follow_the_documented_chaining(tokens: list[int]) -> None:
+    """Every key of a chain is the BLAKE3 chaining its module documents, recomputed here from
+    the bytes (the exact key too, though it is computed only when first read)."""
+
+    def b3(*parts: bytes) -> bytes:
+        return blake3.blake3(b"".join(parts)).digest()
+
+    raw = np.array(tokens, dtype="<i4").tobytes()
+    root = b3(b"stage-runtime/activation-root-v1", b"ns")
+    keys, parent = [], root
+    for i in range(len(tokens) // 2):
+        parent = b3(b"stage-runtime/activation-page-v1", parent, raw[8 * i : 8 * i + 8])
+        keys.append(parent)
+    rest = raw[8 * len(keys) :]
+    tail = b3(b"stage-runtime/activation-tail-v1", parent, rest) if rest else None
+    exact = b3(
+        b"stage-runtime/activation-exact-v1", parent, len(tokens).to_bytes(8, "little"), rest
+    )
+    for chain in (
+        page_chain(b"ns", tokens, page_tokens=2),
+        PagedActivationIndex(page_tokens=2, max_entries=10).chain(b"ns", tokens),
+    ):
+        assert chain.root_key == root
+        assert list(chain.page_keys) == keys
+        assert chain.tail_key == tail
+        assert chain.exact_key == exact
+
+
+def test_recent_chains_stay_within_their_count_and_token_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chains an index remembers are bounded by count and by tokens, oldest dropped first;
+    a prompt that starts like a remembered one replaces it."""
+    monkeypatch.setattr(chains, "_RECENT_CHAINS", 3)
+    monkeypatch.setattr(chains, "_RECENT_TOKENS", 10)
+    recent = chains.RecentChains()
+    made = [page_chain(b"ns", [i, i, i], page_tokens=2) for i in range(5)]
+    for chain in made[:3]:
+        recent.remember(chain)
+    assert (len(recent), recent._tokens) == (3, 9)
+    recent.remember(made[3])  # 4 chains: over the count
+    assert (len(recent), recent._tokens) == (3, 9)
+    assert recent.take(made[0].page_keys[0]) is None
+    assert recent.take(made[1].page_keys[0]) is made[1]
+    assert (len(recent), recent._tokens) == (2, 6)
+    recent.remember(page_chain(b"ns", [2, 2, 7, 7, 7], page_tokens=2))  # replaces made[2]
+    assert (len(recent), recent._tokens) == (2, 8)
+    recent.remember(made[4])  # 11 tokens: over the budget
+    assert (len(recent), recent._tokens) == (2, 8)
+    assert recent.take(made[3].page_keys[0]) is None
+    big = page_chain(b"ns", list(range(12)), page_tokens=2)
+    recent.remember(big)  # alone over the budget: kept, the only one
+    assert (len(recent), recent._tokens) == (1, 12)
+    assert recent.take(big.page_keys[0]) is big
 
 
 def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:

@@ -22,7 +22,12 @@ import numpy.typing as npt
 
 from stage_runtime._validators import check_int_in
 from stage_runtime.accounting import MissReason, MissTracker, PrefixFootprint
-from stage_runtime.cache.paged.chains import PageChain, _page_chain, _private_tokens
+from stage_runtime.cache.paged.chains import (
+    PageChain,
+    RecentChains,
+    _page_chain,
+    _private_tokens,
+)
 from stage_runtime.cache.paged.entries import (
     Footprint,
     _Entry,
@@ -122,7 +127,7 @@ class PagedActivationIndex:
     only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it.
     (The entries themselves, not a tuple each: what the garbage collector traverses on every
     full collection is counted in hundreds of thousands here.)"""
-    _recent_chains: dict[bytes, PageChain] = attrs.field(factory=dict, init=False)
+    _recent_chains: RecentChains = attrs.field(factory=RecentChains, init=False)
     """Chains :meth:`chain` computed lately, by first page key, oldest first."""
     _lookups: int = attrs.field(default=0, init=False)
     _hits: int = attrs.field(default=0, init=False)
@@ -403,7 +408,6 @@ class PagedActivationIndex:
         # the counters nothing reads meanwhile are added once, after the loop.
         entries = self._entries
         unfootprinted = self._unfootprinted
-        forget_tombstone = self._misses.cached
         stored = None if type(eviction) is LruEviction else eviction.stored  # (LRU: no-op)
         label, bpt, meta = chain.label, op.bytes_per_token, op.meta
         group = chain.root_key if parent is None else parent.key
@@ -430,7 +434,6 @@ class PagedActivationIndex:
                 done = i + 1
                 if stored is not None:
                     stored(entry, parent)
-                forget_tombstone(key)
                 parent, group = entry, key
         finally:  # (also when interrupted: the counters cover every page stored)
             pages = done - first
@@ -438,6 +441,7 @@ class PagedActivationIndex:
             self._records += pages
             op.stored_entries += pages
             op.stored_bytes += pages * size
+            self._misses.cached_all(keys[first:done])
         return parent, stop == len(keys)
 
     def _uncount_footprint(self, key: bytes) -> None:
@@ -553,7 +557,7 @@ class PagedActivationIndex:
                 if entry is not None:
                     used.append(entry)
                     covered = n
-        if covered < n:
+        if covered < n and self._kinds["exact"]:  # (the key is computed when first read)
             exact = self._entries.get(chain.exact_key)
             if exact is not None:
                 if exact.token_count == n and (
