@@ -29,7 +29,6 @@ from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, 
 from stage_runtime.cache.results import (
     ActivationRestore,
     ResidentActivationRecord,
-    prefill_kv_identity,
 )
 from stage_runtime.config import KvCacheConfig
 from stage_runtime.frames import ActivationFrame
@@ -200,7 +199,7 @@ class LadderIndex:
                 self._restored_tokens += count
                 self.last_miss_reason = None
                 return ActivationRestore(
-                    identity=prefill_kv_identity(
+                    identity_of=(
                         prompt.config,
                         prompt.base,
                         prompt.token_start,

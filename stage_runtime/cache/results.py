@@ -160,6 +160,11 @@ class PageSource(Protocol):
         ...
 
 
+IdentityInputs = tuple[StageConfig, MessageBase, int, TokenArray, int, str]
+"""The arguments of :func:`prefill_kv_identity`: stage, message, first token's position, the
+prompt's tokens (read-only), restored count and prefix hash."""
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ActivationRestore:
     """A hit of either index: the restored prefix, as its pages or as one frame on demand.
@@ -168,8 +173,6 @@ class ActivationRestore:
     (``source``), joined only when :meth:`frame` is called. Nothing is copied until then.
     """
 
-    identity: PrefillKvIdentity
-    """Identity of the restored prefix (a paged hit's prefix hash is its chained page key)."""
     page_id: str
     """The cache key that hit (the ladder), or the name of the last page used (paged)."""
     token_count: int
@@ -184,6 +187,26 @@ class ActivationRestore:
     """A paged hit's pages; None for a ladder hit."""
     whole: ActivationFrame | None = None
     """A ladder hit's cached frame (shared with the cache, read-only); None for a paged hit."""
+    _identity: PrefillKvIdentity | None = attrs.field(default=None, alias="identity")
+    _identity_of: IdentityInputs | None = attrs.field(default=None, alias="identity_of")
+
+    def __attrs_post_init__(self) -> None:
+        if (self._identity is None) == (self._identity_of is None):
+            msg = "an ActivationRestore takes exactly one of identity and identity_of"
+            raise TypeError(msg)
+
+    @property
+    def identity(self) -> PrefillKvIdentity:
+        """Identity of the restored prefix (a paged hit's prefix hash is its chained page key).
+
+        Given as ``identity``, or as ``identity_of``: the arguments of
+        :func:`prefill_kv_identity`, called when this is first read (a stage never reads it)."""
+        identity = self._identity
+        if identity is None:
+            assert self._identity_of is not None
+            identity = prefill_kv_identity(*self._identity_of)
+            object.__setattr__(self, "_identity", identity)
+        return identity
 
     def pages(self) -> tuple[ActivationFrame, ...]:
         """The pages in token order, one frame each, viewing the cached rows (never copied)."""

@@ -19,6 +19,7 @@ from stage_runtime import (
     KvCacheConfig,
     StageConfig,
 )
+from stage_runtime.cache.results import ActivationRestore, prefill_kv_identity
 from stage_runtime.config import MessageBase
 from stage_runtime.integration import (
     KvStageIntegration,
@@ -105,6 +106,46 @@ def test_paged_restores_any_page_boundary_and_the_exact_prompt() -> None:
     np.testing.assert_array_equal(hit.frame.rows(), causal_rows(longer)[:8])
     assert hit.identity.identity.token_count == 8
     assert hit.identity.identity.prefix_hash.startswith("blake3:")
+
+
+@pytest.mark.parametrize("index", ["paged", "ladder"])
+def test_a_hit_computes_its_identity_when_first_read(index: str) -> None:
+    """A hit's identity is computed from its inputs when first read, once: the identity of the
+    restored prefix, as prefill_kv_identity gives it; a restore takes one of the two forms."""
+    kv, config = integration(index)
+    prompt = list(range(1, 11))
+    record(kv, config, prompt, session_id="s")
+    base = envelope({"session_id": "s"})
+    hit = kv.stage_cache.restore(base, prompt, WIDTH)
+    assert hit is not None
+    assert hit._identity is None
+    identity = hit.identity
+    assert hit.identity is identity
+    count = hit.token_count
+    again = prefill_kv_identity(config, base, 0, np.array(prompt, dtype=np.int32), count, "x")
+    assert attrs.evolve(identity.identity, prefix_hash="x") == again.identity
+    assert identity.namespace == again.namespace
+    assert identity.token_ids.tolist() == prompt[:count]
+    assert not identity.token_ids.flags.writeable
+    assert identity.page_id.startswith(f"stage-0:0:{count}:0:")
+    assert identity.identity.prefix_hash.startswith("blake3:")
+    given = ActivationRestore(
+        identity=again,
+        page_id=hit.page_id,
+        token_count=count,
+        payload_bytes=hit.payload_bytes,
+        entries=hit.entries,
+        desc=hit.desc,
+        whole=hit.frame(),
+    )
+    assert given.identity is again
+    neither: dict[str, Any] = {}
+    both: dict[str, Any] = {"identity": again, "identity_of": hit._identity_of}
+    for given_ids in (neither, both):
+        with pytest.raises(TypeError, match="exactly one of identity and identity_of"):
+            ActivationRestore(
+                page_id="p", token_count=1, payload_bytes=0, entries=0, desc=hit.desc, **given_ids
+            )
 
 
 def test_paged_mode_hits_where_the_ladder_cannot() -> None:

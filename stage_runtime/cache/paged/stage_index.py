@@ -28,11 +28,15 @@ from stage_runtime.cache.resident import EvictedEntry, ResidentCacheStats
 from stage_runtime.cache.results import (
     ActivationRestore,
     ResidentActivationRecord,
-    prefill_kv_identity,
 )
 from stage_runtime.config import KvCacheConfig
 from stage_runtime.errors import FrameError
-from stage_runtime.frames import ActivationDesc, ActivationFrame, ActivationLayout
+from stage_runtime.frames import (
+    ActivationDesc,
+    ActivationFrame,
+    ActivationLayout,
+    _desc_with_counts,
+)
 from stage_runtime.tenancy import paged_namespace
 
 __all__ = ["PagedIndex"]
@@ -100,7 +104,7 @@ class PagedIndex:
         count = found.token_count
         payload_bytes = found.payload_bytes
         return ActivationRestore(
-            identity=prefill_kv_identity(
+            identity_of=(
                 prompt.config,
                 prompt.base,
                 prompt.token_start,
@@ -112,7 +116,7 @@ class PagedIndex:
             token_count=count,
             payload_bytes=payload_bytes,
             entries=found.entries,
-            desc=attrs.evolve(meta, token_count=count, payload_bytes=payload_bytes),
+            desc=_desc_with_counts(meta, count, payload_bytes),  # (counts of stored pages)
             source=found,
         )
 
