@@ -166,6 +166,50 @@ def test_recent_chains_stay_within_their_count_and_token_bounds(
     assert recent.take(big.page_keys[0]) is big
 
 
+class _TouchingEachPage(PagedActivationIndex):
+    """An index whose records always refresh their cached pages one by one."""
+
+    __slots__ = ()
+
+    def _fits_without_eviction(self, pages: int, payload_bytes: int) -> bool:
+        return False
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    max_entries=st.integers(3, 12),
+    operations=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=9),
+            st.sampled_from([1, 2]),
+        ),
+        max_size=25,
+    ),
+)
+def test_an_lru_record_with_room_to_spare_keeps_the_order_of_touching_each_page(
+    max_entries: int, operations: list[tuple[bool, list[int], int]]
+) -> None:
+    """A record that cannot evict (the bounds fit all it could add) only checks its cached
+    pages: record_ended orders the chain. Entries, their order (the LRU order) and every result
+    equal an index that touches each page as it goes."""
+    fast = PagedActivationIndex(page_tokens=2, max_entries=max_entries)
+    slow = _TouchingEachPage(page_tokens=2, max_entries=max_entries)
+    for is_record, tokens, width in operations:
+        for index in (fast, slow):
+            chain = index.chain(b"ns", tokens)
+            if is_record:  # the same tokens with another row width: pages re-recorded
+                data = np.repeat(rows(b"ns", tokens), width)
+                index.record(chain, data)
+            else:
+                index.restore(chain)
+        assert list(fast._entries) == list(slow._entries)
+        assert fast.statistics() == slow.statistics()
+        for key, entry in fast._entries.items():
+            other = slow._entries[key]
+            assert (entry.nbytes, entry.hits) == (other.nbytes, other.hits)
+
+
 def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:
     """The tail entry restores the exact prompt; an extension or a shorter prompt stops at pages."""
     index = PagedActivationIndex(page_tokens=2, max_entries=100)

@@ -236,16 +236,68 @@ class PagedActivationIndex:
         parent: _Entry | None = None
         keys = chain.page_keys
         entries = self._entries
-        first_new = 0
+        size = p * bpt
         # Pages already cached come first (a cached page's parent is always cached): refresh
         # them; every page after the first missing one is new (_put_new_pages).
-        while first_new < len(keys) and keys[first_new] in entries:
-            first_new += 1
+        first_new = 0
+        lru = type(self._eviction) is LruEviction
+        if lru and self._fits_without_eviction(len(keys), n * bpt):
+            # Nothing can be evicted before the record ends, and its end (record_ended) makes
+            # the whole chain the newest: a refresh only checks the rows (see _refresh).
+            for key in keys:
+                existing = entries.get(key)
+                if (
+                    existing is None
+                    or existing.nbytes != size
+                    or existing.bytes_per_token != bpt
+                    or (existing.meta is not meta and existing.meta != meta)
+                ):
+                    break
+                parent = existing
+                first_new += 1
+            op.reused_entries += first_new
+        parent, first_new = self._refresh(op, first_new, parent, payload)
+        if first_new < 0:  # the bounds refused a page re-recorded with other rows
+            return self._outcome(op, parent, truncated=True)
+        if first_new < len(keys):
+            parent, complete = self._put_new_pages(op, first_new, parent, payload)
+            if not complete:
+                return self._outcome(op, parent, truncated=True)
+        if chain.tail_key is not None:
+            i = len(keys)
+            segment = payload[i * p * bpt :]
+            entry = self._put(op, chain.tail_key, "tail", parent, i * p, n - i * p, segment)
+            if entry is None:
+                return self._outcome(op, parent, truncated=True)
+            parent = entry
+        return self._outcome(op, parent, truncated=False)
+
+    def _fits_without_eviction(self, pages: int, payload_bytes: int) -> bool:
+        """Whether a record of ``pages`` pages, a tail and ``payload_bytes`` bytes in all fits
+        the bounds as they are, new or not: then it evicts nothing."""
+        return len(self._entries) + pages + 1 <= self.max_entries and (
+            not self.max_bytes or self._resident_bytes + payload_bytes <= self.max_bytes
+        )
+
+    def _refresh(
+        self, op: _Recording, start: int, parent: _Entry | None, payload: Payload
+    ) -> tuple[_Entry | None, int]:
+        """Refresh the chain's cached pages from page ``start`` on (after ``parent``), up to the
+        first one not cached; returns the last entry refreshed and the index of the first page
+        not cached. A page with other rows is re-recorded (:meth:`_put`); when the bounds
+        refuse that, the index returned is -1 - the page's."""
+        chain = op.chain
+        keys = chain.page_keys
+        entries = self._entries
+        p, bpt, meta = chain.page_tokens, op.bytes_per_token, op.meta
         lru = type(self._eviction) is LruEviction  # (its touch: a move to the newest end)
         touched = entries.move_to_end if lru else self._eviction.touched
         size = p * bpt
-        for i, key in enumerate(keys[:first_new]):
-            existing = entries[key]
+        for i in range(start, len(keys)):
+            key = keys[i]
+            existing = entries.get(key)
+            if existing is None:
+                return parent, i
             if (
                 existing.nbytes == size
                 and existing.bytes_per_token == bpt
@@ -261,20 +313,9 @@ class PagedActivationIndex:
             segment = payload[i * size : (i + 1) * size]
             entry = self._put(op, key, "page", parent, i * p, p, segment)
             if entry is None:
-                return self._outcome(op, parent, truncated=True)
+                return parent, -1 - i
             parent = entry
-        if first_new < len(keys):
-            parent, complete = self._put_new_pages(op, first_new, parent, payload)
-            if not complete:
-                return self._outcome(op, parent, truncated=True)
-        if chain.tail_key is not None:
-            i = len(keys)
-            segment = payload[i * p * bpt :]
-            entry = self._put(op, chain.tail_key, "tail", parent, i * p, n - i * p, segment)
-            if entry is None:
-                return self._outcome(op, parent, truncated=True)
-            parent = entry
-        return self._outcome(op, parent, truncated=False)
+        return parent, len(keys)
 
     def _outcome(
         self, op: _Recording, last: _Entry | None, *, truncated: bool
