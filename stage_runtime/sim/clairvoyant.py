@@ -24,7 +24,9 @@ The model, at the replay's block size:
 
 Next uses come from the workload's page table (:mod:`stage_runtime.sim.pages`) sorted by page
 (:func:`plan`), what a backward pass over the requests gives; each capacity is then one forward
-pass with a heap (:func:`clairvoyant_hits`). Requests are taken in the replay's admission order.
+pass with a heap (:func:`clairvoyant_hits`), but for the unbounded cache, which evicts nothing:
+its figure is the theoretical maximum's, computed in numpy. Requests are taken in the replay's
+admission order.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.sim.pages import page_table, same_workload
+from stage_runtime.sim.theory import restorable_tokens
 from stage_runtime.sim.trace import SimRequest
 
 __all__ = ["ClairvoyantPlan", "ClairvoyantResult", "clairvoyant_hits", "plan", "plan_of"]
@@ -141,6 +144,16 @@ def capacity_pages(capacity_tokens: int, block_size: int) -> int:
 
 def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantResult:
     """Replay ``workload`` through a clairvoyant cache of ``capacity`` pages (0: unbounded)."""
+    if not capacity:  # nothing is evicted: the theoretical maximum, computed in numpy
+        return ClairvoyantResult(
+            capacity_pages=0,
+            hit_tokens=restorable_tokens(
+                np.frombuffer(workload.pages, dtype=np.int64),
+                np.frombuffer(workload.used, dtype=np.int64),
+                np.frombuffer(workload.offsets, dtype=np.int64),
+            ),
+            prompt_tokens=workload.prompt_tokens,
+        )
     resident: dict[int, int] = {}
     """Resident page -> its next use."""
     seen: dict[int, int] = {}
@@ -166,9 +179,8 @@ def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantRes
             if seen.get(page, -1) < count:
                 seen[page] = count
             resident[page] = use
-            if capacity:
-                heapq.heappush(heap, (-use, -depth, page))
-        while capacity and len(resident) > capacity:
+            heapq.heappush(heap, (-use, -depth, page))
+        while len(resident) > capacity:
             use, _, page = heapq.heappop(heap)
             if resident.get(page) == -use:
                 del resident[page]

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from stage_runtime.sim.pages import page_table
 from stage_runtime.sim.trace import SimRequest
@@ -48,9 +49,18 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
         The restorable and total prompt tokens.
     """
     table = page_table(requests, block_size=block_size)
-    pages, used = table.pages, table.used
+    hit_tokens = restorable_tokens(table.pages, table.used, table.offsets)
+    return TheoreticalMax(hit_tokens=hit_tokens, prompt_tokens=table.prompt_tokens)
+
+
+def restorable_tokens(
+    pages: npt.NDArray[np.int64], used: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64]
+) -> int:
+    """The tokens an infinite cache restores of a page table (see
+    :func:`theoretical_max_hit_ratio`): each block's page and the tokens it uses, request
+    ``i``'s blocks being ``offsets[i]:offsets[i + 1]``."""
     if not len(pages):
-        return TheoreticalMax(hit_tokens=0, prompt_tokens=table.prompt_tokens)
+        return 0
     # What earlier requests used of each block's page: a running maximum over the page's
     # blocks in request order (a page is used at most once per request), excluding the block
     # itself. Offsetting each page's values by page x (largest use + 1) lets one cumulative
@@ -68,8 +78,7 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
     # more of than was seen.
     short = (seen < used).astype(np.int64)
     shorts = np.cumsum(short)
-    starts = np.repeat(table.offsets[:-1], np.diff(table.offsets))
+    starts = np.repeat(offsets[:-1], np.diff(offsets))
     before = np.where(starts > 0, shorts[starts - 1], 0)
     restoring = shorts - short - before == 0
-    hit_tokens = int(np.minimum(used, seen)[restoring].sum())
-    return TheoreticalMax(hit_tokens=hit_tokens, prompt_tokens=table.prompt_tokens)
+    return int(np.minimum(used, seen)[restoring].sum())
