@@ -18,7 +18,7 @@ from stage_runtime import (
     ActivationLayout,
     FrameError,
 )
-from stage_runtime.frames import _DESC_FIELDS, _desc_with_counts
+from stage_runtime.frames import _DESC_FIELDS, _FILL_BYTES, _desc_with_counts, _virtual_payload
 
 
 def byte_frame(token_count: int, payload_bytes: int, *, flags: int = 0) -> ActivationFrame:
@@ -452,3 +452,17 @@ def test_prefix_descriptors_copy_every_field() -> None:
     assert len(_DESC_FIELDS) == 10
     cut = _desc_with_counts(desc, 5, 20)
     assert cut == attrs.evolve(desc, token_count=5, payload_bytes=20)
+
+
+@pytest.mark.parametrize(("size", "fill"), [(0, 0), (1, 255), (4096, 7), (2**40, 3)])
+def test_a_virtual_payload_repeats_one_shared_byte(size: int, fill: int) -> None:
+    """A virtual payload is a read-only zero-stride view of the fill byte's one shared array,
+    of the size asked; a negative size is refused."""
+    payload = _virtual_payload(size, fill)
+    assert (payload.size, payload.dtype.name, payload.flags.writeable) == (size, "uint8", False)
+    assert payload.base is _FILL_BYTES[fill]
+    if size:
+        assert payload.strides == (0,)
+        assert int(payload[0]) == int(payload[size - 1]) == fill
+    with pytest.raises(ValueError, match="cannot have -1 bytes"):
+        _virtual_payload(-1, fill)
