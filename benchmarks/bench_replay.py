@@ -15,7 +15,11 @@ Next to it, what the design itself costs: the replay's own message pattern with 
 needs in bare trio (one round trip, one one-way message, one hop; the fastest run). The latter
 plus the hashing floor is the *design floor*: no replay built this way can be faster, whatever
 its cache does. What the goal leaves beyond it, per stage and request, is what all the cache's
-own work (probing, recording, accounting, messages and frames) would have to fit in.
+own work (probing, recording, accounting, messages and frames) would have to fit in. And the
+replay itself with caches that do nothing (every restore misses, every record stores nothing;
+the messages, prompts, frames, token ids and summary are all still made): what the pipeline
+around the cache costs (``null_cache_cpu_s``), and so the share of the replay's CPU time that
+is the cache's (``cache_share_cpu``).
 
 Usage::
 
@@ -26,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -35,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Final
@@ -46,10 +51,12 @@ import trio
 
 from actors import Actor, open_actor
 from stage_runtime._cli_support import int_at_least
+from stage_runtime.cache.stage_cache import StageCache
 from stage_runtime.sim import (
     BlockTokenizer,
     SimConfig,
     SimRequest,
+    TheoreticalMax,
     read_trace,
     run_replay,
     theoretical_max_hit_ratio,
@@ -240,6 +247,31 @@ def bare_message_floor_seconds(
     return trio.run(_drive, _bare_stage, requests, stages, channel_size)
 
 
+@contextlib.contextmanager
+def _caches_doing_nothing() -> Iterator[None]:
+    """Within: every stage cache restores nothing and records nothing (its actor still gets
+    both messages and builds the prompt), so a replay costs what the pipeline does alone."""
+    restore, record = StageCache.restore_prompt, StageCache.record_prompt
+    StageCache.restore_prompt = lambda self, prompt: None  # type: ignore[method-assign]
+    StageCache.record_prompt = lambda self, prompt, frame: []  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StageCache.restore_prompt = restore  # type: ignore[method-assign]
+        StageCache.record_prompt = record  # type: ignore[method-assign]
+
+
+def null_cache_cpu_seconds(
+    requests: list[SimRequest], config: SimConfig, theoretical: TheoreticalMax
+) -> float:
+    """CPU seconds of the same replay with caches that do nothing: the pipeline's own cost
+    (stages, models, frames, messages, token ids, summary), which no cache can go below."""
+    with _caches_doing_nothing():
+        started = time.process_time()
+        run_replay(requests, config, theoretical=theoretical)
+        return time.process_time() - started
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     """Run the benchmark; print a table, write JSON and return the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -290,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     generation: list[float] = []
     walls: list[float] = []
     cpus: list[float] = []
+    null_cpus: list[float] = []
     result = None
     # A report figure, the same every run: computed once, outside the replay's timed CPU.
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
@@ -309,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         # CPU time too: on a shared machine wall time also counts other processes' turns.
         cpus.append(time.process_time() - cpu_start)
         walls.append(result.wall_s)
+        null_cpus.append(null_cache_cpu_seconds(requests, config, theoretical))
     assert result is not None
     wall = statistics.median(walls)
     cpu = statistics.median(cpus)
@@ -323,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     design_floor_ratio = (floor + bare_floor) / floor if floor > 0 else None
     design_floor_ratio_cpu = (floor_cpu + bare_floor_cpu) / floor_cpu if floor_cpu > 0 else None
     ratio_cpu = cpu / floor_cpu if floor_cpu > 0 else None
+    null_cpu = statistics.median(null_cpus)
+    null_ratio_cpu = null_cpu / floor_cpu if floor_cpu > 0 else None
     # What the goal leaves for everything else a stage does per request (probing, hashing
     # beyond one pass, recording, accounting, building messages and frames), in CPU time, and
     # what all of that takes now.
@@ -380,6 +416,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "floor_cpu_s": floor_cpu,
         "floor_cpu_s_all": floor_cpus,
         "ratio_to_floor_cpu": ratio_cpu,
+        # The same replay with caches that restore and record nothing: what the pipeline costs
+        # around the cache (no cache can make a replay cheaper than this).
+        "null_cache_cpu_s": null_cpu,
+        "null_cache_cpu_s_all": null_cpus,
+        "null_cache_ratio_to_floor_cpu": null_ratio_cpu,
+        "cache_share_cpu": (cpu - null_cpu) / cpu if cpu > 0 else None,
         "goal_budget_cpu_us_per_stage_request": budget_us,
         "beyond_design_floor_cpu_us_per_stage_request": beyond_us,
         "ratio_to_floor": wall / floor if floor > 0 else None,
@@ -432,6 +474,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"{design_floor_ratio_cpu:.2f}x in CPU time"
             if design_floor_ratio_cpu is not None
             else "n/a",
+        ),
+        (
+            "caches doing nothing (CPU)",
+            f"{null_cpu:.2f} s = {null_ratio_cpu:.1f}x floor"
+            if null_ratio_cpu is not None
+            else f"{null_cpu:.2f} s",
         ),
         (
             f"{goal_ratio:g}x goal leaves for cache work",

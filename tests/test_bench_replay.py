@@ -84,6 +84,14 @@ def test_the_cpu_time_ratio_to_the_floor_is_the_goal_of_either_index(
     assert result["goal_budget_cpu_us_per_stage_request"] == pytest.approx(budget)
     beyond = max(cpu - floor_cpu - min(bare), 0) / (2 * 4) * 1e6
     assert result["beyond_design_floor_cpu_us_per_stage_request"] == pytest.approx(beyond)
+    # The same replay with caches that do nothing, once per repeat.
+    null = result["null_cache_cpu_s_all"]
+    assert isinstance(null, list)
+    assert len(null) == 2
+    assert result["null_cache_cpu_s"] == pytest.approx(sum(null) / 2)
+    assert result["null_cache_ratio_to_floor_cpu"] == pytest.approx(sum(null) / 2 / floor_cpu)
+    assert result["cache_share_cpu"] == pytest.approx((cpu - sum(null) / 2) / cpu)
+    assert "caches doing nothing (CPU)" in printed
     # The other figures are still there.
     for key in ("wall_s", "floor_s", "ratio_to_floor", "message_floor_s", "design_floor_ratio"):
         assert key in result
@@ -104,3 +112,23 @@ def test_an_unknown_index_is_a_usage_error(
     assert caught.value.code == 2
     assert "--index: invalid choice: 'bogus'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == [trace]
+
+
+def test_caches_doing_nothing_restore_and_record_nothing_until_the_block_ends() -> None:
+    """Within the block every stage cache misses and stores nothing (the replay restores 0%);
+    afterwards the real methods are back, and the same replay restores again."""
+    from stage_runtime.cache.stage_cache import StageCache
+    from stage_runtime.sim import SimConfig, read_demo_trace, run_replay
+
+    bench = load_script("bench_replay")
+    requests = list(read_demo_trace().requests)[:40]
+    config = SimConfig(stages=2)
+    restore, record = StageCache.restore_prompt, StageCache.record_prompt
+    with bench._caches_doing_nothing():
+        nothing = run_replay(requests, config)
+    assert (StageCache.restore_prompt, StageCache.record_prompt) == (restore, record)
+    assert nothing.token_hit_ratio == 0
+    assert all(
+        stage.accounting is None or stage.accounting.entries == 0 for stage in nothing.stages
+    )
+    assert run_replay(requests, config).token_hit_ratio > 0
