@@ -571,16 +571,18 @@ class PagedActivationIndex:
         entries = self._entries
         p = chain.page_tokens
         first: _Entry | None = None
+        # The first page's rows, which every later page must match (set with it).
+        row_bytes, page_bytes, meta = -1, -1, None
         for key in chain.page_keys:
             entry = entries.get(key)
-            # _probe's test, inline for the usual case: a page like the first one used.
+            # _probe's test, inline for the usual case: a page like the first one used (an
+            # entry's nbytes is its payload's size).
             if (
                 entry is not None
-                and first is not None
+                and entry.bytes_per_token == row_bytes
                 and entry.token_count == p
-                and entry.bytes_per_token == first.bytes_per_token
-                and entry.payload.size == p * entry.bytes_per_token
-                and (entry.meta is first.meta or entry.meta == first.meta)
+                and entry.nbytes == page_bytes
+                and (entry.meta is meta or entry.meta == meta)
             ):
                 used.append(entry)
                 covered += p
@@ -590,6 +592,7 @@ class PagedActivationIndex:
                 break
             if first is None:
                 first = entry
+                row_bytes, page_bytes, meta = entry.bytes_per_token, entry.nbytes, entry.meta
             used.append(entry)
             covered += p
         else:
