@@ -7,6 +7,7 @@ import hashlib
 import tracemalloc
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import blake3
 import numpy as np
@@ -164,6 +165,36 @@ def test_recent_chains_stay_within_their_count_and_token_bounds(
     recent.remember(big)  # alone over the budget: kept, the only one
     assert (len(recent), recent._tokens) == (1, 12)
     assert recent.take(big.page_keys[0]) is big
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    operations=st.lists(
+        st.tuples(
+            st.sampled_from(["record", "restore", "exact"]),
+            st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=9),
+        ),
+        max_size=20,
+    ),
+)
+def test_a_restore_describes_the_entries_it_used(operations: list[tuple[str, list[int]]]) -> None:
+    """Whatever was recorded (pages, tails, exact entries of rows or of opaque bytes), a hit's
+    token counts, sizes and pages are those of the entries it used, in order."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=10)
+    for operation, tokens in operations:
+        chain = index.chain(b"ns", tokens)
+        if operation == "record":
+            index.record(chain, rows(b"ns", tokens))
+        elif operation == "exact":  # an odd size: not rows
+            index.record(chain, np.zeros(2 * len(tokens) + 1, dtype=np.uint8), token_major=False)
+        found = index.restore(chain).restore
+        if found is None:
+            continue
+        used: tuple[Any, ...] = found.used  # (the index's entries)
+        assert found.page_token_counts == tuple(e.token_count for e in used)
+        assert found.payload_bytes == sum(e.nbytes for e in used)
+        assert found.pages == tuple(e.payload for e in used)
+        assert found.token_count == sum(found.page_token_counts)
 
 
 class _TouchingEachPage(PagedActivationIndex):

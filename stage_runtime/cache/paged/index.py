@@ -627,17 +627,21 @@ class PagedActivationIndex:
             touched(entry.key if lru else entry)  # type: ignore[arg-type]
         self._hits += 1
         self._restored_tokens += covered
-        first = used[0]
+        first, last = used[0], used[-1]
+        bpt = first.bytes_per_token
+        # Every entry used holds whole rows of the first one's width (checked above), but an
+        # exact entry that is not rows at all (bpt 0), used alone; all are pages but the last.
+        counts = (p,) * (len(used) - 1) + (last.token_count,)
         return PagedLookup(
             restore=PagedRestore(
                 token_count=covered,
-                bytes_per_token=first.bytes_per_token,
+                bytes_per_token=bpt,
                 meta=first.meta,
-                pages=tuple(e.payload for e in used),
-                page_token_counts=tuple(e.token_count for e in used),
-                last_key=used[-1].key,
+                pages=tuple([e.payload for e in used]),
+                page_token_counts=counts,
+                last_key=last.key,
                 entries=len(self._entries),
-                payload_bytes=sum(e.nbytes for e in used),
+                payload_bytes=covered * bpt if bpt else first.nbytes,
                 used=tuple(used),
             ),
             miss_reason=None,
