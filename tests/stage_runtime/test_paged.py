@@ -190,7 +190,7 @@ def test_a_restore_describes_the_entries_it_used(operations: list[tuple[str, lis
         found = index.restore(chain).restore
         if found is None:
             continue
-        used: tuple[Any, ...] = found.used  # (the index's entries)
+        used: Sequence[Any] = found.used  # (the index's entries)
         assert found.page_token_counts == tuple(e.token_count for e in used)
         assert found.payload_bytes == sum(e.nbytes for e in used)
         assert found.pages == tuple(e.payload for e in used)
