@@ -210,7 +210,7 @@ of it, whose ``base`` is the fill byte's array."""
 def _virtual_payload(size: int, fill: int = 0) -> npt.NDArray[np.uint8]:
     # What np.broadcast_to(byte, (size,)) returns (read-only, stride 0), as a slice: a tenth of
     # what the ndarray constructor costs, and a fraction of broadcast_to's argument handling.
-    if size < 0:  # (a slice would count from the end)
+    if not 0 <= size <= _MAX_VIRTUAL_BYTES:  # (a slice would count from the end, or clip)
         msg = f"a payload cannot have {size} bytes"
         raise ValueError(msg)
     return _FILL_VIEWS[fill][:size]

@@ -188,7 +188,7 @@ class ActivationRestore:
     whole: ActivationFrame | None = None
     """A ladder hit's cached frame (shared with the cache, read-only); None for a paged hit."""
     _identity: PrefillKvIdentity | None = attrs.field(default=None, alias="identity")
-    _identity_of: IdentityInputs | None = attrs.field(default=None, alias="identity_of")
+    _identity_of: IdentityInputs | None = attrs.field(default=None, alias="identity_of", repr=False)
 
     def __attrs_post_init__(self) -> None:
         if (self._identity is None) == (self._identity_of is None):
@@ -203,9 +203,14 @@ class ActivationRestore:
         :func:`prefill_kv_identity`, called when this is first read (a stage never reads it)."""
         identity = self._identity
         if identity is None:
-            assert self._identity_of is not None
-            identity = prefill_kv_identity(*self._identity_of)
+            inputs = self._identity_of
+            if inputs is None:  # another thread has just computed it (and set it first)
+                identity = self._identity
+                assert identity is not None
+                return identity
+            identity = prefill_kv_identity(*inputs)
             object.__setattr__(self, "_identity", identity)
+            object.__setattr__(self, "_identity_of", None)  # (one of the two, as given)
         return identity
 
     def pages(self) -> tuple[ActivationFrame, ...]:

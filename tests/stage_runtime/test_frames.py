@@ -466,3 +466,5 @@ def test_a_virtual_payload_repeats_one_shared_byte(size: int, fill: int) -> None
         assert int(payload[0]) == int(payload[size - 1]) == fill
     with pytest.raises(ValueError, match="cannot have -1 bytes"):
         _virtual_payload(-1, fill)
+    with pytest.raises(ValueError, match=f"cannot have {2**63} bytes"):
+        _virtual_payload(2**63, fill)

@@ -209,6 +209,7 @@ class _TouchingEachPage(PagedActivationIndex):
 @settings(max_examples=80, deadline=None)
 @given(
     max_entries=st.integers(3, 12),
+    max_bytes=st.sampled_from([0, 0, 24, 48, 96]),
     operations=st.lists(
         st.tuples(
             st.booleans(),
@@ -219,13 +220,13 @@ class _TouchingEachPage(PagedActivationIndex):
     ),
 )
 def test_an_lru_record_with_room_to_spare_keeps_the_order_of_touching_each_page(
-    max_entries: int, operations: list[tuple[bool, list[int], int]]
+    max_entries: int, max_bytes: int, operations: list[tuple[bool, list[int], int]]
 ) -> None:
     """A record that cannot evict (the bounds fit all it could add) only checks its cached
     pages: record_ended orders the chain. Entries, their order (the LRU order) and every result
     equal an index that touches each page as it goes."""
-    fast = PagedActivationIndex(page_tokens=2, max_entries=max_entries)
-    slow = _TouchingEachPage(page_tokens=2, max_entries=max_entries)
+    fast = PagedActivationIndex(page_tokens=2, max_entries=max_entries, max_bytes=max_bytes)
+    slow = _TouchingEachPage(page_tokens=2, max_entries=max_entries, max_bytes=max_bytes)
     for is_record, tokens, width in operations:
         for index in (fast, slow):
             chain = index.chain(b"ns", tokens)
@@ -239,6 +240,71 @@ def test_an_lru_record_with_room_to_spare_keeps_the_order_of_touching_each_page(
         for key, entry in fast._entries.items():
             other = slow._entries[key]
             assert (entry.nbytes, entry.hits) == (other.nbytes, other.hits)
+
+
+class _CountingFastRecords(PagedActivationIndex):
+    """An index that counts the records that took the LRU fast path."""
+
+    __slots__ = ("fast_records",)
+
+    def _fits_without_eviction(self, pages: int, payload_bytes: int) -> bool:
+        fits = super()._fits_without_eviction(pages, payload_bytes)
+        self.fast_records = getattr(self, "fast_records", 0) + fits
+        return fits
+
+
+@pytest.mark.parametrize(
+    ("max_entries", "max_bytes", "fast"), [(100, 0, 2), (100, 1000, 2), (4, 0, 1), (100, 40, 1)]
+)
+def test_an_lru_record_takes_the_fast_path_only_when_nothing_can_be_evicted(
+    max_entries: int, max_bytes: int, fast: int
+) -> None:
+    """The second record of a prompt (3 pages and a tail, 28 bytes) with room for all of it
+    again checks its cached pages only; with 4 entries, or 40 bytes, it could evict."""
+    index = _CountingFastRecords(page_tokens=2, max_entries=max_entries, max_bytes=max_bytes)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    for _ in range(2):
+        record(index, tokens)
+    assert index.fast_records == fast
+    assert restored(index, tokens) == 7
+
+
+@pytest.mark.parametrize("eviction", ["reuse", "adaptive", "lru"])
+def test_new_pages_forget_their_tombstones_before_the_next_page_makes_room(
+    eviction: str,
+) -> None:
+    """A strategy that makes room page by page buries keys between two new pages: each new
+    page's tombstone goes first, so a full tracker drops the same ones as one page at a time."""
+    index = PagedActivationIndex(page_tokens=1, max_entries=3, tombstones=3, eviction=eviction)
+    for tokens in ([1], [2], [3], [4], [5], [6], [3, 9]):
+        index.record(index.chain(b"ns", tokens), np.ones(len(tokens), dtype=np.uint8))
+    reason = index.restore(index.chain(b"ns", [2])).miss_reason
+    assert reason == ("evicted" if eviction == "reuse" else "never_seen")
+
+
+def test_re_recording_wider_rows_under_a_tight_byte_bound_keeps_the_index_consistent() -> None:
+    """Widening the rows of a cached prompt when only its first page fits: the first page is
+    re-recorded (evicting the deeper page, whose rows were the old width anyway) and the record
+    ends there, truncated. (The re-record used to raise a KeyError on the evicted page.)"""
+    index = PagedActivationIndex(page_tokens=1, max_entries=10, max_bytes=3)
+    chain = index.chain(b"ns", [1, 2])
+    assert index.record(chain, np.ones(2, dtype=np.uint8)).stored_entries == 2
+    outcome = index.record(chain, np.ones(6, dtype=np.uint8))  # 3-byte rows
+    assert (outcome.stored_entries, outcome.reused_entries) == (0, 1)
+    assert (outcome.covered_tokens, outcome.truncated) == (1, True)
+    assert [page.reason for page in outcome.evicted.pages] == ["max_bytes"]
+    assert (len(index), index.resident_bytes) == (1, 3)
+    found = index.restore(index.chain(b"ns", [1, 2])).restore
+    assert found is not None
+    assert (found.token_count, found.bytes_per_token) == (1, 3)
+
+
+def test_a_bytearray_namespace_keys_as_its_bytes() -> None:
+    """A bytes-like namespace (not the declared bytes, but accepted) keys as its bytes."""
+    namespace: Any = bytearray(b"ns")
+    assert page_chain(namespace, [1, 2, 3], page_tokens=2).page_keys == (
+        page_chain(b"ns", [1, 2, 3], page_tokens=2).page_keys
+    )
 
 
 def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:

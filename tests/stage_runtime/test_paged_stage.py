@@ -119,8 +119,12 @@ def test_a_hit_computes_its_identity_when_first_read(index: str) -> None:
     hit = kv.stage_cache.restore(base, prompt, WIDTH)
     assert hit is not None
     assert hit._identity is None
+    assert "identity_of" not in repr(hit)
+    inputs = hit._identity_of
     identity = hit.identity
     assert hit.identity is identity
+    assert attrs.evolve(hit, entries=0).identity is identity  # (only the identity is kept)
+    assert hit._identity_of is None
     count = hit.token_count
     again = prefill_kv_identity(config, base, 0, np.array(prompt, dtype=np.int32), count, "x")
     assert attrs.evolve(identity.identity, prefix_hash="x") == again.identity
@@ -140,7 +144,7 @@ def test_a_hit_computes_its_identity_when_first_read(index: str) -> None:
     )
     assert given.identity is again
     neither: dict[str, Any] = {}
-    both: dict[str, Any] = {"identity": again, "identity_of": hit._identity_of}
+    both: dict[str, Any] = {"identity": again, "identity_of": inputs}
     for given_ids in (neither, both):
         with pytest.raises(TypeError, match="exactly one of identity and identity_of"):
             ActivationRestore(

@@ -1,4 +1,5 @@
-"""Page chains: the chained BLAKE3 keys of a prompt's pages (one pass over its tokens).
+"""Page chains: the chained BLAKE3 keys of a prompt's pages (one pass over its tokens; the
+exact key, which few prompts need, is computed when first read).
 
 A page's key chains the BLAKE3 identity::
 
@@ -49,7 +50,8 @@ def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArr
 
 @attrs.frozen(kw_only=True, eq=False)
 class PageChain:
-    """The chained keys of one prompt under one namespace (computed once, in one pass)."""
+    """The chained keys of one prompt under one namespace (computed once, in one pass; the
+    exact key when first read)."""
 
     namespace: bytes
     """Identity of everything but the tokens (stage, model, width, salt...)."""
@@ -109,7 +111,8 @@ def page_chain(
     page_tokens: int,
     label: str = "act",
 ) -> PageChain:
-    """Compute the chained page keys of ``tokens`` (one BLAKE3 pass over the tokens).
+    """Compute the chained page keys of ``tokens`` (one BLAKE3 pass over the tokens; the
+    exact key is computed when first read).
 
     Args:
         namespace: identity bytes of everything that is not a token (must differ between stages,
@@ -145,9 +148,10 @@ tokens (the pipeline's array, one for every stage): 768 cost the command line's 
 about 35 MB of peak RSS over 256."""
 
 _RECENT_TOKENS = 1 << 24
-"""Tokens (4 bytes each) the chains a :class:`RecentChains` keeps may hold in all: 64 MiB, so
-that long prompts (a private copy each, when their array is not the pipeline's) keep it
-bounded."""
+"""Tokens the chains a :class:`RecentChains` keeps may hold in all: 64 MiB of token ids (4 bytes
+each), so that long prompts (a private copy each, when their array is not the pipeline's) keep
+it bounded. Their keys come on top, about 73 bytes per page (a 32-byte digest object and its
+tuple slot): more than the tokens themselves with 16-token pages, 4% more with the default 512."""
 
 
 class RecentChains:
@@ -190,6 +194,7 @@ _root_keys: dict[bytes, bytes] = {}
 
 
 def _root_key(namespace: bytes) -> bytes:
+    namespace = bytes(namespace)  # (a bytearray, or any buffer, hashes as its bytes)
     key = _root_keys.get(namespace)
     if key is None:
         if len(_root_keys) >= _ROOT_KEYS:

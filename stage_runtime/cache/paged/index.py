@@ -452,12 +452,18 @@ class PagedActivationIndex:
         stored = None if type(eviction) is LruEviction else eviction.stored  # (LRU: no-op)
         label, bpt, meta = chain.label, op.bytes_per_token, op.meta
         group = chain.root_key if parent is None else parent.key
+        # With all the room made at once, the new pages' tombstones go in one call after the
+        # loop; a strategy that makes room page by page buries other keys between pages, and
+        # each page's tombstone must go before (a full tracker then drops the same ones).
+        forget = None if fit >= 0 else self._misses.cached
         done = first
         try:
             for i in range(first, stop):
-                if fit < 0 and not eviction.page_room(size, parent, op.evicted):
-                    stop = i  # the bounds cannot fit this page: the chain ends before it
-                    break
+                if forget is not None:
+                    if not eviction.page_room(size, parent, op.evicted):
+                        stop = i  # the bounds cannot fit this page: the chain ends before it
+                        break
+                    forget(keys[i])
                 segment = (
                     shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
                 )
@@ -482,7 +488,8 @@ class PagedActivationIndex:
             self._records += pages
             op.stored_entries += pages
             op.stored_bytes += pages * size
-            self._misses.cached_all(keys[first:done])
+            if forget is None:
+                self._misses.cached_all(keys[first:done])
         return parent, stop == len(keys)
 
     def _uncount_footprint(self, key: bytes) -> None:
