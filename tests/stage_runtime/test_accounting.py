@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,45 +27,28 @@ def test_miss_tracker_forgets_the_oldest_tombstone_first() -> None:
     assert len(tracker) == 1
 
 
+@pytest.mark.parametrize(
+    ("each", "batched"), [("evicted", "evicted_all"), ("cached", "cached_all")]
+)
 @settings(max_examples=200, deadline=None)
 @given(
     capacity=st.integers(1, 6),
     before=st.lists(st.integers(0, 9), max_size=12),
     batch=st.lists(st.integers(0, 9), max_size=12),
 )
-def test_burying_a_batch_equals_burying_each_in_turn(
-    capacity: int, before: list[int], batch: list[int]
+def test_a_batch_keeps_the_tombstones_one_call_per_key_keeps(
+    each: str, batched: str, capacity: int, before: list[int], batch: list[int]
 ) -> None:
-    """evicted_all (what the paged index calls once per room-making) keeps the tombstones one
-    evicted call per key would keep, in the same order."""
+    """evicted_all (the paged index buries a room-making's victims in one call) and cached_all
+    (it forgets the tombstones of a record's new pages in one call) keep the tombstones one
+    evicted or cached call per key would keep, in the same order."""
     one, many = MissTracker(capacity=capacity), MissTracker(capacity=capacity)
     for key in before:
         one.evicted(key)
         many.evicted(key)
     for key in batch:
-        one.evicted(key)
-    many.evicted_all(batch)
-    assert list(one._tombstones) == list(many._tombstones)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    capacity=st.integers(1, 6),
-    before=st.lists(st.integers(0, 9), max_size=12),
-    batch=st.lists(st.integers(0, 9), max_size=12),
-)
-def test_forgetting_a_batch_equals_forgetting_each_in_turn(
-    capacity: int, before: list[int], batch: list[int]
-) -> None:
-    """cached_all (what the paged index calls once per record's new pages) keeps the tombstones
-    one cached call per key would keep, in the same order."""
-    one, many = MissTracker(capacity=capacity), MissTracker(capacity=capacity)
-    for key in before:
-        one.evicted(key)
-        many.evicted(key)
-    for key in batch:
-        one.cached(key)
-    many.cached_all(batch)
+        getattr(one, each)(key)
+    getattr(many, batched)(batch)
     assert list(one._tombstones) == list(many._tombstones)
 
 
