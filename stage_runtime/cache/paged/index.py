@@ -233,30 +233,15 @@ class PagedActivationIndex:
         bpt = payload.size // n
         op = _Recording(chain, bpt, meta)
         p = chain.page_tokens
-        parent: _Entry | None = None
         keys = chain.page_keys
-        entries = self._entries
-        size = p * bpt
         # Pages already cached come first (a cached page's parent is always cached): refresh
-        # them; every page after the first missing one is new (_put_new_pages).
-        first_new = 0
-        lru = type(self._eviction) is LruEviction
-        if lru and self._fits_without_eviction(len(keys), n * bpt):
-            # Nothing can be evicted before the record ends, and its end (record_ended) makes
-            # the whole chain the newest: a refresh only checks the rows (see _refresh).
-            for key in keys:
-                existing = entries.get(key)
-                if (
-                    existing is None
-                    or existing.nbytes != size
-                    or existing.bytes_per_token != bpt
-                    or (existing.meta is not meta and existing.meta != meta)
-                ):
-                    break
-                parent = existing
-                first_new += 1
-            op.reused_entries += first_new
-        parent, first_new = self._refresh(op, first_new, parent, payload)
+        # them; every page after the first missing one is new (_put_new_pages). Under LRU, when
+        # nothing can be evicted before the record ends, whose end (record_ended) makes the
+        # whole chain the newest, a refresh need not touch each page.
+        touch = type(self._eviction) is not LruEviction or not self._fits_without_eviction(
+            len(keys), n * bpt
+        )
+        parent, first_new = self._refresh(op, payload, touch=touch)
         if first_new < 0:  # the bounds refused a page re-recorded with other rows
             return self._outcome(op, parent, truncated=True)
         if first_new < len(keys):
@@ -280,12 +265,12 @@ class PagedActivationIndex:
         )
 
     def _refresh(
-        self, op: _Recording, start: int, parent: _Entry | None, payload: Payload
+        self, op: _Recording, payload: Payload, *, touch: bool
     ) -> tuple[_Entry | None, int]:
-        """Refresh the chain's cached pages from page ``start`` on (after ``parent``), up to the
-        first one not cached; returns the last entry refreshed and the index of the first page
-        not cached. A page with other rows is re-recorded (:meth:`_put`); when the bounds
-        refuse that, the index returned is -1 - the page's."""
+        """Refresh the chain's cached pages, up to the first one not cached (touching each when
+        ``touch``); returns the last entry refreshed and the index of the first page not cached.
+        A page with other rows is re-recorded (:meth:`_put`); when the bounds refuse that, the
+        index returned is -1 - the page's."""
         chain = op.chain
         keys = chain.page_keys
         entries = self._entries
@@ -293,8 +278,8 @@ class PagedActivationIndex:
         lru = type(self._eviction) is LruEviction  # (its touch: a move to the newest end)
         touched = entries.move_to_end if lru else self._eviction.touched
         size = p * bpt
-        for i in range(start, len(keys)):
-            key = keys[i]
+        parent: _Entry | None = None
+        for i, key in enumerate(keys):
             existing = entries.get(key)
             if existing is None:
                 return parent, i
@@ -303,10 +288,10 @@ class PagedActivationIndex:
                 and existing.bytes_per_token == bpt
                 and (existing.meta is meta or existing.meta == meta)
             ):
-                # _put of a cached page with the same rows, inline: a refresh (_touch).
-                self._clock += 1
-                existing.last_used = self._clock
-                touched(key if lru else existing)  # type: ignore[arg-type]
+                if touch:  # _put of a cached page with the same rows, inline: _touch
+                    self._clock += 1
+                    existing.last_used = self._clock
+                    touched(key if lru else existing)  # type: ignore[arg-type]
                 op.reused_entries += 1
                 parent = existing
                 continue
