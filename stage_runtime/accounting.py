@@ -20,6 +20,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._arrays import first_difference
+
 # MissTracker and PrefixFootprint are building blocks of the two indexes, not public API.
 __all__ = [
     "CacheAccounting",
@@ -176,9 +178,7 @@ def _common_prefix_tokens(a: bytes, b: bytes) -> int:
     m = min(len(a), len(b))
     left = np.frombuffer(a, dtype=np.uint8, count=m)
     right = np.frombuffer(b, dtype=np.uint8, count=m)
-    differ = np.flatnonzero(left != right)
-    common = int(differ[0]) if differ.size else m
-    return common // 4
+    return first_difference(left, right) // 4
 
 
 def _trie_tokens(segments: list[bytes]) -> int:

@@ -20,6 +20,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._arrays import first_difference
 from stage_runtime.errors import ConfigError
 from stage_runtime.identity import TokenArray, _frozen, as_token_array
 
@@ -237,8 +238,8 @@ def _page_chain(
         if like is not None and like.namespace == namespace and like.page_tokens == page_tokens:
             end = min(full, len(like.page_keys)) * page_tokens
             if end > page_tokens:
-                differ = np.flatnonzero(ids[page_tokens:end] != like.tokens[page_tokens:end])
-                same = (page_tokens + int(differ[0]) if differ.size else end) // page_tokens
+                common = first_difference(ids[page_tokens:end], like.tokens[page_tokens:end])
+                same = (page_tokens + common) // page_tokens
                 if same > 1:
                     keys.extend(like.page_keys[1:same])
                     parent = keys[-1]
