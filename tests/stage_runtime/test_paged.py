@@ -305,6 +305,9 @@ def test_a_bytearray_namespace_keys_as_its_bytes() -> None:
     assert page_chain(namespace, [1, 2, 3], page_tokens=2).page_keys == (
         page_chain(b"ns", [1, 2, 3], page_tokens=2).page_keys
     )
+    number: Any = 5  # (bytes(5) would be five zero bytes)
+    with pytest.raises(TypeError):
+        page_chain(number, [1, 2, 3], page_tokens=2)
 
 
 def test_partial_tail_is_used_only_when_the_whole_prompt_matches() -> None:

@@ -224,6 +224,35 @@ def test_pages_of_an_interrupted_record_can_still_be_evicted(
 
 
 @pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
+def test_an_interrupted_record_leaves_no_page_without_its_parent(
+    monkeypatch: pytest.MonkeyPatch, eviction: str
+) -> None:
+    """The pages an interrupted record stored go child first like any chain's: later records
+    that need room never evict a parent and keep its child (every resident page's parent is
+    resident). (No restore in between: a restore would reorder the chain by itself.)"""
+    index = _index(4, eviction=eviction)
+    segment = index_module._shared_segment  # type: ignore[attr-defined]
+    calls = 0
+
+    def interrupted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return segment(*args)
+
+    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record(index, [1, 2, 3, 4])
+    monkeypatch.undo()
+    assert index.statistics().pages == 2
+    for tokens in ([7, 8, 9], [5], [6, 6]):
+        record(index, tokens)
+        for entry in index._entries.values():
+            assert entry.parent is None or entry.parent.key in index._entries
+
+
+@pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
 def test_a_record_interrupted_before_its_first_new_page_leaves_its_chain_evictable(
     monkeypatch: pytest.MonkeyPatch, eviction: str
 ) -> None:

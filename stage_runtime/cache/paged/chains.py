@@ -152,7 +152,8 @@ _RECENT_TOKENS = 1 << 24
 """Tokens the chains a :class:`RecentChains` keeps may hold in all: 64 MiB of token ids (4 bytes
 each), so that long prompts (a private copy each, when their array is not the pipeline's) keep
 it bounded. Their keys come on top, about 73 bytes per page (a 32-byte digest object and its
-tuple slot): more than the tokens themselves with 16-token pages, 4% more with the default 512."""
+tuple slot): more than the tokens themselves with 16-token pages, 14% more with the stride the
+runtime pages by default (128 tokens), 4% with the simulator's 512."""
 
 
 class RecentChains:
@@ -195,7 +196,8 @@ _root_keys: dict[bytes, bytes] = {}
 
 
 def _root_key(namespace: bytes) -> bytes:
-    namespace = bytes(namespace)  # (a bytearray, or any buffer, hashes as its bytes)
+    if type(namespace) is not bytes:  # a bytearray, or any buffer, hashes as its bytes
+        namespace = bytes(memoryview(namespace))
     key = _root_keys.get(namespace)
     if key is None:
         if len(_root_keys) >= _ROOT_KEYS:

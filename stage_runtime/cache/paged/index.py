@@ -215,9 +215,31 @@ class PagedActivationIndex:
             return self._record(chain, payload, meta, token_major)
         except BaseException:
             # Interrupted between pages (a KeyboardInterrupt, a MemoryError): the strategy
-            # still hears the record end, so the pages stored so far stay evictable.
-            self._eviction.record_ended(None)
+            # still hears the record end, so the pages stored so far stay evictable. LRU orders
+            # the chain from its deepest entry (else its new pages would stay oldest first,
+            # parents before children, and a parent could go before its child); the other
+            # strategies follow the running record themselves.
+            last = None
+            if type(self._eviction) is LruEviction:
+                exact = not token_major or payload.size % max(chain.token_count, 1) != 0
+                last = self._deepest_resident(chain, exact=exact)
+            self._eviction.record_ended(last)
             raise
+
+    def _deepest_resident(self, chain: PageChain, *, exact: bool) -> _Entry | None:
+        """Where a record of ``chain`` got to: its exact entry when ``exact``, else the deepest
+        of its pages (and tail) resident now, following them from the first."""
+        entries = self._entries
+        if exact:
+            return entries.get(chain.exact_key)
+        last: _Entry | None = None
+        for key in chain.page_keys:
+            entry = entries.get(key)
+            if entry is None:
+                return last
+            last = entry
+        tail = None if chain.tail_key is None else entries.get(chain.tail_key)
+        return tail if tail is not None and tail.parent is last else last
 
     def _record(
         self, chain: PageChain, payload: Payload, meta: Hashable, token_major: bool
@@ -269,8 +291,8 @@ class PagedActivationIndex:
     ) -> tuple[_Entry | None, int]:
         """Refresh the chain's cached pages, up to the first one not cached (touching each when
         ``touch``); returns the last entry refreshed and the index of the first page not cached.
-        A page with other rows is re-recorded (:meth:`_put`); when the bounds refuse that, the
-        index returned is -1 - the page's."""
+        A page with other rows is re-recorded (:meth:`_put`, which touches it either way); when
+        the bounds refuse that, the index returned is -1 - the page's."""
         chain = op.chain
         keys = chain.page_keys
         entries = self._entries
