@@ -194,14 +194,10 @@ def test_the_cache_stays_prefix_closed_and_within_its_bounds(
                 )
 
 
-@pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
-def test_pages_of_an_interrupted_record_can_still_be_evicted(
-    monkeypatch: pytest.MonkeyPatch, eviction: str
+def _record_interrupted_at_its_third_page(
+    monkeypatch: pytest.MonkeyPatch, index: PagedActivationIndex, tokens: list[int]
 ) -> None:
-    """A record interrupted between two pages still ends for the strategy (the index tells it
-    before the interrupt goes on): the pages it stored are leaves like any other and make
-    room for later records."""
-    index = _index(4, eviction=eviction)
+    """Record ``tokens`` (one-token pages), interrupted as its third new page is stored."""
     segment = index_module._shared_segment  # type: ignore[attr-defined]
     calls = 0
 
@@ -212,10 +208,21 @@ def test_pages_of_an_interrupted_record_can_still_be_evicted(
             raise KeyboardInterrupt
         return segment(*args)
 
-    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        record(index, [1, 2, 3])
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr(index_module, "_shared_segment", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            record(index, tokens)
+
+
+@pytest.mark.parametrize("eviction", ["adaptive", "lru", "reuse"])
+def test_pages_of_an_interrupted_record_can_still_be_evicted(
+    monkeypatch: pytest.MonkeyPatch, eviction: str
+) -> None:
+    """A record interrupted between two pages still ends for the strategy (the index tells it
+    before the interrupt goes on): the pages it stored are leaves like any other and make
+    room for later records."""
+    index = _index(4, eviction=eviction)
+    _record_interrupted_at_its_third_page(monkeypatch, index, [1, 2, 3])
     assert index.statistics().pages == 2  # the counters hold the pages stored
     assert restored(index, [1, 2]) == 2
     outcome = record(index, [5, 6, 7, 8])
@@ -231,20 +238,7 @@ def test_an_interrupted_record_leaves_no_page_without_its_parent(
     that need room never evict a parent and keep its child (every resident page's parent is
     resident). (No restore in between: a restore would reorder the chain by itself.)"""
     index = _index(4, eviction=eviction)
-    segment = index_module._shared_segment  # type: ignore[attr-defined]
-    calls = 0
-
-    def interrupted(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise KeyboardInterrupt
-        return segment(*args)
-
-    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        record(index, [1, 2, 3, 4])
-    monkeypatch.undo()
+    _record_interrupted_at_its_third_page(monkeypatch, index, [1, 2, 3, 4])
     assert index.statistics().pages == 2
     for tokens in ([7, 8, 9], [5], [6, 6]):
         record(index, tokens)
