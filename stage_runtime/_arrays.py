@@ -17,5 +17,7 @@ def first_difference(left: npt.NDArray[Any], right: npt.NDArray[Any]) -> int:
     difference (most of a long prompt, after the two part) before the first could be read.
     """
     differ = left != right
-    index = int(differ.argmax()) if differ.size else 0
-    return index if differ.size and differ[index] else int(differ.size)
+    if not differ.size:
+        return 0
+    index = int(differ.argmax())
+    return index if differ[index] else int(differ.size)

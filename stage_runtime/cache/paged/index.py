@@ -220,9 +220,9 @@ class PagedActivationIndex:
             # parents before children, and a parent could go before its child); the other
             # strategies follow the running record themselves.
             last = None
-            if type(self._eviction) is LruEviction:
-                exact = not token_major or payload.size % max(chain.token_count, 1) != 0
-                last = self._deepest_resident(chain, exact=exact)
+            if type(self._eviction) is LruEviction and chain.token_count:
+                whole = _whole_only(payload, chain.token_count, token_major)
+                last = self._deepest_resident(chain, exact=whole)
             self._eviction.record_ended(last)
             raise
 
@@ -247,7 +247,7 @@ class PagedActivationIndex:
         n = chain.token_count
         if n == 0 or n < self.min_tokens or payload.size == 0:
             return self._outcome(_Recording(chain, 0, meta), None, truncated=False)
-        if not token_major or payload.size % n:
+        if _whole_only(payload, n, token_major):
             bpt = payload.size // n if payload.size % n == 0 else 0
             op = _Recording(chain, bpt, meta)
             entry = self._put(op, chain.exact_key, "exact", None, 0, n, payload)
@@ -723,3 +723,9 @@ class PagedActivationIndex:
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
         )
+
+
+def _whole_only(payload: Payload, token_count: int, token_major: bool) -> bool:
+    """Whether a record of ``token_count`` tokens stores ``payload`` whole, as one exact entry:
+    it is not token-major, or not whole rows of one width."""
+    return not token_major or payload.size % token_count != 0
