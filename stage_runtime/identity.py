@@ -414,17 +414,20 @@ def prefix_hashes(
     return _hash_counts(h, array.data.cast("B"), counts)
 
 
-def _hash_counts(h: blake3.blake3, data: memoryview, counts: list[int]) -> dict[int, str]:
-    """Feed ``data`` (int32 bytes) to ``h`` up to each ascending count and read it out there."""
+def _hash_counts(
+    h: blake3.blake3, data: memoryview, counts: list[int], into: dict[int, str] | None = None
+) -> dict[int, str]:
+    """Feed ``data`` (int32 bytes) to ``h`` up to each ascending count and read it out there;
+    returns the hashes by count (added to ``into`` when given)."""
+    hashes: dict[int, str] = {} if into is None else into
     update, digest = h.update, h.digest  # the hot loop: one update and one digest per count
-    digests: list[bytes] = []
     done = 0
     for count in counts:
         end = count * 4
         update(data[done:end])
         done = end
-        digests.append(digest())
-    return {count: _HASH_PREFIX + raw.hex() for count, raw in zip(counts, digests, strict=True)}
+        hashes[count] = _HASH_PREFIX + digest().hex()
+    return hashes
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Final
 from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime.accounting import CacheAccounting, MissReason, PrefixFootprint
 from stage_runtime.cache.paged.chains import PageChain, page_chain
-from stage_runtime.cache.prompt import Prompt
+from stage_runtime.cache.prompt import GridFingerprints, Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentActivationCache, ResidentCacheStats
 from stage_runtime.cache.results import (
     ActivationRestore,
@@ -139,6 +139,52 @@ class LadderIndex:
         """
         store = self.store
         grid = prompt.grid(self.policy)
+        if (
+            self._foreign
+            or self.probe_all
+            or grid.shared_prints
+            or store._records != self._records
+            or len(store._entries) != len(self._prints)
+        ):
+            return self._restore_probing(prompt, grid)
+        # The usual case, as _restore_probing would do it (a third of a stage's cache work).
+        by_print = grid.by_print
+        group = prompt.group
+        resident = self._resident_prints.get(group)
+        found = by_print.keys() & resident.keys() if resident else None
+        buried = self._tombstone_prints.get(group)
+        suspected = by_print.keys() & buried.keys() if buried else None
+        if found:
+            return self._probe(
+                prompt,
+                grid,
+                sorted([by_print[f] for f in found], reverse=True),
+                [by_print[f] for f in suspected] if suspected else [],
+            )
+        # Every grid length misses without a lookup: account for them as lookups would.
+        total = len(grid.counts)
+        store._clock += total
+        store._lookups += total
+        self._lookups += 1
+        reason: MissReason = "never_seen"
+        if suspected:
+            suspects = [by_print[f] for f in suspected]
+            # The record of this prompt comes next: its lengths join the same pass.
+            hashes = prompt.hash_counts([*suspects, *prompt.record_counts(self.policy)])
+            key_of = self._keys(prompt)
+            tombstones = self._tombstones
+            for count in suspects:
+                if key_of(count, hashes[count]) in tombstones:
+                    reason = "evicted"
+                    break
+        self._misses[reason] += 1
+        self.last_miss_reason = reason
+        return None
+
+    def _restore_probing(self, prompt: Prompt, grid: GridFingerprints) -> ActivationRestore | None:
+        """:meth:`restore` in every case (entries written behind the index's back, probing
+        every length, lengths sharing a fingerprint)."""
+        store = self.store
         counts = grid.counts
         total = len(counts)
         # Entries written behind the index's back have no fingerprint: from the first one on,
@@ -172,6 +218,16 @@ class LadderIndex:
                         return None
             self._missed("never_seen")
             return None
+        return self._probe(prompt, grid, probes, suspects)
+
+    def _probe(
+        self, prompt: Prompt, grid: GridFingerprints, probes: list[int], suspects: list[int]
+    ) -> ActivationRestore | None:
+        """Look up ``probes`` (grid lengths, longest first) until one hits and validates; the
+        lengths between them miss without a lookup. ``suspects``: the lengths that may have a
+        tombstone, to tell an ``evicted`` miss from a ``never_seen`` one."""
+        store = self.store
+        total = len(grid.counts)
         hits_before = store.hits
         # The record of this prompt comes next: its lengths join the same pass.
         wanted = [*probes, *suspects, *prompt.record_counts(self.policy)]
@@ -269,38 +325,50 @@ class LadderIndex:
             return []
         hashes = prompt.hash_counts(counts)
         store = self.store
-        key_of = self._keys(prompt)
+        entries = store._entries
+        maker = self._keys(prompt)
+        head, middle, tail = maker.head, maker.middle, maker.tail
         grid = prompt.grid(policy)
+        prints = grid.prints
         group = prompt.group
-        prints = self._prints
+        fingerprints = self._prints
         tombstones = self._tombstones
         # Every length below n cuts the frame the same way (its layout, flags and rows), so
         # one check answers for all of them; each entry is cut when first looked up.
         cuttable = len(counts) == 1 or frame.prefix_error(counts[-1]) is None
         row_bytes = payload_bytes // n
+        # Bytes per token of every length stored: a cut one holds row_bytes per token (a cut
+        # of 0 bytes is refused), the whole one payload_bytes // n, at least 1.
+        bpt = row_bytes if row_bytes else 1
         pending: _PendingPrompt | None = None
         records: list[ResidentActivationRecord] = []
         for count in counts:
             if count == n:
-                size = payload_bytes
-                evicted = store._store(key := key_of(count, hashes[count]), count, size, frame)
+                size, cut = payload_bytes, None
             elif cuttable:
-                size = row_bytes * count
-                key = key_of(count, hashes[count])
-                evicted = store._store(key, count, size, frame, count)
+                size, cut = row_bytes * count, count
             else:
                 continue
-            if evicted is None:
+            key = f"{head}{count}{middle}{hashes[count][7:23]}{tail}"  # (the key maker's call)
+            evicted = store._store(key, count, size, frame, cut)
+            if evicted is None:  # refused
                 records.append(_record(key, count, size, (), store))
                 continue
             self._records += 1
             # The bookkeeping: what left, then the entry that came in.
             if evicted:
                 self._evicted(evicted)
-            records.append(_record(key, count, size, evicted, store))
-            if key not in prints:
-                fingerprint = grid.prints[grid.position(count)]
-                prints[key] = (group, fingerprint)
+                records.append(_record(key, count, size, evicted, store))
+            else:
+                records.append(
+                    _resident_record(
+                        key, count, size, 0, 0, len(entries), store._resident_bytes, ()
+                    )
+                )
+            if key not in fingerprints:
+                # (grid.position(count): n is first, the other lengths are grid lines)
+                fingerprint = prints[0 if count == n else grid.position(count)]
+                fingerprints[key] = (group, fingerprint)
                 inner = self._resident_prints.get(group)
                 if inner is None:
                     self._resident_prints[group] = {fingerprint: 1}
@@ -308,17 +376,18 @@ class LadderIndex:
                     inner[fingerprint] = inner.get(fingerprint, 0) + 1
             if key in tombstones:
                 self._unbury(key)
-            bpt = size // count if size >= count else 1
             if pending is None:
                 pending = _PendingPrompt(self._namespace(prompt), prompt.tokens, self._page_tokens)
-            if not self._eager_footprint:
-                if self._namespace_bpt.setdefault(pending.namespace, bpt) == bpt:
-                    if key not in self._pending:
-                        self._pending[key] = (pending, count, bpt)
-                    continue
-                self._flush_footprint()
-                self._eager_footprint = True
-            self._footprint.add(key, pending.chain().segments(count), bpt)
+                if (
+                    not self._eager_footprint
+                    and self._namespace_bpt.setdefault(pending.namespace, bpt) != bpt
+                ):
+                    self._flush_footprint()
+                    self._eager_footprint = True
+            if self._eager_footprint:
+                self._footprint.add(key, pending.chain().segments(count), bpt)
+            elif key not in self._pending:
+                self._pending[key] = (pending, count, bpt)
         return records
 
     def _namespace(self, prompt: Prompt) -> bytes:
@@ -437,19 +506,19 @@ _resident_record = unchecked_constructor(ResidentActivationRecord)
 class _KeyMaker:
     """Builds the ``act:`` keys of one prompt's lengths (spec §1.3)."""
 
-    __slots__ = ("_head", "_middle", "_tail", "config", "token_start", "width")
+    __slots__ = ("config", "head", "middle", "tail", "token_start", "width")
 
     def __init__(self, prompt: Prompt) -> None:
         self.config = config = prompt.config
         self.token_start = prompt.token_start
         self.width = prompt.width
-        self._head = f"act:{config.stage_id}:{prompt.token_start}:"
-        self._middle = f":{config.layer_start}:"
-        self._tail = f":w{max(prompt.width, 0)}"
+        self.head = f"act:{config.stage_id}:{prompt.token_start}:"
+        self.middle = f":{config.layer_start}:"
+        self.tail = f":w{max(prompt.width, 0)}"
 
     def __call__(self, count: int, prefix_hash: str) -> str:
         # page_id() then activation_page_id(), for a "blake3:" hash.
-        return f"{self._head}{count}{self._middle}{prefix_hash[7:23]}{self._tail}"
+        return f"{self.head}{count}{self.middle}{prefix_hash[7:23]}{self.tail}"
 
 
 def _uncount_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:

@@ -106,22 +106,25 @@ class Prompt:
         """The prefix hashes of ``counts`` (every one of them in ``hashes`` afterwards); the
         missing ones cost one pass over the tokens up to the longest."""
         known = self.hashes
-        missing = [c for c in counts if c not in known]
+        missing = [c for c in counts if c not in known] if known else counts
         if missing:
             missing = sorted(set(missing))
             h = _namespace_hasher(self.config, self.token_start, self.base.chat_template_id)
-            fresh = _hash_counts(h, self.tokens.data.cast("B"), missing)
+            data = self.tokens.data.cast("B")
             salt = self.base.cache_salt
-            if salt is not None:
-                fresh = {c: salted_prefix_hash(v, salt) for c, v in fresh.items()}
-            known.update(fresh)
+            if salt is None:
+                _hash_counts(h, data, missing, known)
+            else:
+                fresh = _hash_counts(h, data, missing)
+                known.update({c: salted_prefix_hash(v, salt) for c, v in fresh.items()})
         return known
 
     def record_counts(self, policy: CandidatePolicy) -> list[int]:
-        """``policy.record_candidate_token_counts(n)``, computed once per policy (a restore
-        hashes them with its probes, the record stores them). Not to be changed."""
+        """``policy.record_candidate_token_counts(n)``, computed once per request for the
+        stages that record alike (see :meth:`GridFingerprints.ladder`; a restore hashes them
+        with its probes, the record stores them). Not to be changed."""
         if self._ladder_policy is not policy:
-            self._ladder = policy.record_candidate_token_counts(self.n)
+            self._ladder = self.grid(policy).ladder(policy)
             self._ladder_policy = policy
         return self._ladder
 
@@ -140,6 +143,7 @@ class GridFingerprints:
     """The lookup candidates of one prompt (longest first) and a fingerprint of each prefix."""
 
     __slots__ = (
+        "_ladders",
         "_stride",
         "by_print",
         "counts",
@@ -164,9 +168,20 @@ class GridFingerprints:
         """The fingerprint of each prefix of ``counts``, in the same order."""
         self.by_print: dict[int, int] = dict(zip(self.prints, counts, strict=True))
         """Fingerprint -> candidate length (the shortest, where two share one)."""
+        self._ladders: dict[tuple[int, int], list[int]] = {}
         self.shared_prints = len(self.by_print) < len(counts)
         """Whether two lengths of this prompt share a fingerprint (a 64-bit coincidence, or a
         constructed prompt): :meth:`among` then checks every length."""
+
+    def ladder(self, policy: CandidatePolicy) -> list[int]:
+        """``policy.record_candidate_token_counts(len(tokens))`` (``policy`` has this grid's
+        :attr:`grid_key`), shared by the policies that record alike (every stage of a
+        pipeline, usually). Not to be changed."""
+        key = (policy.record_limit, policy.max_resident_tokens_hint)
+        ladder = self._ladders.get(key)
+        if ladder is None:
+            ladder = self._ladders[key] = policy.record_candidate_token_counts(len(self.tokens))
+        return ladder
 
     def position(self, count: int) -> int:
         """The index of candidate length ``count`` in :attr:`counts` (a candidate: unchecked).

@@ -11,7 +11,7 @@ hashing. Single owner, synchronous, no trio.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import numpy as np
@@ -154,7 +154,7 @@ class StageCache:
 
     def should_record(self) -> bool:
         """Whether records store anything (``record`` or ``lookup-record`` mode, healthy)."""
-        return self.healthy and self.mode in (CacheMode.RECORD, CacheMode.LOOKUP_RECORD)
+        return self.healthy and self.mode in _RECORDING
 
     def lookup_candidates(self, token_count: int) -> int:
         """Lookups a restore of ``token_count`` tokens counts (the ladder's whole grid; one
@@ -186,8 +186,8 @@ class StageCache:
 
     def restore_prompt(self, prompt: Prompt) -> ActivationRestore | None:
         """:meth:`restore` of a prompt built by :meth:`prompt`."""
-        if prompt.n == 0 or not self.should_lookup():
-            return None
+        if prompt.n == 0 or not (self.healthy and self.mode is CacheMode.LOOKUP_RECORD):
+            return None  # (not should_lookup(): a call less per request)
         return self.index.restore(prompt)
 
     def record(
@@ -217,8 +217,8 @@ class StageCache:
         if not isinstance(frame, ActivationFrame):
             msg = f"frame must be an ActivationFrame, got {type(frame).__name__}"
             raise FrameError(msg)
-        if prompt.n == 0 or not self.should_record():
-            return []
+        if prompt.n == 0 or not (self.healthy and self.mode in _RECORDING):
+            return []  # (not should_record(): a call less per request)
         return self.index.record(prompt, frame)
 
     def clear(self) -> tuple[EvictedEntry, ...]:
@@ -307,6 +307,10 @@ class StageCache:
     def forget_prompt(self) -> None:
         """Forget the last prompt (its hashes are computed again if it comes back)."""
         self._last = None
+
+
+_RECORDING: Final = (CacheMode.RECORD, CacheMode.LOOKUP_RECORD)
+"""The modes that record."""
 
 
 def _check_start(token_start: object) -> int:

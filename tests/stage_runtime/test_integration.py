@@ -707,9 +707,9 @@ def test_record_only_cache_hashes_only_record_lengths(monkeypatch: pytest.Monkey
     asked: list[set[int]] = []
     real = prompt_module._hash_counts  # type: ignore[attr-defined]
 
-    def spy(h: Any, data: Any, counts: Any) -> dict[int, str]:
+    def spy(h: Any, data: Any, counts: Any, *into: Any) -> dict[int, str]:
         asked.append(set(counts))
-        return real(h, data, counts)
+        return real(h, data, counts, *into)
 
     monkeypatch.setattr(prompt_module, "_hash_counts", spy)
     config = with_cache(mode=CacheMode.RECORD)

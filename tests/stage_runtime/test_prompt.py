@@ -97,6 +97,22 @@ def test_stages_share_one_grid_per_prompt_array() -> None:
     assert grid_fingerprints(tokens.copy(), policy) is not grid
 
 
+def test_stages_that_record_alike_share_one_record_ladder_per_prompt() -> None:
+    """The record ladder is computed once per grid for every policy with the same record limit
+    and token budget, and apart for another limit; each is the policy's own answer."""
+    tokens = np.arange(5000, dtype=np.int32)
+    tokens.flags.writeable = False
+    policy = CandidatePolicy(min_tokens=64, stride_tokens=64, record_limit=3)
+    alike = CandidatePolicy(min_tokens=64, stride_tokens=64, record_limit=3)
+    other = CandidatePolicy(min_tokens=64, stride_tokens=64, record_limit=2)
+    grid = grid_fingerprints(tokens, policy)
+    assert grid_fingerprints(tokens, other) is grid
+    ladder = grid.ladder(policy)
+    assert ladder == policy.record_candidate_token_counts(5000)
+    assert grid.ladder(alike) is ladder
+    assert grid.ladder(other) == other.record_candidate_token_counts(5000) != ladder
+
+
 def test_lengths_of_one_prompt_keep_their_own_fingerprints() -> None:
     """Each grid length has its own fingerprint, even where the rolling hashes of two lengths
     are equal (leading blocks of zero tokens all hash to 0: the length is part of it), and an
