@@ -17,6 +17,10 @@ figure is ``us_per_stage_request``: the timed seconds over requests x stages, th
 ``--repeat`` runs, each on fresh caches. No actor, no channel, no log event (nothing is built
 for the actor's debug events).
 
+One more run per index, with Python's cyclic garbage collector off, gives
+``us_per_stage_request_gc_off``: the collector's share of the figure (its full collections walk
+every resident entry; the paged index keeps one object per page).
+
 Goals (issue 20): at most 30 us per stage and request with the ladder, 60 us with the paged
 index. ``--profile`` adds one more run per index under cProfile (the two calls only) and prints
 its top functions, sorted by own time.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import platform
@@ -299,6 +304,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "records": done[0].records,
             "config": config.as_dict(),
         }
+        # Once more without the cyclic garbage collector: its share of the figure (its full
+        # collections walk every resident entry, each an object of its own).
+        gc.collect()
+        gc.disable()
+        try:
+            without_gc = run_once(requests, config)
+        finally:
+            gc.enable()
+        row["us_per_stage_request_gc_off"] = (
+            (without_gc.restore_s + without_gc.record_s) / stage_requests * 1e6
+            if stage_requests
+            else 0.0
+        )
         if args.profile:
             profiler = cProfile.Profile()
             run_once(requests, config, profiler=profiler)
@@ -336,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     print(
         f"  {'index':<8} {'us/stage-request':>17} {'restore':>9} {'record':>9} "
-        f"{'goal':>7} {'hits (stage 0)':>15} {'restored tokens (stage 0)':>26}"
+        f"{'goal':>7} {'hits (stage 0)':>15} {'restored tokens (stage 0)':>26} "
+        f"{'without gc (one run)':>21}"
     )
     for index in indexes:
         row = results[index]
@@ -344,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"  {index:<8} {row['us_per_stage_request']:>17.1f} "
             f"{row['restore_us_per_stage_request']:>9.1f} "
             f"{row['record_us_per_stage_request']:>9.1f} {'<= ' + format(GOAL_US[index], 'g'):>7} "
-            f"{row['hits'][0]:>15,} {row['restored_tokens'][0]:>26,}"
+            f"{row['hits'][0]:>15,} {row['restored_tokens'][0]:>26,} "
+            f"{row['us_per_stage_request_gc_off']:>21.1f}"
         )
     print(f"  peak RSS {peak / 2**20:,.0f} MiB")
     for index, table in profiles.items():

@@ -3,6 +3,7 @@ and reports its figures and goals; nothing here is timed."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def test_main_reports_us_per_stage_request_per_index_with_goals_and_a_profile(
             sorted(row["us_per_stage_request_all"])[0] / 2
             + sorted(row["us_per_stage_request_all"])[1] / 2
         )
+        assert row["us_per_stage_request_gc_off"] > 0  # one more run, the collector off
         assert row["hits"] == [2, 2, 2, 2]  # requests 1 and 2 share a prefix with request 0
         assert row["config"]["capacity_tokens"] == 0  # the command line's default
         assert 1 <= len(row["profile"]) <= 5
@@ -72,8 +74,10 @@ def test_main_reports_us_per_stage_request_per_index_with_goals_and_a_profile(
         ("paged: cache work per stage and request (us)", "<= 60"),
     ]
     assert all(isinstance(goal["met"], bool) for goal in result["goals"])
+    assert gc.isenabled()  # on again after the run without it
     printed = capsys.readouterr().out
     assert "us/stage-request" in printed
+    assert "without gc" in printed
     assert "cProfile of the ladder index's restore and record calls" in printed
     assert "cProfile of the paged index's restore and record calls" in printed
 
