@@ -7,6 +7,7 @@ Import this module only where Ray is installed (``stage-runtime[ray]``);
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +28,57 @@ _T = TypeVar("_T")
 _session_lock = threading.Lock()
 _sessions = 0
 """Open sessions of this process that share the Ray instance the first one started."""
-_started = False
-"""Whether that instance was started (or joined) by a session, so the last one shuts it down."""
+_owner: _RayOwner | None = None
+"""The thread that started (or joined) that instance, which the last session stops."""
+
+
+class _RayOwner:
+    """A thread that calls ``ray.init``, stays until asked to leave, then calls
+    ``ray.shutdown``.
+
+    A local instance's processes (GCS, raylet) are started with ``PR_SET_PDEATHSIG`` on Linux:
+    they are killed when the *thread* that started them ends, not only the process. A trio
+    worker thread ends after 10 idle seconds, so ``ray.init`` runs on a thread of its own that
+    lives as long as the instance (a daemon: if the process exits without closing, the
+    instance goes with it, as Ray intends).
+    """
+
+    def __init__(self, address: str | None, options: dict[str, Any]) -> None:
+        self._address = address
+        self._options = options
+        self._ready = threading.Event()
+        self._leave = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="stage-runtime-ray", daemon=True)
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread that started Ray (alive while the instance is)."""
+        return self._thread
+
+    def start(self) -> None:
+        """Start or join Ray; blocks until done, raising what ``ray.init`` raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def stop(self) -> None:
+        """Shut Ray down (from the owner thread) and wait for the thread to end."""
+        self._leave.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            ray.init(address=self._address, **self._options)
+        except BaseException as exc:  # handed to start(), in the caller's thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._leave.wait()
+        ray.shutdown()
 
 
 @contextmanager
@@ -38,33 +88,62 @@ def ray_session(placement: RayPlacement) -> Iterator[bool]:
     When the process is already connected (its own ``ray.init``, a test fixture's), that
     connection is used and left alone. Otherwise ``ray.init(address=placement.address,
     **placement.init_options)`` starts a local instance (``address=None``) or joins a cluster,
-    and the last session to end calls ``ray.shutdown()``: that stops an instance the session
-    started and only disconnects from one it joined.
+    on a thread that lives until the last session ends (see :class:`_RayOwner`); that session
+    calls ``ray.shutdown()``, which stops an instance the session started and only disconnects
+    from one it joined.
 
     Raises:
         ConfigError: Ray could not start or join (a wrong address, say); names the address.
     """
-    global _sessions, _started
+    global _sessions, _owner
     with _session_lock:
         if _sessions == 0 and not ray.is_initialized():
+            _check_reachable(placement.address)
             options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             options.update(placement.init_options)
+            owner = _RayOwner(placement.address, options)
             try:
-                ray.init(address=placement.address, **options)
+                owner.start()
             except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
                 msg = f"cannot start or join Ray at address {placement.address!r}: {exc}"
                 raise ConfigError(msg) from exc
-            _started = True
+            _owner = owner
         _sessions += 1
-        connected_here = _started
+        connected_here = _owner is not None
     try:
         yield connected_here
     finally:
         with _session_lock:
             _sessions -= 1
-            if _sessions == 0 and _started:
-                _started = False
-                ray.shutdown()
+            if _sessions == 0 and _owner is not None:
+                owner, _owner = _owner, None
+                owner.stop()
+
+
+REACH_TIMEOUT_S = 5.0
+"""How long :func:`ray_session` waits for a TCP connection to a ``host:port`` address."""
+
+
+def _check_reachable(address: str | None) -> None:
+    """Refuse an address nothing answers at: ``ray.init`` would retry it for minutes.
+
+    ``None`` (start an instance) and ``"auto"`` (Ray finds the local cluster, or says at once
+    that there is none) are left to Ray, as is an address without a port.
+
+    Raises:
+        ConfigError: nothing accepts a TCP connection at the address's host and port.
+    """
+    if address is None or address == "auto":
+        return
+    where = address.removeprefix("ray://")
+    host, colon, port = where.rpartition(":")
+    if not colon or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        msg = f"cannot reach Ray at address {address!r}: {exc or type(exc).__name__}"
+        raise ConfigError(msg) from exc
 
 
 class RayExecutor(concurrent.futures.Executor):

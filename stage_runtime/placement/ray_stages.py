@@ -67,6 +67,10 @@ pipeline waited for every prefill) before it is killed anyway."""
 PING_TIMEOUT_S: Final = 10.0
 """A health check that gets no answer in this long is not a death; only Ray's word is."""
 
+_SLIVER: Final = 0.01
+"""The CPUs a placement-group bundle holds for a stage that reserves nothing (a bundle must
+hold some resource); the stage's actor itself still asks for none."""
+
 _Worker: Any = ray.remote(StageWorker)
 
 _BY_VALUE_BYTES: Final = 96 * 1024
@@ -494,6 +498,14 @@ async def open_ray_stages(
             restart left.
     """
     _check_picklable("model_factory", model_factory)
+    unknown = sorted(set(placement.resources) - {c.stage_id for c in configs})
+    if unknown:
+        names = ", ".join(c.stage_id for c in configs)
+        msg = (
+            f"RayPlacement.resources names {', '.join(map(repr, unknown))}, not a stage of this "
+            f"pipeline (its stages: {names})"
+        )
+        raise ConfigError(msg)
     if placement.log_setup is not None:
         _check_picklable("log_setup", placement.log_setup)
     session = ray_session(placement)
@@ -521,7 +533,7 @@ async def open_ray_stages(
                 }
                 for c in configs
             ]
-            bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+            bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
             group = placement_group(bundles, strategy=placement.strategy)
             with trio.move_on_after(START_TIMEOUT_S) as waited:
                 await await_ref(group.ready())
