@@ -920,15 +920,21 @@ def _problems(exc: BaseException, path: KeyPath, cls: object) -> list[ConfigProb
     if isinstance(exc, KeyError):  # cattrs' note named the missing field: the last part
         return [ConfigProblem("missing", path, "missing required field {path}")]
     text = str(exc).replace("{", "{{").replace("}", "}}")
-    # Validators and converters start their message with the field's name
-    # ("ctx_size must be >= 1, got 0"); a hook's error names the attribute cattrs noted.
-    if path and isinstance(path[-1], str) and text.startswith(f"{path[-1]} "):
+    # Validators and converters start their message with the field's name, or an item of it
+    # ("ctx_size must be >= 1, got 0", "resources['stage-0']['CPU'] must be..."); a hook's
+    # error names the attribute cattrs noted.
+    if path and isinstance(path[-1], str) and _names_field(text, path[-1]):
         return [ConfigProblem("value", path, "{path}" + text[len(path[-1]) :])]
     fields = attrs.fields_dict(cls) if isinstance(cls, type) and attrs.has(cls) else {}
-    field = next((name for name in fields if text.startswith(f"{name} ")), None)
+    field = next((name for name in fields if _names_field(text, name)), None)
     if field is not None:
         return [ConfigProblem("value", (*path, field), "{path}" + text[len(field) :])]
     return [ConfigProblem("value", path, "{path}: " + text if path else text)]
+
+
+def _names_field(text: str, name: str) -> bool:
+    """Whether an error message starts with field ``name`` (then a space, or an item's ``[``)."""
+    return text.startswith(name) and text[len(name) : len(name) + 1] in (" ", "[")
 
 
 def _first(problems: list[ConfigProblem]) -> ConfigProblem:

@@ -700,6 +700,10 @@ within_s = 60
         ),
         ('engine = "ray"\nrestart = 3', r"placement\.restart must be a table of .*, got 3$"),
         ('engine = "ray"\nmax_in_flight = true', r"placement\.max_in_flight must be an integer"),
+        (
+            'engine = "ray"\nresources = { stage-0 = { CPU = -1 } }',
+            r"toml: placement\.resources\['stage-0'\]\['CPU'\] must be a finite number >= 0",
+        ),
     ],
 )
 def test_a_bad_placement_table_names_file_and_key_path(
