@@ -12,6 +12,23 @@ from typing import Any
 import pytest
 import structlog
 
+_MPL_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """matplotlib (the plots of a replay report) writes its cache under ``~/.config`` unless
+    told otherwise: the suite points it at a temporary directory, removed at the end."""
+    global _MPL_DIR
+    if "MPLCONFIGDIR" not in os.environ:
+        _MPL_DIR = tempfile.mkdtemp(prefix="sr-mpl-")
+        os.environ["MPLCONFIGDIR"] = _MPL_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MPL_DIR is not None:
+        os.environ.pop("MPLCONFIGDIR", None)
+        shutil.rmtree(_MPL_DIR, ignore_errors=True)
+
 
 @pytest.fixture(autouse=True)
 def _logging_left_as_found() -> Iterator[None]:
