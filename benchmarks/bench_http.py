@@ -19,6 +19,11 @@ an ``httpx.AsyncClient`` with default settings (its 5 s keep-alive expiry, 100 c
 timeouts) against a server with default settings; every request that ends without a response
 (a reset, a disconnect, a timeout) is lost. Goal: none.
 
+Both run with one BLAS thread (``OPENBLAS_NUM_THREADS=1`` and friends, unless set): the
+reference model's products are small, and the threads of a multithreaded BLAS spin between
+them, which on a 2-core machine doubled the CPU time of both runs and made their difference
+measure the spinning, not HTTP (``blas_threads`` in the JSON says what was set).
+
 Linux only (``/proc``). Usage::
 
     python benchmarks/bench_http.py
@@ -27,10 +32,16 @@ Linux only (``/proc``). Usage::
 
 from __future__ import annotations
 
+import os
+
+# One BLAS thread here and in the server (which inherits the environment), before numpy loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import argparse
 import contextlib
 import json
-import os
 import platform
 import signal
 import statistics
@@ -53,6 +64,9 @@ from stage_runtime.models import reference_model_factory
 from stage_runtime.pipeline import load_topology, open_pipeline
 
 NAME = "http"
+
+BLAS_THREAD_VARIABLES: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""Set to 1 at the top of this script unless already set (see the module docstring)."""
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOPOLOGY: Final = ROOT / "examples" / "topology.toml"
@@ -379,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "width": args.width,
         "repeat": args.repeat,
         "log_level": args.log_level,
+        "blas_threads": {name: os.environ.get(name) for name in BLAS_THREAD_VARIABLES},
         "runs": rows,
         "load": load,
         "goals": goals,

@@ -4,6 +4,7 @@ functions (nothing is timed)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -18,7 +19,14 @@ def load_module(path: Path, name: str) -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        # A script may set variables for the process it runs in (bench_http's BLAS threads);
+        # the suite's own environment stays as it was.
+        os.environ.clear()
+        os.environ.update(saved)
     return module
 
 

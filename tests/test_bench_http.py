@@ -39,6 +39,11 @@ def test_a_small_run_reports_both_concurrencies_the_load_and_three_goals(tmp_pat
         assert row["server_cpu_ms_per_request"] >= 0  # /proc counts in ticks of 10 ms
     assert result["load"]["answered_by_status"] == {"200": 30}
     assert result["load"]["lost"] == 0
+    assert set(result["blas_threads"]) == {
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
     names = [goal["name"] for goal in result["goals"]]
     assert len(names) == 3
     assert "responses lost, 30 POSTs at concurrency 10" in names[2]
