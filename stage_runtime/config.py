@@ -22,6 +22,7 @@ import attrs
 import cattrs
 from cattrs.errors import ForbiddenExtraKeysError
 
+from stage_runtime._toml_lines import with_line
 from stage_runtime._validators import i32, optional_int_in, positive_u32, positive_u64, u32, u64
 from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import U64_MAX as _U64_MAX
@@ -601,13 +602,17 @@ class StageConfig:
 
         Raises:
             ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, or holds
-                a bad, unknown or misplaced key; the message starts with the file name (then
-                the parser's line and column for a syntax error) and names the key path
-                (``kv_cache.max_entries``) and the value.
+                a bad, unknown or misplaced key; the message starts with the file name, then
+                the line (the parser's line and column for a syntax error), and names the key
+                path (``kv_cache.max_entries``) and the value.
         """
         source = os.fspath(path)
-        document = _parse_toml(_read_text(source), source=source)
-        return _build(cls, document, source=source)
+        text = _read_text(source)
+        document = _parse_toml(text, source=source)
+        try:
+            return _build(cls, document, source=source)
+        except ConfigError as exc:
+            raise ConfigError(with_line(str(exc), source, text)) from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> StageConfig:

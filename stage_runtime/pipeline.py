@@ -25,12 +25,13 @@ Lifecycle:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import numpy as np
@@ -39,6 +40,7 @@ import structlog
 import trio
 
 from actors import ActorStoppedError
+from stage_runtime._toml_lines import with_line
 from stage_runtime._validators import check_non_negative_int, is_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (
@@ -584,6 +586,33 @@ class _TopologyFile:
     """What the stages run (:func:`load_model`)."""
 
 
+_Loaded = TypeVar("_Loaded")
+
+
+def _naming_lines(
+    load: Callable[[str | os.PathLike[str]], _Loaded],
+) -> Callable[[str | os.PathLike[str]], _Loaded]:
+    """``load``, its errors about a key of the file (``"{file}: {key path} ..."``) also naming
+    the line the key was written on (``"{file}: line 12: ..."``)."""
+
+    @functools.wraps(load)
+    def loading(path: str | os.PathLike[str]) -> _Loaded:
+        try:
+            return load(path)
+        except ConfigError as exc:
+            source = os.fspath(path)
+            try:
+                text = _read_topology(source)
+            except ConfigError:
+                text = ""  # (the error says the file cannot be read)
+            located = with_line(str(exc), source, text)
+            if located == str(exc):
+                raise
+            raise ConfigError(located) from exc.__cause__
+
+    return loading
+
+
 def _read_topology_file(source: str) -> _TopologyFile:
     """The parsed and structured top level of topology file ``source``."""
     document = _parse_toml(_read_topology(source), source=source)
@@ -594,6 +623,7 @@ def _read_topology_file(source: str) -> _TopologyFile:
         raise ConfigError(msg) from None
 
 
+@_naming_lines
 def load_placement(path: str | os.PathLike[str]) -> Placement | None:
     """The placement a topology file's ``[placement]`` table asks for, None without one.
 
@@ -601,7 +631,7 @@ def load_placement(path: str | os.PathLike[str]) -> Placement | None:
 
     Raises:
         ConfigError: the file cannot be read or parsed, or the table is invalid; names the
-            file and the key path (``placement.num_cpus``).
+            file, the line and the key path (``placement.num_cpus``).
     """
     source = os.fspath(path)
     table = _parse_toml(_read_topology(source), source=source).get("placement")
@@ -652,6 +682,7 @@ class _ReferenceModelTable:
     """Base seed."""
 
 
+@_naming_lines
 def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
     """The model factory a topology file's ``[model]`` table names, None without one.
 
@@ -664,8 +695,8 @@ def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
         path = "models/my-llama"
 
     Raises:
-        ConfigError: the table is invalid or the model directory unusable; names the file and
-            the key path (``model.path``).
+        ConfigError: the table is invalid or the model directory unusable; names the file, the
+            line and the key path (``model.path``).
     """
     from stage_runtime.llama import llama_model_factory
     from stage_runtime.models import reference_model_factory
@@ -725,6 +756,7 @@ def _read_topology(source: str) -> str:
         raise ConfigError(msg) from None
 
 
+@_naming_lines
 def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
     """Load a pipeline's stages from a TOML topology file.
 
@@ -755,9 +787,9 @@ def load_topology(path: str | os.PathLike[str]) -> list[StageConfig]:
 
     Raises:
         ConfigError: unreadable or invalid TOML, unknown top-level keys, a bad stage field,
-            duplicate stage ids or non-contiguous layer ranges; names the file and the key path
-            of the field (``stage[1].kv_cache.max_entries``, or ``defaults.ctx_size`` for a
-            value every stage takes from the defaults) and the stage's id.
+            duplicate stage ids or non-contiguous layer ranges; names the file, the line and the
+            key path of the field (``stage[1].kv_cache.max_entries``, or ``defaults.ctx_size``
+            for a value every stage takes from the defaults) and the stage's id.
     """
     source = os.fspath(path)
     topology = _read_topology_file(source)

@@ -182,7 +182,7 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n')
     path.write_text(path.read_text() + "[kv_cache]\nmax_entries = 0\n")
-    expected = f"^{re.escape(str(path))}: kv_cache.max_entries must be >= 1, got 0$"
+    expected = f"^{re.escape(str(path))}: line 6: kv_cache.max_entries must be >= 1, got 0$"
     with pytest.raises(ConfigError, match=expected):
         StageConfig.from_toml(path)
     broken = tmp_path / "broken.json"
@@ -276,10 +276,12 @@ def test_file_errors_name_file_and_key_path(
     tmp_path: Path, suffix: str, text: str, message: str
 ) -> None:
     """Every error from a file starts with its path, then the parser's line for a syntax error,
-    or the key path of a bad value or an unknown field (the file is not scanned for lines)."""
+    or the key path of a bad value or an unknown field (after the line the key is on, in a TOML
+    file: see test_toml_lines)."""
     path = tmp_path / f"stage{suffix}"
     path.write_text(text, encoding="utf-8")
-    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {message}"):
+    line = r"(line \d+: )?" if suffix == ".toml" else ""
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {line}{message}"):
         StageConfig.load(path)
 
 
@@ -579,8 +581,11 @@ def test_a_required_field_written_under_a_table_header_is_pointed_at(tmp_path: P
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[foo]\nx = 1\n", "unknown field foo "),
-        ('[kv_cache]\nmode = "record"\n[kv_cache.extra]\nx = 1\n', "unknown field kv_cache.extra "),
+        ("[foo]\nx = 1\n", "line 5: unknown field foo "),
+        (
+            '[kv_cache]\nmode = "record"\n[kv_cache.extra]\nx = 1\n',
+            "line 7: unknown field kv_cache.extra ",
+        ),
     ],
 )
 def test_an_unknown_table_is_named_with_its_key_path(

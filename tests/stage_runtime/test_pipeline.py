@@ -923,55 +923,59 @@ max_entries = 1
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: stage\[1\].stage_id must be unique, got 'a' twice \(stage 'a'\)",
+            r"topology.toml: line \d+: "
+            r"stage\[1\].stage_id must be unique, got 'a' twice \(stage 'a'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 4\nlayer_end = 6\n',
-            r"topology.toml: stage\[1\].layer_start must equal the previous stage's "
+            r"topology.toml: line \d+: stage\[1\].layer_start must equal the previous stage's "
             r"layer_end 3, got 4 \(stage 'b'\)",
         ),
         (  # a stage_index set in [defaults] fits only the first stage: the defaults' key
             '[defaults]\nmodel_id = "m"\nstage_index = 0\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: defaults.stage_index must equal its position 1, got 0 "
+            r"topology.toml: line \d+: defaults.stage_index must equal its position 1, got 0 "
             r"\(for stage\[1\] 'b'\)",
         ),
         ("[defaults]\nmodel_id = 'm'\n", r"topology.toml: stage must be a non-empty array"),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml: missing required field stage\[1\].stage_id$",
+            r"topology.toml: line \d+: missing required field stage\[1\].stage_id$",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = "x"\n',
-            r"topology.toml: stage\[0\].layer_end must be an integer, got 'x' \(stage 'a'\)",
+            r"topology.toml: line \d+: "
+            r"stage\[0\].layer_end must be an integer, got 'x' \(stage 'a'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 3\nlayer_end = 3\n',
-            r"topology.toml: stage\[0\].layer_end must be > layer_start \(3\), got 3",
+            r"topology.toml: line \d+: stage\[0\].layer_end must be > layer_start \(3\), got 3",
         ),
         (  # the second [[stage]]'s key, not the first one's
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 3\n',
-            r"topology.toml: stage\[1\].layer_end must be > layer_start \(3\), got 3",
+            r"topology.toml: line \d+: stage\[1\].layer_end must be > layer_start \(3\), got 3",
         ),
         (  # a value every stage takes from [defaults]: the key in the defaults
             '[defaults]\nmodel_id = "m"\nctx_size = 0\n'
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n',
-            r"topology.toml: defaults.ctx_size must be >= 1, got 0 \(for stage\[0\] 'a'\)",
+            r"topology.toml: line \d+: "
+            r"defaults.ctx_size must be >= 1, got 0 \(for stage\[0\] 'a'\)",
         ),
         (  # a stage's own kv_cache sub-table
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n'
             '[stage.kv_cache]\nmode = "lookup-record"\nmax_entries = 0\n',
-            r"topology.toml: stage\[1\].kv_cache.max_entries must be >= 1, got 0 \(stage 'b'\)",
+            r"topology.toml: line \d+: "
+            r"stage\[1\].kv_cache.max_entries must be >= 1, got 0 \(stage 'b'\)",
         ),
         (  # a neighbour's bad id is that stage's error, not a bad downstream of the first
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             "[[stage]]\nstage_id = 7\nlayer_start = 3\nlayer_end = 6\n",
-            r"topology.toml: stage\[1\].stage_id must be a string, got 7",
+            r"topology.toml: line \d+: stage\[1\].stage_id must be a string, got 7",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = ' + "9" * 4400 + "\n",
@@ -980,17 +984,20 @@ max_entries = 1
         (  # peers must be the neighbours: frames go from each stage to the next
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\nupstream = "x"\n',
-            r"topology.toml: stage\[1\].upstream must be the previous stage 'a', "
+            r"topology.toml: line \d+: stage\[1\].upstream must be the previous stage 'a', "
             r"got 'x' \(stage 'b'\)",
         ),
         (
             '[[stage]]\nstage_id = "a"\nlayer_start = 0\nlayer_end = 3\ndownstream = "c"\n'
             '[[stage]]\nstage_id = "b"\nlayer_start = 3\nlayer_end = 6\n',
-            r"topology.toml: stage\[0\].downstream must be the next stage 'b', got 'c'",
+            r"topology.toml: line \d+: stage\[0\].downstream must be the next stage 'b', got 'c'",
         ),
         ("[[stage]\n", r"topology.toml: invalid TOML"),
-        ("[stages]\n", r"topology.toml: unknown field stages \(known fields: defaults, model, "),
-        ("defaults = 3\n", r"topology.toml: defaults must be a table, got 3$"),
+        (
+            "[stages]\n",
+            r"topology.toml: line \d+: unknown field stages \(known fields: defaults, model, ",
+        ),
+        ("defaults = 3\n", r"topology.toml: line \d+: defaults must be a table, got 3$"),
     ],
 )
 def test_invalid_topology_names_file_stage_and_field(tmp_path: Path, body: str, match: str) -> None:

@@ -685,11 +685,14 @@ within_s = 60
     [
         (
             'engine = "ray"\nnodes = 3',
-            r"topology\.toml: placement\.nodes is not a setting of engine",
+            r"topology\.toml: line \d+: placement\.nodes is not a setting of engine",
         ),
-        ('engine = "local"\naddress = "auto"', r"toml: placement\.address .* \(a Ray setting\)"),
-        ('engine = "kubernetes"', r"toml: placement\.engine must be 'local' or 'ray'"),
-        ('engine = "ray"\nnum_cpus = -2', r"toml: placement\.num_cpus must be a finite"),
+        (
+            'engine = "local"\naddress = "auto"',
+            r"toml: line \d+: placement\.address .* \(a Ray setting\)",
+        ),
+        ('engine = "kubernetes"', r"toml: line \d+: placement\.engine must be 'local' or 'ray'"),
+        ('engine = "ray"\nnum_cpus = -2', r"toml: line \d+: placement\.num_cpus must be a finite"),
         (
             'engine = "ray"\nrestart = { max_restarts = -1, within_s = 1 }',
             r"placement\.restart\.max_restarts must be >= 0, got -1$",
@@ -702,7 +705,8 @@ within_s = 60
         ('engine = "ray"\nmax_in_flight = true', r"placement\.max_in_flight must be an integer"),
         (
             'engine = "ray"\nresources = { stage-0 = { CPU = -1 } }',
-            r"toml: placement\.resources\['stage-0'\]\['CPU'\] must be a finite number >= 0",
+            r"toml: line \d+: "
+            r"placement\.resources\['stage-0'\]\['CPU'\] must be a finite number >= 0",
         ),
     ],
 )

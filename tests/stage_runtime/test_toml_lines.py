@@ -1,0 +1,109 @@
+"""An error about a key of a TOML file names the line the key was written on
+(stage_runtime._toml_lines, and the loaders that use it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from stage_runtime._toml_lines import key_parts, toml_line, with_line
+from stage_runtime.config import StageConfig
+from stage_runtime.errors import ConfigError
+from stage_runtime.pipeline import load_placement, load_topology
+
+TOPOLOGY = """\
+# a comment line
+[defaults]
+model_id = "m"
+ctx_size = 8192
+
+[defaults.kv_cache]
+mode = "lookup-record"
+max_entries = 256
+
+[[stage]]
+stage_id = "a"
+layer_start = 0
+layer_end = 4
+
+[[stage]]
+stage_id = "b"
+layer_start = 4
+layer_end = 8
+[stage.kv_cache]
+max_entries = 0
+
+[placement]
+engine = "ray"
+num_cpus = 1
+"stage-x".cpus = 2
+resources = { stage-0 = { CPU = -1 } }
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "line"),
+    [
+        ("defaults.ctx_size", 4),
+        ("defaults.kv_cache.max_entries", 8),
+        ("defaults.kv_cache", 6),  # a table: its header
+        ("stage[0].layer_end", 13),
+        ("stage[1].stage_id", 16),
+        ("stage[1].kv_cache.max_entries", 20),  # a sub-table of the array's last element
+        ("stage[0].kv_cache.max_entries", 10),  # not written there: its element's header
+        ("stage[1].upstream", 15),
+        ("placement.num_cpus", 24),
+        ("placement['stage-x'].cpus", 25),  # a quoted, dotted key
+        ("placement.resources['stage-0']['CPU']", 26),  # inside an inline table: its key
+        ("placement.strategy", 22),  # missing: its table's header
+    ],
+)
+def test_a_key_path_is_found_at_the_line_that_sets_it(path: str, line: int) -> None:
+    assert toml_line(TOPOLOGY, key_parts(path)) == line
+
+
+def test_a_key_path_nothing_of_which_is_in_the_file_has_no_line() -> None:
+    assert toml_line(TOPOLOGY, key_parts("model.kind")) is None
+    assert toml_line(TOPOLOGY, ()) is None
+
+
+def test_key_parts_reads_indices_and_quoted_keys() -> None:
+    assert key_parts("stage[1].kv_cache.max_entries") == ("stage", 1, "kv_cache", "max_entries")
+    assert key_parts("resources['stage-0']['CPU']") == ("resources", "stage-0", "CPU")
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (
+            "f.toml: stage[1].layer_start must be 4",
+            "f.toml: line 17: stage[1].layer_start must be 4",
+        ),
+        ("f.toml: missing required field placement.address", "f.toml: line 22: missing required"),
+        ("f.toml: unknown field defaults.kv_cache.x (known", "f.toml: line 6: unknown field"),
+        ("f.toml: invalid TOML: Expected '=' (at line 3, column 5)", "f.toml: invalid TOML"),
+        ("f.toml: line 2: config file must be UTF-8", "f.toml: line 2: config file"),
+        ("f.toml: an integer of more than 4300 digits", "f.toml: an integer"),
+        ("other.toml: stage[1].layer_start", "other.toml: stage[1]"),  # another file's
+    ],
+)
+def test_with_line_adds_the_line_of_the_key_a_message_names(message: str, expected: str) -> None:
+    assert with_line(message, "f.toml", TOPOLOGY).startswith(expected)
+
+
+def test_the_loaders_name_file_line_and_key_path(tmp_path: Path) -> None:
+    """load_topology, load_placement and StageConfig.load all say the line."""
+    path = tmp_path / "topology.toml"
+    path.write_text(TOPOLOGY.replace('"stage-x".cpus = 2\n', ""), encoding="utf-8")
+    where = re.escape(str(path))
+    with pytest.raises(ConfigError, match=rf"^{where}: line 20: stage\[1\]\.kv_cache\.max_entries"):
+        load_topology(path)
+    with pytest.raises(ConfigError, match=rf"^{where}: line 25: placement\.resources\['stage-0'\]"):
+        load_placement(path)
+    stage = tmp_path / "stage.toml"
+    stage.write_text('stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\n\nlayer_end = 0\n')
+    where = re.escape(str(stage))
+    with pytest.raises(ConfigError, match=rf"^{where}: line 5: layer_end must be > layer_start"):
+        StageConfig.load(stage)
