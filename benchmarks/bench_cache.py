@@ -306,12 +306,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         }
         # Once more without the cyclic garbage collector: its share of the figure (its full
         # collections walk every resident entry, each an object of its own).
+        collecting = gc.isenabled()
         gc.collect()
         gc.disable()
         try:
             without_gc = run_once(requests, config)
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
         row["us_per_stage_request_gc_off"] = (
             (without_gc.restore_s + without_gc.record_s) / stage_requests * 1e6
             if stage_requests

@@ -68,6 +68,9 @@ NAME = "http"
 BLAS_THREAD_VARIABLES: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set to 1 at the top of this script unless already set (see the module docstring)."""
 
+BLAS_THREADS: Final = {name: os.environ.get(name) for name in BLAS_THREAD_VARIABLES}
+"""Their values when this script was loaded (before numpy), as the runs use them."""
+
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOPOLOGY: Final = ROOT / "examples" / "topology.toml"
 
@@ -393,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "width": args.width,
         "repeat": args.repeat,
         "log_level": args.log_level,
-        "blas_threads": {name: os.environ.get(name) for name in BLAS_THREAD_VARIABLES},
+        "blas_threads": BLAS_THREADS,
         "runs": rows,
         "load": load,
         "goals": goals,

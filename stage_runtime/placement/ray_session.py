@@ -57,9 +57,14 @@ class _RayOwner:
         return self._thread
 
     def start(self) -> None:
-        """Start or join Ray; blocks until done, raising what ``ray.init`` raised."""
+        """Start or join Ray; blocks until done, raising what ``ray.init`` raised. Interrupted
+        (^C), it leaves the thread to shut down what ``ray.init`` is still starting."""
         self._thread.start()
-        self._ready.wait()
+        try:
+            self._ready.wait()
+        except BaseException:
+            self._leave.set()
+            raise
         if self._error is not None:
             self._thread.join()
             raise self._error
@@ -137,12 +142,16 @@ def _check_reachable(address: str | None) -> None:
         return
     where = address.removeprefix("ray://")
     host, colon, port = where.rpartition(":")
-    if not colon or not port.isdigit():
-        return
+    bracketed = host.startswith("[") and host.endswith("]")  # an IPv6 host with a port
+    if not colon or not port.isdigit() or (":" in host and not bracketed):
+        return  # no port (a bare IPv6 address is all colons)
+    if not 0 < int(port) <= 65535:
+        msg = f"cannot reach Ray at address {address!r}: port {port} is out of range"
+        raise ConfigError(msg)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
     except (OSError, ValueError) as exc:
-        msg = f"cannot reach Ray at address {address!r}: {exc or type(exc).__name__}"
+        msg = f"cannot reach Ray at address {address!r}: {str(exc) or type(exc).__name__}"
         raise ConfigError(msg) from exc
 
 

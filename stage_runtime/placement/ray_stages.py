@@ -514,7 +514,22 @@ async def open_ray_stages(
     group: PlacementGroup | None = None
     try:
         share = _cpu_share(len(configs))
-        wanted = sum(placement.stage_cpus(c.stage_id, share) for c in configs)
+        # A placement group's bundle must hold some resource: a stage that reserves nothing
+        # gets a sliver of a CPU in its bundle (counted below).
+        bundles = [
+            {
+                "CPU": placement.stage_cpus(c.stage_id, share),
+                "GPU": placement.stage_gpus(c.stage_id),
+                **placement.stage_resources(c.stage_id),
+            }
+            for c in configs
+        ]
+        bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
+        wanted = (
+            sum(b.get("CPU", 0.0) for b in bundles)
+            if placement.strategy is not None
+            else sum(placement.stage_cpus(c.stage_id, share) for c in configs)
+        )
         total = float(_cluster_cpus())
         if wanted > total:
             msg = (
@@ -524,16 +539,6 @@ async def open_ray_stages(
             )
             raise ConfigError(msg)
         if placement.strategy is not None:
-            # A bundle must hold some resource: a stage that reserves no CPU gets a sliver.
-            bundles = [
-                {
-                    "CPU": placement.stage_cpus(c.stage_id, share),
-                    "GPU": placement.stage_gpus(c.stage_id),
-                    **placement.stage_resources(c.stage_id),
-                }
-                for c in configs
-            ]
-            bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
             group = placement_group(bundles, strategy=placement.strategy)
             with trio.move_on_after(START_TIMEOUT_S) as waited:
                 await await_ref(group.ready())

@@ -279,15 +279,26 @@ async def test_closing_leaves_no_stage_process(ray_cluster: Any) -> None:
 _OWN_INSTANCE = """
 import os, subprocess, sys, threading
 import trio
+import trio._core._thread_cache as thread_cache
 from stage_runtime.pipeline import open_pipeline
 from stage_runtime.placement import RayPlacement
 from tests.stage_runtime.pipeline_helpers import prompt, stage_configs
 from tests.stage_runtime.ray_helpers import ProbeModels
 
+# trio ends an idle worker thread after 10 s; here at once, so that a Ray instance started
+# from one (whose processes die with the thread that started them) would be gone below.
+thread_cache.IDLE_TIMEOUT = 0.05
+
 def ray_processes():
     found = subprocess.run(["pgrep", "-af", sys.argv[1]], capture_output=True, text=True)
     lines = found.stdout.splitlines()
     return [line[:150] for line in lines if line.split()[0] != str(os.getpid())]
+
+def gcs_state():
+    pids = [line.split()[0] for line in ray_processes() if "gcs_server" in line]
+    states = [subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True,
+                             text=True).stdout.strip() for pid in pids]
+    return states
 
 async def main():
     placement = RayPlacement(num_cpus=0.5, init_options={"num_cpus": 2})
@@ -296,9 +307,11 @@ async def main():
             stage_configs(2), ProbeModels(), environ={}, placement=placement
         ) as pipeline:
             await pipeline.prefill(prompt(300), session_id="s")
+            while any(t.name.startswith("Trio thread") for t in threading.enumerate()):
+                await trio.sleep(0.05)  # until every idle worker thread has ended
+            print("gcs alive", [s[:1] for s in gcs_state()] in (["S"], ["R"]))
             owners = [t for t in threading.enumerate() if t.name == "stage-runtime-ray"]
             print("owner alive", len(owners) == 1 and owners[0].is_alive())
-            print("ray processes while open", len(ray_processes()) > 0)
             again = await pipeline.prefill(prompt(300), session_id="s")
             print("restored", [r.restored_tokens for r in again.stages])
     owners = [t.name for t in threading.enumerate() if t.name == "stage-runtime-ray"]
@@ -313,8 +326,9 @@ def test_a_pipeline_that_starts_ray_keeps_it_until_it_closes_then_stops_it(
     tmp_path: Path,
 ) -> None:
     """A pipeline that starts its own Ray instance (in a process not connected to Ray) starts it
-    from a thread that lives as long as the instance, and stops it on close: no Ray process is
-    left (every file Ray writes is under this test's directory)."""
+    from a thread that lives as long as the instance: the instance outlives the trio worker
+    thread that opened the pipeline. Closing stops it: no Ray process is left (every file Ray
+    writes is under this test's temporary directory)."""
     pytest.importorskip("ray")
     import subprocess
     import sys
@@ -341,8 +355,8 @@ def test_a_pipeline_that_starts_ray_keeps_it_until_it_closes_then_stops_it(
         shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
+    assert "gcs alive True" in lines  # after the thread that opened the pipeline ended
     assert "owner alive True" in lines
-    assert "ray processes while open True" in lines
     assert "restored [300, 300]" in lines
     assert "owner after close []" in lines
     assert "ray processes after close []" in lines
@@ -369,6 +383,19 @@ async def test_stages_reserving_no_cpu_still_get_a_placement_group(ray_cluster: 
         ) as pipeline:
             result = await pipeline.prefill(prompt(300), session_id="s")
     assert counts(result) == [(0, 300), (0, 300)]
+
+
+async def test_the_cpu_check_counts_the_slivers_of_stages_reserving_none(
+    ray_cluster: Any,
+) -> None:
+    """Two stages take the cluster's 8 CPUs; the third, reserving none, still needs a sliver in
+    its bundle: refused at once, not after the placement group's long wait."""
+    placement = RayPlacement(num_cpus=4, strategy="PACK", resources={"stage-2": {"CPU": 0}})
+    with trio.fail_after(WAIT_S), pytest.raises(ConfigError, match=r"reserve 8\.01 CPUs"):
+        async with open_pipeline(
+            stage_configs(3), ProbeModels(), environ=NO_ENV, placement=placement
+        ):
+            pytest.fail("the pipeline must not open")
 
 
 async def test_stages_spread_over_distinct_nodes(ray_cluster: Any) -> None:

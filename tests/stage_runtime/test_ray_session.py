@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 
 from stage_runtime.errors import ConfigError
 from stage_runtime.placement import RayPlacement
-from stage_runtime.placement.ray_session import ray_session
+from stage_runtime.placement.ray_session import _RayOwner, ray_session
 
 
 class FakeRay:
@@ -23,10 +23,14 @@ class FakeRay:
     def __init__(self, fail: BaseException | None = None) -> None:
         self.fail = fail
         self.initialized = False
+        self.starting: threading.Event | None = None
+        """When set: init waits for it (a slow start, to interrupt)."""
         self.calls: list[tuple[str, threading.Thread]] = []
 
     def init(self, **kwargs: Any) -> None:
         self.calls.append(("init", threading.current_thread()))
+        if self.starting is not None:
+            self.starting.wait()
         if self.fail is not None:
             raise self.fail
         self.initialized = True
@@ -127,3 +131,39 @@ def test_an_address_that_answers_is_handed_to_ray(fake_ray: FakeRay) -> None:
         with ray_session(RayPlacement(address=address)) as connected:
             assert connected is True
     assert [what for what, _ in fake_ray.calls] == ["init", "shutdown"]
+
+
+def test_an_interrupted_start_shuts_down_what_it_was_starting(
+    fake_ray: FakeRay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """^C while ``ray.init`` runs (the waiting thread interrupted) leaves no instance behind
+    that no session owns: the owner thread shuts it down once it has started."""
+    fake_ray.starting = threading.Event()
+    owner = _RayOwner(None, {})
+
+    def interrupted(timeout: float | None = None) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner._ready, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        owner.start()
+    fake_ray.starting.set()  # ray.init finishes after the caller gave up
+    owner.thread.join(timeout=10)
+    assert not owner.thread.is_alive()
+    assert [what for what, _ in fake_ray.calls] == ["init", "shutdown"]
+    assert not fake_ray.initialized
+
+
+@pytest.mark.parametrize("address", ["::1", "fe80::1", "[::1]", "no-port-here"])
+def test_an_address_without_a_port_is_left_to_ray(fake_ray: FakeRay, address: str) -> None:
+    """Nothing to connect to: Ray judges it (here, the fake accepts it)."""
+    with ray_session(RayPlacement(address=address)) as connected:
+        assert connected is True
+    assert [what for what, _ in fake_ray.calls] == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_port_out_of_range_is_refused(fake_ray: FakeRay, port: str) -> None:
+    with pytest.raises(ConfigError, match=f"port {port} is out of range"):
+        _ = ray_session(RayPlacement(address=f"127.0.0.1:{port}")).__enter__()
+    assert fake_ray.calls == []
