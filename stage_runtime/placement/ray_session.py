@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 import ray
 
@@ -125,7 +125,7 @@ def ray_session(placement: RayPlacement) -> Iterator[bool]:
                 owner.stop()
 
 
-REACH_TIMEOUT_S = 5.0
+REACH_TIMEOUT_S: Final = 5.0
 """How long :func:`ray_session` waits for a TCP connection to a ``host:port`` address."""
 
 
