@@ -62,6 +62,8 @@ def toml_line(text: str, path: tuple[_Part, ...]) -> int | None:
         header = _HEADER.match(line)
         if header is not None and line.startswith("["):
             name = _dotted(header["name"])
+            if not name:  # [""]: a table named by an empty key, which no error path names
+                continue
             here: tuple[_Part, ...] = ()
             for part in name[:-1]:  # a sub-table of the last element of an array of tables
                 here += (part,)
@@ -93,5 +95,8 @@ def with_line(message: str, source: str, text: str) -> str:
     found = _MESSAGE_PATH.match(rest)
     if found is None or rest.startswith(("line ", "invalid TOML")):
         return message
-    line = toml_line(text, key_parts(found["path"]))
+    try:
+        line = toml_line(text, key_parts(found["path"]))
+    except Exception:  # a locator must never hide the error it decorates
+        return message
     return message if line is None else f"{prefix}line {line}: {rest}"

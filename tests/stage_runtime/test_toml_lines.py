@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stage_runtime._toml_lines import key_parts, toml_line, with_line
 from stage_runtime.config import StageConfig
@@ -107,3 +109,23 @@ def test_the_loaders_name_file_line_and_key_path(tmp_path: Path) -> None:
     where = re.escape(str(stage))
     with pytest.raises(ConfigError, match=rf"^{where}: line 5: layer_end must be > layer_start"):
         StageConfig.load(stage)
+
+
+def test_a_table_named_by_an_empty_key_is_passed_over() -> None:
+    """``[""]`` is valid TOML; it names nothing an error could name."""
+    assert toml_line('[""]\nx = 1\n[a]\nb = 2\n', ("a", "b")) == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from(list("[].\"'=# \nab0-_{}")), max_size=120),
+    path=st.text(alphabet=st.sampled_from(list("ab0[]'._-")), max_size=20),
+)
+def test_with_line_never_raises_whatever_the_text(text: str, path: str) -> None:
+    """On any text (a TOML file that parsed, or not), the message comes back, at worst as is."""
+    line = toml_line(text, key_parts(path))  # (never raises either)
+    assert line is None or 1 <= line <= len(text.splitlines())
+    message = f"f.toml: {path} must be something"
+    located = with_line(message, "f.toml", text)
+    assert located == message or located.startswith("f.toml: line ")
+    assert located.endswith(f"{path} must be something")
