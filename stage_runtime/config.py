@@ -22,7 +22,7 @@ import attrs
 import cattrs
 from cattrs.errors import ForbiddenExtraKeysError
 
-from stage_runtime._toml_lines import with_line
+from stage_runtime._config_lines import json_line, with_line
 from stage_runtime._validators import i32, optional_int_in, positive_u32, positive_u64, u32, u64
 from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import U64_MAX as _U64_MAX
@@ -620,16 +620,20 @@ class StageConfig:
 
         Raises:
             ConfigError: the file cannot be read, is not UTF-8 or cannot be parsed, repeats a
-                key in an object, or holds a bad value; the message starts with the file name
-                (then the parser's line and column for a syntax error) and names the key path
-                (``kv_cache.max_entries``) and the value.
+                key in an object, or holds a bad value; the message starts with the file name,
+                then the line (the parser's line and column for a syntax error), and names the
+                key path (``kv_cache.max_entries``) and the value.
         """
         source = os.fspath(path)
-        document = _parse_json(_read_text(source), source=source)
+        text = _read_text(source)
+        document = _parse_json(text, source=source)
         if not isinstance(document, dict):
             msg = f"{source}: config must be a JSON object, got {type(document).__name__}"
             raise ConfigError(msg)
-        return _build(cls, document, source=source)
+        try:
+            return _build(cls, document, source=source)
+        except ConfigError as exc:
+            raise ConfigError(with_line(str(exc), source, text, json_line)) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> StageConfig:

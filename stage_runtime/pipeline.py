@@ -40,7 +40,7 @@ import structlog
 import trio
 
 from actors import ActorStoppedError
-from stage_runtime._toml_lines import with_line
+from stage_runtime._config_lines import with_line
 from stage_runtime._validators import check_non_negative_int, is_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (

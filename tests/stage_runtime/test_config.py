@@ -276,11 +276,11 @@ def test_file_errors_name_file_and_key_path(
     tmp_path: Path, suffix: str, text: str, message: str
 ) -> None:
     """Every error from a file starts with its path, then the parser's line for a syntax error,
-    or the key path of a bad value or an unknown field (after the line the key is on, in a TOML
-    file: see test_toml_lines)."""
+    or the key path of a bad value or an unknown field (after the line the key is on: see
+    test_config_lines)."""
     path = tmp_path / f"stage{suffix}"
     path.write_text(text, encoding="utf-8")
-    line = r"(line \d+: )?" if suffix == ".toml" else ""
+    line = r"(line \d+: )?"
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {line}{message}"):
         StageConfig.load(path)
 

@@ -1,16 +1,18 @@
-"""An error about a key of a TOML file names the line the key was written on
-(stage_runtime._toml_lines, and the loaders that use it)."""
+"""An error about a key of a TOML or JSON file names the line the key was written on
+(stage_runtime._config_lines, and the loaders that use it)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stage_runtime._toml_lines import key_parts, toml_line, with_line
+from stage_runtime._config_lines import json_line, key_parts, toml_line, with_line
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError
 from stage_runtime.pipeline import load_placement, load_topology
@@ -129,3 +131,56 @@ def test_with_line_never_raises_whatever_the_text(text: str, path: str) -> None:
     located = with_line(message, "f.toml", text)
     assert located == message or located.startswith("f.toml: line ")
     assert located.endswith(f"{path} must be something")
+
+
+_JSON = st.recursive(
+    st.integers(-5, 5) | st.text(alphabet='ab"\\\n', max_size=4) | st.booleans() | st.none(),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(alphabet='ab-"\\', min_size=1, max_size=3), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def _paths(value: Any, prefix: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """Every key path in a JSON value (object keys and array indices)."""
+    found = []
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, inner in items:
+        found.append((*prefix, key))
+        found.extend(_paths(inner, (*prefix, key)))
+    return found
+
+
+@settings(max_examples=200, deadline=None)
+@given(document=st.dictionaries(st.text(alphabet="ab_", min_size=1, max_size=3), _JSON, max_size=4))
+def test_json_line_finds_every_key_of_an_indented_document(document: dict[str, Any]) -> None:
+    """In a document written one value per line, each object key is found on the line that
+    names it, and each array element on a line of its array."""
+    text = json.dumps(document, indent=1)
+    lines = text.splitlines()
+    for path in _paths(document):
+        line = json_line(text, path)
+        assert line is not None
+        if isinstance(path[-1], str):
+            assert json.dumps(path[-1]) + ":" in lines[line - 1]
+
+
+def test_json_errors_name_the_line(tmp_path: Path) -> None:
+    """StageConfig.load of a JSON file says the line of the bad key too."""
+    stage = tmp_path / "stage.json"
+    stage.write_text(
+        '{\n "stage_id": "s",\n "model_id": "m",\n "layer_start": 0,\n "layer_end": 4,\n'
+        ' "kv_cache": {\n  "mode": "lookup-record",\n  "max_entries": 0\n }\n}\n'
+    )
+    where = re.escape(str(stage))
+    with pytest.raises(ConfigError, match=rf"^{where}: line 8: kv_cache\.max_entries must be"):
+        StageConfig.load(stage)
+    assert json_line(stage.read_text(), ("kv_cache", "min_tokens")) == 6  # missing: its object
