@@ -124,13 +124,20 @@ def _loads(body: bytes) -> object:
     """The body's JSON: integers parsed natively (one C pass) unless one is too long for
     Python to convert, then again with each integer checked (:func:`_parse_int`), so that the
     error names the token."""
+    # JSON on the wire is UTF-8 (RFC 8259); json.loads would also guess UTF-16 or UTF-32 from
+    # the first bytes, and then report the garbage it decoded as a parse error.
     try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        msg = f"body must be UTF-8, got byte {body[exc.start]:#04x} at offset {exc.start}"
+        raise InvalidRequestError(msg, field="body", error="malformed_json") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except ValueError as exc:
         if isinstance(exc, json.JSONDecodeError | InvalidRequestError | _DuplicateKeyError):
             raise
     return json.loads(
-        body,
+        text,
         parse_constant=_reject_constant,
         parse_int=_parse_int,
         object_pairs_hook=_unique_keys,
@@ -257,7 +264,8 @@ def parse_prefill_request(
         raise InvalidRequestError(msg, field="body", error="invalid_field")
     unknown = sorted(set(document) - _FIELDS)
     if unknown:
-        msg = f"{unknown[0]} is not a known field (expected one of {', '.join(sorted(_FIELDS))})"
+        name = unknown[0] or "''"  # (an empty key, quoted so that the message reads)
+        msg = f"{name} is not a known field (expected one of {', '.join(sorted(_FIELDS))})"
         raise InvalidRequestError(msg, field=unknown[0], error="unknown_field")
 
     if "tokens" in document and "text" in document:

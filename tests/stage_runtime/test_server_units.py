@@ -105,7 +105,14 @@ def test_a_non_standard_constant_is_refused_in_one_message(constant: str) -> Non
     ("body", "field", "error", "message"),
     [
         (b"{not json", "body", "malformed_json", "valid JSON"),
-        (b"\xff\xfe", "body", "malformed_json", "valid JSON"),
+        (b"\xff\xfe", "body", "malformed_json", "must be UTF-8, got byte 0xff at offset 0"),
+        (  # a UTF-16 body (json.loads alone would guess the encoding from its first bytes)
+            '{"tokens": [1], "session_id": "s"}'.encode("utf-16"),
+            "body",
+            "malformed_json",
+            "must be UTF-8, got byte 0xff at offset 0",
+        ),
+        (b'{"tokens": [1], "session_id": "s", "": 1}', "", "unknown_field", "'' is not a known"),
         (b'{"tokens": [NaN], "session_id": "s"}', "body", "malformed_json", "NaN"),
         (b"[1, 2]", "body", "invalid_field", "JSON object, got an array"),
         (_body(session_id="s"), "tokens", "missing_field", "tokens is required"),
