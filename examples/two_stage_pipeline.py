@@ -96,13 +96,14 @@ async def main() -> None:
         for label, text in conversations():
             result = await pipeline.prefill(tokenize(text), session_id=label.split()[0])
             cells = "  ".join(
-                f"{r.restored_tokens:>4} / {r.computed_tokens:<4}" for r in result.stages
+                f"{r.restored_tokens:>16} / {r.computed_tokens:<8}" for r in result.stages
             )
             rows.append(f"{label:<15} {result.tokens:>6}  {cells}".rstrip())
             total += result.tokens
         stats = await pipeline.statistics()
     print()
-    print(f"{'prompt':<15} {'tokens':>6}  {'stage-0 rest/comp':<17}  {'stage-1 rest/comp':<17}")
+    heads = "  ".join(f"{stage.stage_id + ' restored':>16} / computed" for stage in stats.stages)
+    print(f"{'prompt':<15} {'tokens':>6}  {heads}")
     print("\n".join(rows))
     print()
     for stage in stats.stages:
