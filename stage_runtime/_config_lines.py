@@ -36,6 +36,20 @@ _ASSIGNMENT: Final = re.compile(
 _DOTTED: Final = re.compile(r"\s*(?:([A-Za-z0-9_-]+)|\"([^\"]*)\"|'([^']*)')\s*(?:\.|$)")
 
 
+class _Nearest:
+    """The line of the longest leading part of ``path`` seen so far (the first such line)."""
+
+    def __init__(self, path: tuple[_Part, ...]) -> None:
+        self.path = path
+        self.depth = 0
+        self.line: int | None = None
+
+    def saw(self, here: tuple[_Part, ...], line: int) -> None:
+        """Line ``line`` sets key path ``here``."""
+        if len(here) > self.depth and self.path[: len(here)] == here:
+            self.depth, self.line = len(here), line
+
+
 def key_parts(path: str) -> tuple[_Part, ...]:
     """``"stage[1].kv_cache.max_entries"`` as ``("stage", 1, "kv_cache", "max_entries")``
     (``resources['stage-0']`` as ``("resources", "stage-0")``)."""
@@ -60,7 +74,7 @@ def toml_line(text: str, path: tuple[_Part, ...]) -> int | None:
     a table's header); None when not even its first key is there."""
     table: tuple[_Part, ...] = ()
     arrays: dict[tuple[_Part, ...], int] = {}  # each array of tables: the index of its last
-    best, best_line = 0, None
+    nearest = _Nearest(path)
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -85,9 +99,8 @@ def toml_line(text: str, path: tuple[_Part, ...]) -> int | None:
             if assignment is None:
                 continue
             here = (*table, *_dotted(assignment["key"]))
-        if len(here) > best and path[: len(here)] == here:
-            best, best_line = len(here), number
-    return best_line
+        nearest.saw(here, number)
+    return nearest.line
 
 
 def _string_end(text: str, start: int) -> int:
@@ -107,7 +120,7 @@ def json_line(text: str, path: tuple[_Part, ...]) -> int | None:
     """The 1-based line of JSON ``text`` that holds the longest leading part of ``path`` (an
     object's key, or an array's element); None when not even its first key is there."""
     where: list[_Part] = []  # the path of the value being read: a key or index per container
-    best, best_line = 0, None
+    nearest = _Nearest(path)
     index, line, size = 0, 1, len(text)
     expect_key = False
     while index < size:
@@ -120,9 +133,7 @@ def json_line(text: str, path: tuple[_Part, ...]) -> int | None:
             line += text.count("\n", index, end)
             if expect_key:
                 where[-1] = value
-                here = tuple(where)
-                if len(here) > best and path[: len(here)] == here:
-                    best, best_line = len(here), line
+                nearest.saw(tuple(where), line)
                 expect_key = False
             index = end
             continue
@@ -131,21 +142,17 @@ def json_line(text: str, path: tuple[_Part, ...]) -> int | None:
             expect_key = True
         elif char == "[":
             where.append(0)
-            here = tuple(where)
-            if len(here) > best and path[: len(here)] == here:
-                best, best_line = len(here), line
+            nearest.saw(tuple(where), line)
         elif char in "}]" and where:
             where.pop()
         elif char == "," and where:
             if isinstance(where[-1], int):
                 where[-1] += 1
-                here = tuple(where)
-                if len(here) > best and path[: len(here)] == here:
-                    best, best_line = len(here), line
+                nearest.saw(tuple(where), line)
             else:
                 expect_key = True
         index += 1
-    return best_line
+    return nearest.line
 
 
 def with_line(

@@ -161,24 +161,9 @@ class LadderIndex:
                 sorted([by_print[f] for f in found], reverse=True),
                 [by_print[f] for f in suspected] if suspected else [],
             )
-        # Every grid length misses without a lookup: account for them as lookups would.
-        total = len(grid.counts)
-        store._clock += total
-        store._lookups += total
-        self._lookups += 1
-        reason: MissReason = "never_seen"
-        if suspected:
-            suspects = [by_print[f] for f in suspected]
-            # The record of this prompt comes next: its lengths join the same pass.
-            hashes = prompt.hash_counts([*suspects, *prompt.record_counts(self.policy)])
-            key_of = self._keys(prompt)
-            tombstones = self._tombstones
-            for count in suspects:
-                if key_of(count, hashes[count]) in tombstones:
-                    reason = "evicted"
-                    break
-        self._misses[reason] += 1
-        self.last_miss_reason = reason
+        self._missed_unprobed(
+            prompt, len(grid.counts), [by_print[f] for f in suspected] if suspected else []
+        )
         return None
 
     def _restore_probing(self, prompt: Prompt, grid: GridFingerprints) -> ActivationRestore | None:
@@ -205,20 +190,25 @@ class LadderIndex:
             buried = self._tombstone_prints.get(prompt.group)
             suspects = grid.among(buried) if buried else []
         if not probes:
-            # Every grid length misses without a lookup: account for them as lookups would.
-            store._miss(total)
-            if suspects:
-                # The record of this prompt comes next: its lengths join the same pass.
-                hashes = prompt.hash_counts([*suspects, *prompt.record_counts(self.policy)])
-                key_of = self._keys(prompt)
-                tombstones = self._tombstones
-                for count in suspects:
-                    if key_of(count, hashes[count]) in tombstones:
-                        self._missed("evicted")
-                        return None
-            self._missed("never_seen")
+            self._missed_unprobed(prompt, total, suspects)
             return None
         return self._probe(prompt, grid, probes, suspects)
+
+    def _missed_unprobed(self, prompt: Prompt, total: int, suspects: list[int]) -> None:
+        """Every one of the ``total`` grid lengths misses without a lookup: account for them as
+        lookups would; the miss is ``evicted`` when one of ``suspects`` has a tombstone."""
+        store = self.store
+        store._clock += total  # (store._miss, inline)
+        store._lookups += total
+        reason: MissReason = "never_seen"
+        if suspects:
+            # The record of this prompt comes next: its lengths join the same pass.
+            hashes = prompt.hash_counts([*suspects, *prompt.record_counts(self.policy)])
+            key_of = self._keys(prompt)
+            tombstones = self._tombstones
+            if any(key_of(count, hashes[count]) in tombstones for count in suspects):
+                reason = "evicted"
+        self._missed(reason)
 
     def _probe(
         self, prompt: Prompt, grid: GridFingerprints, probes: list[int], suspects: list[int]
