@@ -145,6 +145,7 @@ def json_line(text: str, path: tuple[_Part, ...]) -> int | None:
             nearest.saw(tuple(where), line)
         elif char in "}]" and where:
             where.pop()
+            expect_key = False  # (an empty object awaited a key that never came)
         elif char == "," and where:
             if isinstance(where[-1], int):
                 where[-1] += 1

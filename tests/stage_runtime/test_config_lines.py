@@ -173,6 +173,12 @@ def test_json_line_finds_every_key_of_an_indented_document(document: dict[str, A
             assert json.dumps(path[-1]) + ":" in lines[line - 1]
 
 
+def test_a_string_after_an_empty_object_is_a_value_not_a_key() -> None:
+    """Found by the property above: ``{}`` then a string in an array."""
+    text = json.dumps({"_": [{}, "", {"\\": None}]}, indent=1)
+    assert json_line(text, ("_", 2, "\\")) == 6
+
+
 def test_json_errors_name_the_line(tmp_path: Path) -> None:
     """StageConfig.load of a JSON file says the line of the bad key too."""
     stage = tmp_path / "stage.json"
