@@ -261,54 +261,55 @@ def _check_namespace(namespace: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _namespace_hasher(
+def _namespace_prelude(
     config: StageConfig, token_start: int, namespace: str | None, platform: PlatformIdentity
-) -> blake3.blake3:
-    """The hasher fed with everything but the tokens; callers feed a ``.copy()`` of it."""
-    h = blake3.blake3()
+) -> bytes:
+    """Everything the hash covers before the tokens, as the bytes it hashes."""
+    parts: list[bytes] = []
+    put = parts.append
     # 1. weight identity
-    h.update(b"kv-weight-identity-v1")
-    h.update(config.model_id.encode())
+    put(b"kv-weight-identity-v1")
+    put(config.model_id.encode())
     for tag, value in (
         (b"manifest:", config.manifest_sha256),
         (b"source:", config.source_model_sha256),
         (b"package:", config.package_ref),
     ):
-        h.update(tag)
-        h.update(b"<absent>" if value is None else b"=" + value.encode())
-    h.update(_LOAD_MODE_TAGS[config.load_mode].encode())
+        put(tag)
+        put(b"<absent>" if value is None else b"=" + value.encode())
+    put(_LOAD_MODE_TAGS[config.load_mode].encode())
     # 2. stage
-    h.update(config.stage_id.encode())
-    h.update(_u32(config.stage_index))
-    h.update(_u32(config.layer_start))
-    h.update(_u32(config.layer_end))
+    put(config.stage_id.encode())
+    put(_u32(config.stage_index))
+    put(_u32(config.layer_start))
+    put(_u32(config.layer_end))
     # 3. page ABI
-    h.update(RUNTIME_ABI_VERSION.encode())
-    h.update(_i32(_LAYOUT_CONSTANT))
-    h.update(_KV_DTYPE.encode())
+    put(RUNTIME_ABI_VERSION.encode())
+    put(_i32(_LAYOUT_CONSTANT))
+    put(_KV_DTYPE.encode())
     # 4. KV layout
-    h.update(b"kv-layout-identity-v1")
-    h.update(config.cache_type_k.encode())
-    h.update(b"/")
-    h.update(config.cache_type_v.encode())
-    h.update(_FLASH_TAGS[config.flash_attn].encode())
-    h.update(_i32(config.n_gpu_layers))
+    put(b"kv-layout-identity-v1")
+    put(config.cache_type_k.encode())
+    put(b"/")
+    put(config.cache_type_v.encode())
+    put(_FLASH_TAGS[config.flash_attn].encode())
+    put(_i32(config.n_gpu_layers))
     device = config.selected_device
-    h.update(b"<no-selected-device>" if device is None else device.encode())
-    h.update(b"kv-unified:" + _tri_state(config.kv_unified))
-    h.update(b"swa-full:" + _tri_state(config.swa_full))
+    put(b"<no-selected-device>" if device is None else device.encode())
+    put(b"kv-unified:" + _tri_state(config.kv_unified))
+    put(b"swa-full:" + _tri_state(config.swa_full))
     # 5. platform
-    h.update(b"kv-platform-identity-v1")
-    h.update(platform.arch.encode())
-    h.update(b"endian:le" if platform.little_endian else b"endian:be")
-    h.update(_u32(platform.pointer_width))
+    put(b"kv-platform-identity-v1")
+    put(platform.arch.encode())
+    put(b"endian:le" if platform.little_endian else b"endian:be")
+    put(_u32(platform.pointer_width))
     # 6. context, 7. namespace, 8. start position
-    h.update(f"ctx:{config.ctx_size}".encode())
+    put(f"ctx:{config.ctx_size}".encode())
     if namespace is not None:
-        h.update(b"openai-cache-namespace-v1")
-        h.update(namespace.encode())
-    h.update(_u64(token_start))
-    return h
+        put(b"openai-cache-namespace-v1")
+        put(namespace.encode())
+    put(_u64(token_start))
+    return b"".join(parts)
 
 
 def _prelude(
@@ -316,13 +317,14 @@ def _prelude(
     token_start: int,
     namespace: str | None,
     platform: PlatformIdentity | None,
-) -> blake3.blake3:
+) -> bytes:
+    """:func:`_namespace_prelude` of checked arguments (the running platform when None)."""
     if not isinstance(config, StageConfig):
         msg = f"config must be a StageConfig, got {type(config).__name__}"
         raise ConfigError(msg)
     _check_namespace(namespace)
     start = _check_token_start(token_start)
-    return _namespace_hasher(config, start, namespace, platform or _current_platform()).copy()
+    return _namespace_prelude(config, start, namespace, platform or _current_platform())
 
 
 def prefix_namespace_hash(
@@ -343,7 +345,9 @@ def prefix_namespace_hash(
     Returns:
         ``"blake3:"`` followed by 64 lowercase hex digits.
     """
-    return _HASH_PREFIX + _prelude(config, token_start, namespace, platform).hexdigest()
+    return (
+        _HASH_PREFIX + blake3.blake3(_prelude(config, token_start, namespace, platform)).hexdigest()
+    )
 
 
 def prefix_hash(
@@ -370,9 +374,8 @@ def prefix_hash(
         ConfigError: bad tokens, token_start or namespace.
     """
     array = as_token_array(tokens)
-    h = _prelude(config, token_start, namespace, platform)
-    h.update(array.data.cast("B"))
-    return _HASH_PREFIX + h.hexdigest()
+    prelude = _prelude(config, token_start, namespace, platform)
+    return _hash_counts(prelude, array.data.cast("B"), [int(array.size)])[int(array.size)]
 
 
 def prefix_hashes(
@@ -410,22 +413,36 @@ def prefix_hashes(
         bad = counts[0] if counts[0] < 0 else counts[-1]
         msg = f"token_counts must be in [0, {array.size}], got {bad}"
         raise ConfigError(msg)
-    h = _prelude(config, token_start, namespace, platform)
-    return _hash_counts(h, array.data.cast("B"), counts)
+    prelude = _prelude(config, token_start, namespace, platform)
+    return _hash_counts(prelude, array.data.cast("B"), counts)
+
+
+_ALIGNED_HEAD: Final = 16 * 1024
+"""Where the first call of :func:`_hash_counts` ends in the byte stream (or the first count, if
+sooner): 16 BLAKE3 chunks, the most one SIMD pass hashes at once (AVX-512). BLAKE3 hashes
+large inputs many chunks at a time, but only in subtrees aligned in the stream; tokens fed after
+a prelude that ends inside the first chunk start misaligned, and the next few subtrees are cut
+to 1, 2, 4 and 8 chunks. Hashing the prelude and the first tokens as one buffer up to the
+boundary avoids that (``unaligned_over_once`` in ``benchmarks/bench_identity.py``)."""
 
 
 def _hash_counts(
-    h: blake3.blake3, data: memoryview, counts: list[int], into: dict[int, str] | None = None
+    prelude: bytes, data: memoryview, counts: list[int], into: dict[int, str] | None = None
 ) -> dict[int, str]:
-    """Feed ``data`` (int32 bytes) to ``h`` up to each ascending count and read it out there;
-    returns the hashes by count (added to ``into`` when given)."""
+    """Hash ``prelude`` then ``data`` (int32 bytes) up to each ascending count and read the
+    digest out there; returns the hashes by count (added to ``into`` when given)."""
     hashes: dict[int, str] = {} if into is None else into
+    if not counts:
+        return hashes
+    # The prelude and the tokens up to the aligned boundary (or the first count) in one buffer.
+    done = min(-len(prelude) % _ALIGNED_HEAD, counts[0] * 4)
+    h = blake3.blake3(prelude + data[:done])
     update, digest = h.update, h.digest  # the hot loop: one update and one digest per count
-    done = 0
     for count in counts:
         end = count * 4
-        update(data[done:end])
-        done = end
+        if end > done:
+            update(data[done:end])
+            done = end
         hashes[count] = _HASH_PREFIX + digest().hex()
     return hashes
 

@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Final
 
-import blake3
 import numpy as np
 
 from stage_runtime.config import MessageBase, StageConfig
@@ -109,13 +108,13 @@ class Prompt:
         missing = [c for c in counts if c not in known] if known else counts
         if missing:
             missing = sorted(set(missing))
-            h = _namespace_hasher(self.config, self.token_start, self.base.chat_template_id)
+            prelude = _namespace_prelude(self.config, self.token_start, self.base.chat_template_id)
             data = self.tokens.data.cast("B")
             salt = self.base.cache_salt
             if salt is None:
-                _hash_counts(h, data, missing, known)
+                _hash_counts(prelude, data, missing, known)
             else:
-                fresh = _hash_counts(h, data, missing)
+                fresh = _hash_counts(prelude, data, missing)
                 known.update({c: salted_prefix_hash(v, salt) for c, v in fresh.items()})
         return known
 
@@ -260,14 +259,12 @@ def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> 
 
 
 _PRELUDES: Final = 64
-_preludes: dict[tuple[int, int, str | None], tuple[StageConfig, blake3.blake3]] = {}
+_preludes: dict[tuple[int, int, str | None], tuple[StageConfig, bytes]] = {}
 
 
-def _namespace_hasher(
-    config: StageConfig, token_start: int, namespace: str | None
-) -> blake3.blake3:
-    """A copy of the hasher fed everything but the tokens (``identity._prelude``), remembered
-    per stage object: the identity module's own memo hashes the whole configuration per call."""
+def _namespace_prelude(config: StageConfig, token_start: int, namespace: str | None) -> bytes:
+    """What the hash covers before the tokens (``identity._prelude``), remembered per stage
+    object: the identity module's own memo hashes the whole configuration per call."""
     key = (id(config), token_start, namespace)
     known = _preludes.get(key)
     if known is None or known[0] is not config:
@@ -275,7 +272,7 @@ def _namespace_hasher(
             _preludes.clear()
         known = (config, _prelude(config, token_start, namespace, None))
         _preludes[key] = known
-    return known[1].copy()
+    return known[1]
 
 
 _RECENT_GRIDS: Final = 16

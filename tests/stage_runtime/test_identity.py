@@ -332,6 +332,30 @@ def test_one_pass_hashes_equal_independent_hashes(tokens: list[int], data: st.Da
         assert got[k] == prefix_hash(cfg, 3, tokens[:k], "ns")
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(0, 12_000),
+    namespace=st.one_of(st.none(), st.text(max_size=40), st.integers(0, 20_000).map("n".__mul__)),
+    data=st.data(),
+)
+def test_one_pass_hashes_equal_blake3_of_the_stream_across_the_aligned_head(
+    size: int, namespace: str | None, data: st.DataObject
+) -> None:
+    """The first BLAKE3 call takes the prelude and the tokens up to a 16 KiB boundary as one
+    buffer: every hash still equals BLAKE3 of the literal stream, for counts before, at and
+    after that boundary and preludes of any length (a long namespace puts it past 16 KiB)."""
+    cfg = config()
+    tokens = np.random.default_rng(size).integers(-(2**31), 2**31 - 1, size, dtype=np.int32)
+    head = len(reference_stream(cfg, 5, [], namespace, X86))
+    boundary = max(0, min(size, (-head % 16384) // 4))
+    near = st.integers(max(0, boundary - 3), min(size, boundary + 3))
+    counts = data.draw(st.lists(st.one_of(st.integers(0, size), near), min_size=1, max_size=6))
+    got = prefix_hashes(cfg, 5, tokens, counts, namespace, platform=X86)
+    for k in counts:
+        stream = reference_stream(cfg, 5, tokens[:k].tolist(), namespace, X86)
+        assert got[k] == "blake3:" + blake3.blake3(stream).hexdigest()
+
+
 def test_one_pass_rejects_counts_out_of_range() -> None:
     """A count beyond the tokens is a ConfigError naming it."""
     with pytest.raises(ConfigError, match=r"token_counts must be in \[0, 3\], got 4"):
