@@ -20,9 +20,11 @@ say what changed and from where, when a digest does.
 
 The golden data (``tests/stage_runtime/golden/excerpt.json`` for the bundled excerpt,
 ``benchmarks/golden/<trace>.json`` for a full trace) was taken from the code before the cache
-refactor of issue 20. If a refactor renames the API this module reads (a report's field,
-``Pipeline.stats``), adapt the reading here, never the golden data: a fingerprint that changes
-is a behaviour that changed.
+refactor of issue 20. Format 2 was written by the code at 629e94a, whose format-1 fingerprints
+still equalled those golden ones; it differs only in ranking paged key digests
+(:func:`_ranked_names`), and its ladder digests are the format-1 ones. If a refactor renames the
+API this module reads (a report's field, ``Pipeline.stats``), adapt the reading here, never the
+golden data: a fingerprint that changes is a behaviour that changed.
 
 Structlog loggers cached on first use (``cache_logger_on_first_use=True``) no longer see a
 reconfiguration, so their events could not be captured: :func:`fingerprint` refuses to run
@@ -38,6 +40,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -73,8 +76,13 @@ __all__ = [
     "trace_digest",
 ]
 
-FORMAT: Final = 1
-"""Version of the fingerprint's layout; golden data of another version cannot be compared."""
+FORMAT: Final = 2
+"""Version of the fingerprint's layout; golden data of another version cannot be compared.
+Format 2 hashes each paged entry's key digest in its name as its rank of first appearance in
+the stream (:func:`_ranked_names`)."""
+
+_PAGED_NAME: Final = re.compile(r"(:(?:page|tail|exact):\d+\+\d+:)([0-9a-f]{16})")
+"""The key digest in a paged entry's name (``act:...:page:512+512:<16 hex>``)."""
 
 POLICIES: Final = (("ladder", "lru"), ("paged", "lru"), ("paged", "reuse"))
 """The cache policies fingerprinted: ``(index, page_eviction)``."""
@@ -208,19 +216,39 @@ def _canonical(item: object) -> bytes:
     ).encode()
 
 
+def _ranked_names(line: bytes, ranks: dict[str, int]) -> bytes:
+    """``line`` with the key digest in each paged entry name replaced by ``#`` and its rank of
+    first appearance in ``ranks`` (the stream's, filled as it goes).
+
+    Which entries a replay names, and which names are the same entry, is behaviour; the bytes
+    of a paged key are not: they depend on how keys are derived, which changed once (issue 20:
+    the token part of a key is computed once per request for every stage). The ladder's names
+    are the spec's and are hashed as they are."""
+    if b":page:" not in line and b":tail:" not in line and b":exact:" not in line:
+        return line
+
+    def rank(found: re.Match[str]) -> str:
+        digest = found.group(2)
+        number = ranks.setdefault(digest, len(ranks))
+        return f"{found.group(1)}#{number}"
+
+    return _PAGED_NAME.sub(rank, line.decode()).encode()
+
+
 class _Stream:
     """SHA-256 over canonical JSON lines (optionally copied to a dump file)."""
 
-    __slots__ = ("_dump", "_hash", "_label", "items")
+    __slots__ = ("_dump", "_hash", "_label", "_ranks", "items")
 
     def __init__(self, label: str, dump: IO[str] | None) -> None:
         self._hash = hashlib.sha256()
         self._label = label
         self._dump = dump
+        self._ranks: dict[str, int] = {}
         self.items = 0
 
     def add(self, item: object) -> None:
-        line = _canonical(item)
+        line = _ranked_names(_canonical(item), self._ranks)
         self._hash.update(line)
         self.items += 1
         if self._dump is not None:

@@ -22,6 +22,7 @@ from tests.stage_runtime.golden.fingerprint import (
     EXCERPT_CAPACITIES,
     FORMAT,
     Scenario,
+    _ranked_names,
     compare,
     golden_document,
     scenarios,
@@ -134,6 +135,27 @@ def test_the_trace_digest_changes_with_any_block() -> None:
     assert document["requests"] == 1
     assert document["prompt_tokens"] == 700
     assert document["scenarios"] == {}
+
+
+def test_paged_key_digests_are_hashed_as_their_rank_and_ladder_names_as_they_are() -> None:
+    """Format 2: a paged entry's key digest counts by which entry it is, not by its bytes; the
+    same digest gets the same rank all along a stream; the ladder's names are untouched."""
+    ranks: dict[str, int] = {}
+    first = (
+        b'{"page_id":"act:s:0:0:w8:page:0+512:0123456789abcdef",'
+        b'"key":"act:s:0:0:w8:tail:512+3:fedcba9876543210"}\n'
+    )
+    again = b'{"page_id":"act:s:0:0:w8:page:0+512:0123456789abcdef"}\n'
+    ladder = b'{"page_id":"act:s:0:512:0:0123456789abcdef:w8"}\n'
+    assert _ranked_names(first, ranks) == (
+        b'{"page_id":"act:s:0:0:w8:page:0+512:#0","key":"act:s:0:0:w8:tail:512+3:#1"}\n'
+    )
+    assert _ranked_names(again, ranks) == b'{"page_id":"act:s:0:0:w8:page:0+512:#0"}\n'
+    assert _ranked_names(ladder, ranks) == ladder
+    renamed = first.replace(b"0123456789abcdef", b"aaaaaaaaaaaaaaaa")
+    assert _ranked_names(renamed, {}) == _ranked_names(first, {})
+    merged = first.replace(b"fedcba9876543210", b"0123456789abcdef")  # two entries made one
+    assert _ranked_names(merged, {}) != _ranked_names(first, {})
 
 
 @pytest.mark.parametrize(
