@@ -113,14 +113,16 @@ def test_index_chain_reusing_recent_prompts_gives_the_same_keys(
 @pytest.mark.parametrize("tokens", [[7, 8, 9, 10, 11], [7, 8, 9, 10], [7], []])
 def test_chain_keys_follow_the_documented_chaining(tokens: list[int]) -> None:
     """Every key of a chain is the BLAKE3 chaining its module documents, recomputed here from
-    the bytes (the exact key too, though it is computed only when first read)."""
+    the bytes (the exact key too, though it is computed only when first read): token keys
+    chained over the tokens alone, each followed by 16 bytes of the namespace's root key."""
 
     def b3(*parts: bytes) -> bytes:
         return blake3.blake3(b"".join(parts)).digest()
 
     raw = np.array(tokens, dtype="<i4").tobytes()
     root = b3(b"stage-runtime/activation-root-v1", b"ns")
-    keys, parent = [], root
+    tag = root[:16]
+    keys, parent = [], b3(b"stage-runtime/activation-root-v1")
     for i in range(len(tokens) // 2):
         parent = b3(b"stage-runtime/activation-page-v1", parent, raw[8 * i : 8 * i + 8])
         keys.append(parent)
@@ -134,9 +136,25 @@ def test_chain_keys_follow_the_documented_chaining(tokens: list[int]) -> None:
         PagedActivationIndex(page_tokens=2, max_entries=10).chain(b"ns", tokens),
     ):
         assert chain.root_key == root
-        assert list(chain.page_keys) == keys
-        assert chain.tail_key == tail
-        assert chain.exact_key == exact
+        assert list(chain.page_keys) == [key + tag for key in keys]
+        assert chain.tail_key == (None if tail is None else tail + tag)
+        assert chain.exact_key == exact + tag
+
+
+def test_stages_paging_one_prompt_array_hash_its_pages_once() -> None:
+    """The token keys of a read-only prompt array are computed once for every namespace that
+    pages it by the same page size; each namespace's keys still differ."""
+    tokens = np.arange(40, dtype=np.int32)
+    tokens.flags.writeable = False
+    first = PagedActivationIndex(page_tokens=4, max_entries=10).chain(b"stage-0", tokens)
+    second = PagedActivationIndex(page_tokens=4, max_entries=10).chain(b"stage-1", tokens)
+    assert second.token_chain is first.token_chain
+    assert not set(first.page_keys) & set(second.page_keys)
+    other_size = PagedActivationIndex(page_tokens=8, max_entries=10).chain(b"stage-1", tokens)
+    assert other_size.token_chain is not first.token_chain
+    copy = page_chain(b"stage-1", tokens.copy(), page_tokens=4)  # another array: computed again
+    assert copy.token_chain is not first.token_chain
+    assert copy.page_keys == second.page_keys
 
 
 def test_recent_chains_stay_within_their_count_and_token_bounds(
@@ -147,7 +165,11 @@ def test_recent_chains_stay_within_their_count_and_token_bounds(
     monkeypatch.setattr(chains, "_RECENT_CHAINS", 3)
     monkeypatch.setattr(chains, "_RECENT_TOKENS", 10)
     recent = chains.RecentChains()
-    made = [page_chain(b"ns", [i, i, i], page_tokens=2) for i in range(5)]
+
+    def token_chain(tokens: list[int]) -> chains.TokenChain:
+        return page_chain(b"ns", tokens, page_tokens=2).token_chain
+
+    made = [token_chain([i, i, i]) for i in range(5)]
     for chain in made[:3]:
         recent.remember(chain)
     assert (len(recent), recent._tokens) == (3, 9)
@@ -156,12 +178,12 @@ def test_recent_chains_stay_within_their_count_and_token_bounds(
     assert recent.take(made[0].page_keys[0]) is None
     assert recent.take(made[1].page_keys[0]) is made[1]
     assert (len(recent), recent._tokens) == (2, 6)
-    recent.remember(page_chain(b"ns", [2, 2, 7, 7, 7], page_tokens=2))  # replaces made[2]
+    recent.remember(token_chain([2, 2, 7, 7, 7]))  # replaces made[2]
     assert (len(recent), recent._tokens) == (2, 8)
     recent.remember(made[4])  # 11 tokens: over the budget
     assert (len(recent), recent._tokens) == (2, 8)
     assert recent.take(made[3].page_keys[0]) is None
-    big = page_chain(b"ns", list(range(12)), page_tokens=2)
+    big = token_chain(list(range(12)))
     recent.remember(big)  # alone over the budget: kept, the only one
     assert (len(recent), recent._tokens) == (1, 12)
     assert recent.take(big.page_keys[0]) is big

@@ -1,18 +1,24 @@
-"""Page chains: the chained BLAKE3 keys of a prompt's pages (one pass over its tokens; the
-exact key, which few prompts need, is computed when first read).
+"""Page chains: the chained BLAKE3 keys of a prompt's pages (one pass over its tokens, once per
+request for every stage; the exact key, which few prompts need, is computed when first read).
 
-A page's key chains the BLAKE3 identity::
+A page's key has two parts: a *token key* chained over the tokens alone, the same for every
+stage, tenant and width, and the namespace's *tag* (everything else a key depends on)::
 
-    key(page i) = BLAKE3(domain, namespace, key(page i-1), tokens of page i)
+    token key(page i) = BLAKE3(page domain, token key(page i-1), tokens of page i)
+    key(page i)       = token key(page i) + tag       (tag: 16 bytes of the namespace's root key)
 
 so two prompts that agree on their first ``i`` pages compute the same first ``i`` keys, and any
 difference before a page changes its key and every key after it. The last partial page of a
 prompt has an exact-length *tail* key chained the same way, and the whole prompt an *exact* key
-(for frames that cannot be cut into rows).
+(for frames that cannot be cut into rows). The token keys of a prompt are computed once, and
+every stage (every namespace) that pages the same prompt array by the same page size takes
+them (:func:`_token_chain`): hashing small pages one after the other is slow in BLAKE3 (no SIMD
+across pages), so this is most of what a paged stage cache costs.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import attrs
@@ -30,6 +36,10 @@ _PAGE_DOMAIN = b"stage-runtime/activation-page-v1"
 _TAIL_DOMAIN = b"stage-runtime/activation-tail-v1"
 _EXACT_DOMAIN = b"stage-runtime/activation-exact-v1"
 _ROOT_DOMAIN = b"stage-runtime/activation-root-v1"
+_TOKEN_ROOT = blake3.blake3(_ROOT_DOMAIN).digest()
+"""Parent token key of a prompt's first page."""
+TAG_BYTES = 16
+"""Bytes of the namespace's root key appended to every token key."""
 
 
 def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArray:
@@ -49,10 +59,44 @@ def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArr
     return ids
 
 
+class TokenChain:
+    """The token keys of one prompt by one page size (shared by every namespace that pages it;
+    not to be changed)."""
+
+    __slots__ = ("_exact", "page_keys", "page_tokens", "tail_key", "token_count", "tokens")
+
+    def __init__(
+        self,
+        tokens: TokenArray,
+        page_tokens: int,
+        page_keys: tuple[bytes, ...],
+        tail_key: bytes | None,
+    ) -> None:
+        self.tokens = tokens
+        """The prompt, read-only int32."""
+        self.page_tokens = page_tokens
+        self.page_keys = page_keys
+        """Token key of each full page, in order."""
+        self.tail_key = tail_key
+        """Token key of the partial last page, or None when the prompt ends on a page boundary."""
+        self.token_count = int(tokens.size)
+        self._exact: bytes | None = None
+
+    @property
+    def exact_key(self) -> bytes:
+        """Token key of the whole prompt as one exact-length entry (computed when first read)."""
+        key = self._exact
+        if key is None:
+            full = len(self.page_keys)
+            parent = self.page_keys[-1] if full else _TOKEN_ROOT
+            key = self._exact = _exact_key(parent, self.tokens, full * self.page_tokens)
+        return key
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class PageChain:
-    """The chained keys of one prompt under one namespace (computed once, in one pass; the
-    exact key when first read)."""
+    """The chained keys of one prompt under one namespace (the token keys computed once per
+    prompt and page size, for every namespace; the exact key when first read)."""
 
     namespace: bytes
     """Identity of everything but the tokens (stage, model, width, salt...)."""
@@ -63,11 +107,14 @@ class PageChain:
     tokens: npt.NDArray[np.int32]
     """The prompt, read-only int32."""
     root_key: bytes
-    """Parent key of the first page (a digest of the namespace)."""
+    """Parent key of the first page (a digest of the namespace; its first :data:`TAG_BYTES`
+    bytes end every key of the chain)."""
     page_keys: tuple[bytes, ...]
     """Key of each full page, in order."""
     tail_key: bytes | None
     """Key of the partial last page, or ``None`` when the prompt ends on a page boundary."""
+    token_chain: TokenChain
+    """The token keys the keys are made of."""
     _exact_key: bytes | None = attrs.field(default=None, alias="exact_key")
     """:attr:`exact_key` once computed (most prompts never need it)."""
 
@@ -79,8 +126,7 @@ class PageChain:
         restore looks it up only while such an entry is resident."""
         key = self._exact_key
         if key is None:
-            full = len(self.page_keys)
-            key = _exact_key(self.parent_key(full), self.tokens, full * self.page_tokens)
+            key = self.token_chain.exact_key + self.root_key[:TAG_BYTES]
             object.__setattr__(self, "_exact_key", key)
         return key
 
@@ -157,26 +203,27 @@ runtime pages by default (128 tokens), 4% with the simulator's 512."""
 
 
 class RecentChains:
-    """The chains computed lately by one index, by first page key, oldest first: a new prompt
-    takes the keys of the leading pages it shares with the latest one that starts like it."""
+    """The token chains computed lately by one index, by first page key, oldest first: a new
+    prompt takes the keys of the leading pages it shares with the latest one that starts like
+    it."""
 
     __slots__ = ("_chains", "_tokens")
 
     def __init__(self) -> None:
-        self._chains: dict[bytes, PageChain] = {}
+        self._chains: dict[bytes, TokenChain] = {}
         self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._chains)
 
-    def take(self, first_key: bytes) -> PageChain | None:
+    def take(self, first_key: bytes) -> TokenChain | None:
         """The chain remembered under ``first_key``, forgotten (its successor replaces it)."""
         chain = self._chains.pop(first_key, None)
         if chain is not None:
             self._tokens -= chain.token_count
         return chain
 
-    def remember(self, chain: PageChain) -> None:
+    def remember(self, chain: TokenChain) -> None:
         """Keep ``chain`` (it has a full page) as the newest; drop the oldest past the bounds."""
         chains = self._chains
         first = chain.page_keys[0]
@@ -215,29 +262,58 @@ def _page_chain(
     label: str,
     recent: RecentChains | None,
 ) -> PageChain:
-    """:func:`page_chain` of validated private tokens.
+    """:func:`page_chain` of validated private tokens: the token keys (:func:`_token_chain`)
+    with the namespace's tag."""
+    root_key = _root_key(namespace)
+    tag = root_key[:TAG_BYTES]
+    tokens = _token_chain(ids, page_tokens, recent)
+    tail = tokens.tail_key
+    return PageChain(
+        namespace=namespace,
+        label=label,
+        page_tokens=page_tokens,
+        tokens=ids,
+        root_key=root_key,
+        page_keys=tuple([key + tag for key in tokens.page_keys]),
+        tail_key=None if tail is None else tail + tag,
+        token_chain=tokens,
+    )
+
+
+_SHARED_CHAINS = 16
+_shared_chains: OrderedDict[tuple[int, int], TokenChain] = OrderedDict()
+"""The token chains made lately, by ``(id(tokens), page_tokens)``, oldest first: the stages of
+a pipeline page the same read-only prompt array one after the other. (Each chain holds its
+array, so the id cannot be reused while it is here.)"""
+
+
+def _token_chain(ids: TokenArray, page_tokens: int, recent: RecentChains | None) -> TokenChain:
+    """The token keys of ``ids`` (validated, private: see :func:`_private_tokens`): the chain
+    made lately for the same array and page size, else computed.
 
     With ``recent`` (earlier chains by their first page key), the keys of the leading pages this
     prompt shares token for token with the latest earlier prompt that starts with the same page
-    (same namespace and page size) are taken from that chain instead of hashed again: they are
-    the same bytes either way. ``recent`` then remembers this chain (bounded, oldest dropped).
+    (and page size) are taken from that chain instead of hashed again: they are the same bytes
+    either way. ``recent`` then remembers this chain (bounded, oldest dropped).
     """
-    root_key = _root_key(namespace)
+    memo_key = (id(ids), page_tokens)
+    chain = _shared_chains.get(memo_key)
+    if chain is not None and chain.tokens is ids:
+        return chain
     raw = ids.data.cast("B")
     width = 4 * page_tokens
     keys: list[bytes] = []
-    parent = root_key
+    parent = _TOKEN_ROOT
     n = int(ids.size)
     full = n // page_tokens
     hasher = blake3.blake3
     start = 0
-    like: PageChain | None = None
     if recent is not None and full:
         parent = hasher(b"".join((_PAGE_DOMAIN, parent, raw[:width]))).digest()
         keys.append(parent)
         start = 1
         like = recent.take(parent)
-        if like is not None and like.namespace == namespace and like.page_tokens == page_tokens:
+        if like is not None and like.page_tokens == page_tokens:
             end = min(full, len(like.page_keys)) * page_tokens
             if end > page_tokens:
                 common = first_difference(ids[page_tokens:end], like.tokens[page_tokens:end])
@@ -256,15 +332,10 @@ def _page_chain(
         h.update(parent)
         h.update(raw[full * width :])
         tail_key = h.digest()
-    chain = PageChain(
-        namespace=namespace,
-        label=label,
-        page_tokens=page_tokens,
-        tokens=ids,
-        root_key=root_key,
-        page_keys=tuple(keys),
-        tail_key=tail_key,
-    )
+    chain = TokenChain(ids, page_tokens, tuple(keys), tail_key)
     if recent is not None and keys:
         recent.remember(chain)
+    _shared_chains[memo_key] = chain
+    if len(_shared_chains) > _SHARED_CHAINS:
+        _shared_chains.popitem(last=False)
     return chain
