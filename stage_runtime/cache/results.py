@@ -197,7 +197,8 @@ class ActivationRestore:
 
     @property
     def identity(self) -> PrefillKvIdentity:
-        """Identity of the restored prefix (a paged hit's prefix hash is its chained page key).
+        """Identity of the restored prefix (a paged hit's prefix hash is a digest of its chained
+        page key).
 
         Given as ``identity``, or as ``identity_of``: the arguments of
         :func:`prefill_kv_identity`, called when this is first read (a stage never reads it)."""

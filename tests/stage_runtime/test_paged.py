@@ -122,7 +122,7 @@ def test_chain_keys_follow_the_documented_chaining(tokens: list[int]) -> None:
     raw = np.array(tokens, dtype="<i4").tobytes()
     root = b3(b"stage-runtime/activation-root-v1", b"ns")
     tag = root[:16]
-    keys, parent = [], b3(b"stage-runtime/activation-root-v1")
+    keys, parent = [], b3(b"stage-runtime/activation-token-root-v1")
     for i in range(len(tokens) // 2):
         parent = b3(b"stage-runtime/activation-page-v1", parent, raw[8 * i : 8 * i + 8])
         keys.append(parent)
@@ -142,8 +142,9 @@ def test_chain_keys_follow_the_documented_chaining(tokens: list[int]) -> None:
 
 
 def test_stages_paging_one_prompt_array_hash_its_pages_once() -> None:
-    """The token keys of a read-only prompt array are computed once for every namespace that
-    pages it by the same page size; each namespace's keys still differ."""
+    """The token keys of a read-only prompt array are computed once for every index that pages
+    it by the same page size; each namespace's keys still differ. The public ``page_chain``
+    and arrays an index had to copy keep nothing."""
     tokens = np.arange(40, dtype=np.int32)
     tokens.flags.writeable = False
     first = PagedActivationIndex(page_tokens=4, max_entries=10).chain(b"stage-0", tokens)
@@ -152,9 +153,30 @@ def test_stages_paging_one_prompt_array_hash_its_pages_once() -> None:
     assert not set(first.page_keys) & set(second.page_keys)
     other_size = PagedActivationIndex(page_tokens=8, max_entries=10).chain(b"stage-1", tokens)
     assert other_size.token_chain is not first.token_chain
-    copy = page_chain(b"stage-1", tokens.copy(), page_tokens=4)  # another array: computed again
-    assert copy.token_chain is not first.token_chain
-    assert copy.page_keys == second.page_keys
+    alone = page_chain(b"stage-1", tokens, page_tokens=4)  # the public function: computed
+    assert alone.token_chain is not first.token_chain
+    assert alone.page_keys == second.page_keys
+    kept = len(chains._shared_chains)
+    PagedActivationIndex(page_tokens=4, max_entries=10).chain(b"stage-0", list(range(40)))
+    PagedActivationIndex(page_tokens=4, max_entries=10).chain(b"stage-0", tokens.copy())
+    assert len(chains._shared_chains) == kept  # private copies are never asked for again
+
+
+def test_one_prompt_has_other_names_and_prefix_hashes_in_another_namespace() -> None:
+    """Entry names and a hit's prefix hash come from the whole key: two tenants (namespaces)
+    recording the same tokens log different names."""
+    tokens = np.arange(10, dtype=np.int32)
+    payload = np.zeros(10 * 4, dtype=np.uint8)
+    index = PagedActivationIndex(page_tokens=4, max_entries=20)
+    names = []
+    for namespace in (b"tenant-a", b"tenant-b"):
+        outcome = index.record(index.chain(namespace, tokens, label="act:s"), payload)
+        names.append(outcome.last_entry)
+        found = index.restore(index.chain(namespace, tokens, label="act:s")).restore
+        assert found is not None
+        assert found.last_name == outcome.last_entry
+    assert names[0] != names[1]
+    assert names[0].rsplit(":", 1)[0] == names[1].rsplit(":", 1)[0] == "act:s:tail:8+2"
 
 
 def test_recent_chains_stay_within_their_count_and_token_bounds(

@@ -7,6 +7,9 @@ stage, tenant and width, and the namespace's *tag* (everything else a key depend
     token key(page i) = BLAKE3(page domain, token key(page i-1), tokens of page i)
     key(page i)       = token key(page i) + tag       (tag: 16 bytes of the namespace's root key)
 
+(the token key before page 0 is a constant). Entry names and a hit's prefix hash show a digest
+of the whole key (:func:`key_digest`), so one prompt is named apart in each namespace.
+
 so two prompts that agree on their first ``i`` pages compute the same first ``i`` keys, and any
 difference before a page changes its key and every key after it. The last partial page of a
 prompt has an exact-length *tail* key chained the same way, and the whole prompt an *exact* key
@@ -30,13 +33,13 @@ from stage_runtime._arrays import first_difference
 from stage_runtime.errors import ConfigError
 from stage_runtime.identity import TokenArray, _frozen, as_token_array
 
-__all__ = ["PageChain", "page_chain"]
+__all__ = ["PageChain", "key_digest", "page_chain"]
 
 _PAGE_DOMAIN = b"stage-runtime/activation-page-v1"
 _TAIL_DOMAIN = b"stage-runtime/activation-tail-v1"
 _EXACT_DOMAIN = b"stage-runtime/activation-exact-v1"
 _ROOT_DOMAIN = b"stage-runtime/activation-root-v1"
-_TOKEN_ROOT = blake3.blake3(_ROOT_DOMAIN).digest()
+_TOKEN_ROOT = blake3.blake3(b"stage-runtime/activation-token-root-v1").digest()
 """Parent token key of a prompt's first page."""
 TAG_BYTES = 16
 """Bytes of the namespace's root key appended to every token key."""
@@ -107,8 +110,9 @@ class PageChain:
     tokens: npt.NDArray[np.int32]
     """The prompt, read-only int32."""
     root_key: bytes
-    """Parent key of the first page (a digest of the namespace; its first :data:`TAG_BYTES`
-    bytes end every key of the chain)."""
+    """A digest of the namespace: its first :data:`TAG_BYTES` bytes end every key of the chain,
+    and it stands for the first page's parent where entries are grouped by parent (the
+    footprint)."""
     page_keys: tuple[bytes, ...]
     """Key of each full page, in order."""
     tail_key: bytes | None
@@ -136,7 +140,8 @@ class PageChain:
         return int(self.tokens.size)
 
     def parent_key(self, page_index: int) -> bytes:
-        """Key of the entry before page (or tail) ``page_index``."""
+        """Key of the entry before page (or tail) ``page_index`` (:attr:`root_key` before the
+        first): what groups entries by parent."""
         return self.root_key if page_index == 0 else self.page_keys[page_index - 1]
 
     def segments(self, token_count: int) -> list[tuple[bytes, npt.NDArray[np.int32]]]:
@@ -174,7 +179,13 @@ def page_chain(
     if page_tokens < 1:
         msg = f"page_tokens must be >= 1, got {page_tokens}"
         raise ConfigError(msg)
-    return _page_chain(namespace, _private_tokens(tokens), page_tokens, label, None)
+    return _page_chain(namespace, _private_tokens(tokens), page_tokens, label, None, shared=False)
+
+
+def key_digest(key: bytes) -> bytes:
+    """A 32-byte digest of an entry's key, token and namespace parts alike: what names it in
+    logs (its first 8 bytes) and a hit's prefix hash."""
+    return blake3.blake3(key).digest()
 
 
 def _exact_key(parent: bytes, tokens: TokenArray, start: int) -> bytes:
@@ -261,12 +272,15 @@ def _page_chain(
     page_tokens: int,
     label: str,
     recent: RecentChains | None,
+    *,
+    shared: bool,
 ) -> PageChain:
-    """:func:`page_chain` of validated private tokens: the token keys (:func:`_token_chain`)
-    with the namespace's tag."""
+    """:func:`page_chain` of validated private tokens: the token keys (:func:`_token_chain`;
+    ``shared``: the chain made lately for the same array, when there is one) with the
+    namespace's tag."""
     root_key = _root_key(namespace)
     tag = root_key[:TAG_BYTES]
-    tokens = _token_chain(ids, page_tokens, recent)
+    tokens = _token_chain(ids, page_tokens, recent, shared=shared)
     tail = tokens.tail_key
     return PageChain(
         namespace=namespace,
@@ -282,14 +296,19 @@ def _page_chain(
 
 _SHARED_CHAINS = 16
 _shared_chains: OrderedDict[tuple[int, int], TokenChain] = OrderedDict()
-"""The token chains made lately, by ``(id(tokens), page_tokens)``, oldest first: the stages of
-a pipeline page the same read-only prompt array one after the other. (Each chain holds its
-array, so the id cannot be reused while it is here.)"""
+"""The token chains made lately of callers' read-only arrays, by ``(id(tokens), page_tokens)``,
+oldest first: the stages of a pipeline page the same prompt array one after the other. (Each
+chain holds its array, so the id cannot be reused while it is here.) As the stage cache's
+prompt and grid memos do, this takes a read-only array that owns its memory for one that never
+changes (:func:`~stage_runtime.cache.prompt.owned_tokens`)."""
 
 
-def _token_chain(ids: TokenArray, page_tokens: int, recent: RecentChains | None) -> TokenChain:
-    """The token keys of ``ids`` (validated, private: see :func:`_private_tokens`): the chain
-    made lately for the same array and page size, else computed.
+def _token_chain(
+    ids: TokenArray, page_tokens: int, recent: RecentChains | None, *, shared: bool
+) -> TokenChain:
+    """The token keys of ``ids`` (validated, private: see :func:`_private_tokens`); with
+    ``shared``, the chain made lately for the same array and page size when there is one (and
+    this one is kept for the next caller).
 
     With ``recent`` (earlier chains by their first page key), the keys of the leading pages this
     prompt shares token for token with the latest earlier prompt that starts with the same page
@@ -297,9 +316,10 @@ def _token_chain(ids: TokenArray, page_tokens: int, recent: RecentChains | None)
     either way. ``recent`` then remembers this chain (bounded, oldest dropped).
     """
     memo_key = (id(ids), page_tokens)
-    chain = _shared_chains.get(memo_key)
-    if chain is not None and chain.tokens is ids:
-        return chain
+    if shared:
+        chain = _shared_chains.get(memo_key)
+        if chain is not None and chain.tokens is ids:
+            return chain
     raw = ids.data.cast("B")
     width = 4 * page_tokens
     keys: list[bytes] = []
@@ -335,7 +355,8 @@ def _token_chain(ids: TokenArray, page_tokens: int, recent: RecentChains | None)
     chain = TokenChain(ids, page_tokens, tuple(keys), tail_key)
     if recent is not None and keys:
         recent.remember(chain)
-    _shared_chains[memo_key] = chain
-    if len(_shared_chains) > _SHARED_CHAINS:
-        _shared_chains.popitem(last=False)
+    if shared:
+        _shared_chains[memo_key] = chain
+        if len(_shared_chains) > _SHARED_CHAINS:
+            _shared_chains.popitem(last=False)
     return chain

@@ -165,8 +165,9 @@ class PagedActivationIndex:
         The same keys as :func:`page_chain`; the leading pages a recent prompt shared token for
         token are not hashed again (their keys are taken from that prompt's chain).
         """
+        ids = _private_tokens(tokens)
         return _page_chain(
-            namespace, _private_tokens(tokens), self.page_tokens, label, self._recent_chains
+            namespace, ids, self.page_tokens, label, self._recent_chains, shared=ids is tokens
         )
 
     def __len__(self) -> int:

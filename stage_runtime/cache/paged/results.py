@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.accounting import MissReason
+from stage_runtime.cache.paged.chains import key_digest
 from stage_runtime.cache.resident import EvictedEntry, EvictionReason
 
 __all__ = [
@@ -50,7 +51,7 @@ payload bytes, reason, entries after, resident bytes after."""
 
 def _entry_name(label: str, kind: str, token_start: int, token_count: int, key: bytes) -> str:
     """Printable name of an entry (its ``EvictedPage.key``, its restore and record name)."""
-    return f"{label}:{kind}:{token_start}+{token_count}:{key[:8].hex()}"
+    return f"{label}:{kind}:{token_start}+{token_count}:{key_digest(key)[:8].hex()}"
 
 
 class EvictedPages(Sequence[EvictedPage]):

@@ -4,8 +4,9 @@ A :class:`PagedIndex` holds a :class:`~stage_runtime.cache.paged.PagedActivation
 prompts and frames into its chains and payloads. Differences a caller can see from the ladder:
 
 - a restore returns the longest cached run of pages (any page boundary, not only grid lengths),
-  plus the tail when the whole prompt matches; its ``identity.prefix_hash`` is the chained page
-  key of the restored prefix (``"blake3:"`` + 64 hex), not the upstream's flat prefix hash;
+  plus the tail when the whole prompt matches; its ``identity.prefix_hash`` is a digest of the
+  chained page key of the restored prefix (``"blake3:"`` + 64 hex), not the upstream's flat
+  prefix hash;
 - a record returns one :class:`~stage_runtime.cache.results.ResidentActivationRecord` per call
   whose ``token_count`` is the prefix now covered and whose ``payload_bytes`` are the bytes newly
   stored (pages another prompt already stored cost nothing);
@@ -21,7 +22,7 @@ import attrs
 import numpy as np
 
 from stage_runtime.accounting import CacheAccounting, MissReason
-from stage_runtime.cache.paged.chains import PageChain
+from stage_runtime.cache.paged.chains import PageChain, key_digest
 from stage_runtime.cache.paged.index import PagedActivationIndex
 from stage_runtime.cache.prompt import Prompt
 from stage_runtime.cache.resident import EvictedEntry, ResidentCacheStats
@@ -110,7 +111,7 @@ class PagedIndex:
                 prompt.token_start,
                 prompt.tokens,
                 count,
-                "blake3:" + found.last_key.hex(),
+                "blake3:" + key_digest(found.last_key).hex(),
             ),
             page_id=found.last_name,
             token_count=count,

@@ -81,7 +81,7 @@ FORMAT: Final = 2
 Format 2 hashes each paged entry's key digest in its name as its rank of first appearance in
 the stream (:func:`_ranked_names`)."""
 
-_PAGED_NAME: Final = re.compile(r"(:(?:page|tail|exact):\d+\+\d+:)([0-9a-f]{16})")
+_PAGED_NAME: Final = re.compile(r"(:(?:page|tail|exact):\d+\+\d+:)([0-9a-f]{16})(?![0-9a-f])")
 """The key digest in a paged entry's name (``act:...:page:512+512:<16 hex>``)."""
 
 POLICIES: Final = (("ladder", "lru"), ("paged", "lru"), ("paged", "reuse"))
