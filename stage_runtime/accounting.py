@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Literal
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Literal, cast
 
 import attrs
 import numpy as np
@@ -207,10 +207,10 @@ class PrefixFootprint:
     """Parents after which one segment is held, once: ``(its tokens, its bytes per token)``. Most
     parents are these (a page is usually its parent's only child); their bytes are counted as
     they come, and they become a :class:`_Group` when a second reference joins them."""
-    _owners: dict[Hashable, tuple[int, list[tuple[bytes, bytes]]]] = attrs.field(
-        factory=dict, init=False
-    )
-    """Owner -> (its bytes per token, the (parent, segment) it holds)."""
+    _owners: dict[Hashable, tuple[int | bytes, ...]] = attrs.field(factory=dict, init=False)
+    """Owner -> its bytes per token, then the parent and the segment of each segment it holds,
+    flat: one tuple of ints and bytes per owner, which the garbage collector stops tracking at
+    its next pass (a footprint of a large paged cache holds one per page)."""
     _dirty: set[bytes] = attrs.field(factory=set, init=False)
     _clean_tokens_bytes: int = attrs.field(default=0, init=False)
     """Sum of ``unique_tokens * bytes_per_token`` over groups that are not dirty."""
@@ -225,7 +225,7 @@ class PrefixFootprint:
         little-endian bytes); re-adding an owner is a no-op."""
         if owner in self._owners:
             return
-        held: list[tuple[bytes, bytes]] = []
+        held: list[int | bytes] = [bytes_per_token]
         for parent, tokens in segments:
             data = (
                 tokens
@@ -233,8 +233,8 @@ class PrefixFootprint:
                 else np.ascontiguousarray(tokens, dtype="<i4").tobytes()
             )
             self._count(parent, data, bytes_per_token)
-            held.append((parent, data))
-        self._owners[owner] = (bytes_per_token, held)
+            held += (parent, data)
+        self._owners[owner] = tuple(held)
 
     def add_segment(
         self, owner: Hashable, parent: bytes, data: bytes, bytes_per_token: int
@@ -243,7 +243,7 @@ class PrefixFootprint:
         if owner in self._owners:
             return
         self._count(parent, data, bytes_per_token)
-        self._owners[owner] = (bytes_per_token, [(parent, data)])
+        self._owners[owner] = (bytes_per_token, parent, data)
 
     def _count(self, parent: bytes, data: bytes, bytes_per_token: int) -> None:
         group = self._groups.get(parent)
@@ -276,7 +276,8 @@ class PrefixFootprint:
         entry = self._owners.pop(owner, None)
         if entry is None:
             return
-        width, held = entry
+        width = cast("int", entry[0])
+        held = cast("Iterator[tuple[bytes, bytes]]", zip(entry[1::2], entry[2::2], strict=True))
         singles = self._singles
         for parent, data in held:
             if parent in singles:  # (then this owner holds its only reference)

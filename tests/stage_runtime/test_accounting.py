@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -63,6 +65,21 @@ def test_footprint_counts_shared_leading_tokens_once() -> None:
     footprint.remove("x")
     assert footprint.unique_bytes() == 3 * 10
     footprint.remove("y")
+    assert footprint.unique_bytes() == 0
+
+
+def test_what_the_footprint_keeps_per_owner_is_not_tracked_by_the_collector() -> None:
+    """One flat tuple of ints and bytes per owner (a large paged cache holds one per page):
+    after a collection none of it adds to what each full collection visits."""
+    footprint = PrefixFootprint()
+    footprint.add_segment("page", b"root", tokens(1, 2, 3, 4).tobytes(), 8)
+    footprint.add("exact", [(b"root", tokens(1, 2, 3, 4)), (b"p1", tokens(5, 6))], 8)
+    gc.collect()
+    assert not any(gc.is_tracked(held) for held in footprint._owners.values())
+    assert footprint.unique_bytes() == 6 * 8
+    footprint.remove("exact")
+    assert footprint.unique_bytes() == 4 * 8
+    footprint.remove("page")
     assert footprint.unique_bytes() == 0
 
 
