@@ -11,7 +11,7 @@ Three pieces, all synchronous and owned by whoever owns the cache:
 
 from __future__ import annotations
 
-import itertools
+import bisect
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Literal, cast
@@ -131,11 +131,27 @@ class _Group:
     (the usual case): the footprint holds one per distinct parent, hundreds of thousands over
     a long replay."""
 
-    __slots__ = ("bytes_per_token", "segments", "unique_tokens", "width", "width_refs", "widths")
+    __slots__ = (
+        "bytes_per_token",
+        "ordered",
+        "segments",
+        "trie",
+        "unique_tokens",
+        "width",
+        "width_refs",
+        "widths",
+    )
 
     def __init__(self, bytes_per_token: int = 0) -> None:
         self.segments: dict[bytes, int] = {}
         """Token bytes (int32 little-endian) of each distinct segment -> reference count."""
+        self.ordered: list[bytes] = []
+        """The distinct segments, sorted: each one's neighbours are the two it shares the most
+        leading tokens with."""
+        self.trie = 0
+        """The size of the token trie of ``ordered``, kept as segments come and go (a shared
+        system prompt's first page can have a child per request: recounting them all at each
+        read would cost a sort of all of them)."""
         self.bytes_per_token = bytes_per_token
         """The widest row among the segments held now."""
         self.unique_tokens: int | None = 0
@@ -181,14 +197,37 @@ def _common_prefix_tokens(a: bytes, b: bytes) -> int:
     return first_difference(left, right) // 4
 
 
-def _trie_tokens(segments: list[bytes]) -> int:
-    """Distinct token prefixes among ``segments`` (the size of their token trie)."""
-    if len(segments) == 1:
-        return len(segments[0]) // 4
-    ordered = sorted(segments)
-    total = sum(len(s) for s in ordered) // 4
-    shared = sum(_common_prefix_tokens(a, b) for a, b in itertools.pairwise(ordered))
-    return total - shared
+def _trie_change(ordered: list[bytes], index: int, segment: bytes) -> int:
+    """How many tokens ``segment`` adds to the token trie of ``ordered`` (sorted, without it)
+    when it goes in at ``index``: its own tokens, less what it shares with the segment before
+    it and with the one after it, plus what those two shared with each other (no longer next
+    to each other)."""
+    before = ordered[index - 1] if index else None
+    after = ordered[index] if index < len(ordered) else None
+    change = len(segment) // 4
+    if before is not None:
+        change -= _common_prefix_tokens(before, segment)
+    if after is not None:
+        change -= _common_prefix_tokens(segment, after)
+        if before is not None:
+            change += _common_prefix_tokens(before, after)
+    return change
+
+
+def _insert_segment(group: _Group, segment: bytes) -> None:
+    """Add a distinct segment to ``group``'s sorted segments and trie size."""
+    ordered = group.ordered
+    index = bisect.bisect_left(ordered, segment)
+    group.trie += _trie_change(ordered, index, segment)
+    ordered.insert(index, segment)
+
+
+def _remove_segment(group: _Group, segment: bytes) -> None:
+    """Take a distinct segment out of ``group``'s sorted segments and trie size."""
+    ordered = group.ordered
+    index = bisect.bisect_left(ordered, segment)
+    del ordered[index]
+    group.trie -= _trie_change(ordered, index, segment)
 
 
 @attrs.define(eq=False)
@@ -260,6 +299,7 @@ class PrefixFootprint:
             group.unique_tokens = None
             self._dirty.add(parent)
             group.segments[held] = 1
+            _insert_segment(group, held)
             group.width = width
             group.width_refs = 1
         segments = group.segments
@@ -268,6 +308,8 @@ class PrefixFootprint:
             self._invalidate(parent, group)
             if bytes_per_token > group.bytes_per_token:
                 group.bytes_per_token = bytes_per_token
+            if count == 0:
+                _insert_segment(group, data)
         segments[data] = count + 1
         group.add_width(bytes_per_token)
 
@@ -296,6 +338,7 @@ class PrefixFootprint:
                 group.segments[data] = count
                 continue
             del group.segments[data]
+            _remove_segment(group, data)
             if not group.segments:
                 self._dirty.discard(parent)
                 del self._groups[parent]
@@ -314,13 +357,7 @@ class PrefixFootprint:
         added = 0
         for parent in self._dirty:
             group = groups[parent]
-            segments = group.segments
-            if len(segments) == 1:  # the usual case: one segment after its parent
-                for only in segments:
-                    tokens = len(only) // 4
-            else:
-                tokens = _trie_tokens(list(segments))
-            group.unique_tokens = tokens
+            tokens = group.unique_tokens = group.trie
             added += tokens * group.bytes_per_token
         self._dirty.clear()
         self._clean_tokens_bytes += added

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage_runtime import accounting as accounting_module
 from stage_runtime.accounting import CacheAccounting, MissTracker, PrefixFootprint
 
 
@@ -81,6 +82,31 @@ def test_what_the_footprint_keeps_per_owner_is_not_tracked_by_the_collector() ->
     assert footprint.unique_bytes() == 4 * 8
     footprint.remove("page")
     assert footprint.unique_bytes() == 0
+
+
+def test_a_read_after_one_more_child_compares_it_with_its_neighbours_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shared first page can have a child per request: a read after one more child costs a
+    few prefix comparisons, not a recount of every child (which made each statistics read of
+    such a cache slower than the last)."""
+    footprint = PrefixFootprint()
+    for i in range(500):
+        footprint.add_segment(f"child-{i}", b"system prompt", tokens(7, i, 1).tobytes(), 2)
+    assert footprint.unique_bytes() == (1 + 500 * 2) * 2
+    compared: list[int] = []
+    real = accounting_module._common_prefix_tokens
+
+    def counting(a: bytes, b: bytes) -> int:
+        compared.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(accounting_module, "_common_prefix_tokens", counting)
+    footprint.add_segment("one more", b"system prompt", tokens(7, 250, 9).tobytes(), 2)
+    assert footprint.unique_bytes() == (1 + 500 * 2 + 1) * 2
+    footprint.remove("child-3")
+    assert footprint.unique_bytes() == (1 + 499 * 2 + 1) * 2
+    assert len(compared) <= 6
 
 
 def test_footprint_separates_parents() -> None:
