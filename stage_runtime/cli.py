@@ -161,7 +161,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pipeline.add_argument(
         "--page-tokens",
-        type=_POSITIVE,
+        type=int_between(1, limits.U64_MAX),
         metavar="N",
         default=None,
         help="tokens per page with --index paged (default: the stride)",
@@ -511,7 +511,8 @@ def _check_usage(args: argparse.Namespace) -> None:
             if value is not None
         ]
         if paged_only:
-            msg = f"{' and '.join(paged_only)} apply to --index paged only (got --index ladder)"
+            verb = "apply" if len(paged_only) > 1 else "applies"
+            msg = f"{' and '.join(paged_only)} {verb} to --index paged only (got --index ladder)"
             raise _UsageError(msg)
     costs = len(args.prefill_us_per_token)
     if costs > 1 and costs != args.stages:

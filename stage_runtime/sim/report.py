@@ -223,7 +223,8 @@ def _print_settings(console: Console, config: SimConfig, capacity: str) -> None:
     )
     if config.index is CacheIndex.PAGED:
         index = (
-            f"paged: pages of {config.effective_page_tokens} tokens, {config.page_eviction} "
+            f"paged: pages of {config.effective_page_tokens} "
+            f"token{'s' if config.effective_page_tokens != 1 else ''}, {config.page_eviction} "
             f"eviction, min {config.min_prefix_tokens} tokens"
         )
     else:
@@ -347,8 +348,8 @@ def render_report(
             "Try --index paged (prompts share pages, so any shared prefix can be restored), "
             "--max-entries or --sweep-capacity to see what closes the gap."
         )
-    else:
-        hint = "Try --max-entries or --sweep-capacity to see what closes the gap."
+    else:  # (paged: every page is an entry, and --capacity-tokens bounds them)
+        hint = "Try --capacity-tokens or --sweep-capacity to see what closes the gap."
     console.print(
         f"The cache restored {result.token_hit_ratio:.1%} of prompt tokens at stage 0; an "
         f"infinite cache could restore {result.theoretical.ratio:.1%}. {hint}"
@@ -465,8 +466,13 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
             rows,
             left=0,
             caption=f"evictions: one figure if every stage evicted as many, else {stage_ids}. "
-            "held / unique: resident bytes over the bytes the distinct prefixes need. An entry "
-            "larger than max bytes is kept alone, so peak resident can exceed max bytes.",
+            "held / unique: resident bytes over the bytes the distinct prefixes need. "
+            + (
+                "A page larger than max bytes is not stored."
+                if first.config.index is CacheIndex.PAGED
+                else "An entry larger than max bytes is kept alone, so peak resident can "
+                "exceed max bytes."
+            ),
         ),
         crop=False,
     )

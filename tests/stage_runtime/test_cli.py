@@ -122,6 +122,14 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
             "--page-tokens and --page-eviction apply to --index paged only (got --index ladder)",
         ),
         (
+            ["demo", "--page-eviction", "reuse"],
+            "--page-eviction applies to --index paged only (got --index ladder)",
+        ),
+        (
+            ["demo", "--index", "paged", "--page-tokens", "99999999999999999999"],
+            "argument --page-tokens: must be an integer in [1, 18,446,744,073,709,551,615], got ",
+        ),
+        (
             ["demo", "--max-entries", "99999999999999999999999"],
             "argument --max-entries: must be an integer in [1, 18,446,744,073,709,551,615], got ",
         ),

@@ -4,9 +4,9 @@ A :class:`PagedIndex` holds a :class:`~stage_runtime.cache.paged.PagedActivation
 prompts and frames into its chains and payloads. Differences a caller can see from the ladder:
 
 - a restore returns the longest cached run of pages (any page boundary, not only grid lengths),
-  plus the tail when the whole prompt matches; its ``identity.prefix_hash`` is a digest of the
-  chained page key of the restored prefix (``"blake3:"`` + 64 hex), not the upstream's flat
-  prefix hash;
+  plus the tail when the whole prompt matches; its ``identity.identity.prefix_hash`` is a digest
+  of the chained page key of the restored prefix (``"blake3:"`` + 64 hex), not the upstream's
+  flat prefix hash;
 - a record returns one :class:`~stage_runtime.cache.results.ResidentActivationRecord` per call
   whose ``token_count`` is the prefix now covered and whose ``payload_bytes`` are the bytes newly
   stored (pages another prompt already stored cost nothing);
