@@ -361,6 +361,15 @@ def kill_switch_engaged(environ: Mapping[str, str] | None = None) -> bool:
     return False
 
 
+def _paged_only(instance: Any, attribute: Any, value: PageEviction) -> None:
+    if value is not PageEviction.LRU and instance.index is not CacheIndex.PAGED:
+        msg = (
+            f"{attribute.name} {value.value!r} applies to index 'paged' only "
+            f"(index is {instance.index.value!r})"
+        )
+        raise ConfigError(msg)
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)
 class KvCacheConfig:
     """Bounds and candidate policy of one stage's activation cache (upstream defaults)."""
@@ -392,9 +401,12 @@ class KvCacheConfig:
     page_tokens: int | None = attrs.field(default=None, validator=optional_int_in(1, _U64_MAX))
     """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
 
-    page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_page_eviction)
+    page_eviction: PageEviction = attrs.field(
+        default=PageEviction.LRU, converter=_to_page_eviction, validator=_paged_only
+    )
     """Paged mode: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved) or
-    ``adaptive`` (which pages come back, learnt from the workload)."""
+    ``adaptive`` (which pages come back, learnt from the workload). Another policy than ``lru``
+    with the ladder index is refused: the ladder evicts by LRU only."""
 
     @property
     def effective_page_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stage_runtime import CacheIndex, ConfigError, KvCacheConfig, PageEviction, StageConfig
@@ -59,6 +61,27 @@ def test_page_eviction_from_the_environment() -> None:
         ConfigError, match=r"^STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION must be one of .*'fifo'"
     ):
         KvCacheConfig.from_env({**on, "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": "fifo"})
+
+
+def test_a_page_eviction_policy_needs_the_paged_index(tmp_path: Path) -> None:
+    """The ladder evicts by LRU only: another page eviction with it is refused, naming the
+    key (and, from a file, its line), rather than ignored."""
+    message = r"kv_cache.page_eviction 'reuse' applies to index 'paged' only \(index is 'ladder'\)"
+    with pytest.raises(ConfigError, match=message):
+        KvCacheConfig.from_mapping({"mode": "lookup-record", "page_eviction": "reuse"})
+    assert KvCacheConfig(page_eviction="lru").page_eviction is PageEviction.LRU  # the default
+    assert KvCacheConfig(index="paged", page_eviction="adaptive").index is CacheIndex.PAGED
+    on = {"STAGE_RUNTIME_KV_CACHE": "on", "STAGE_RUNTIME_KV_CACHE_PAGE_EVICTION": "reuse"}
+    with pytest.raises(ConfigError, match="applies to index 'paged' only"):
+        KvCacheConfig.from_env(on)
+    stage = tmp_path / "stage.toml"
+    stage.write_text(
+        'stage_id = "s"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 1\n\n[kv_cache]\n'
+        'mode = "lookup-record"\npage_eviction = "reuse"\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match=r"stage\.toml: line 8: kv_cache\.page_eviction 'reuse'"):
+        StageConfig.load(stage)
 
 
 def test_cache_salt_is_optional_and_must_be_a_string() -> None:
