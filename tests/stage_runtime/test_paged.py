@@ -555,6 +555,19 @@ def test_rejected_miss_reason() -> None:
     assert index.statistics().misses_rejected == 1
 
 
+def test_a_re_record_with_other_rows_reports_the_bytes_it_stored() -> None:
+    """Pages re-recorded in another row format are reused entries, but their new rows are
+    stored bytes (a stage reports them as its record's payload bytes)."""
+    index = PagedActivationIndex(page_tokens=4, max_entries=10)
+    first = index.record(index.chain(b"ns", [1, 2, 3, 4, 5]), rows(b"ns", [1, 2, 3, 4, 5]))
+    assert (first.stored_entries, first.stored_bytes) == (2, 5 * 4)
+    again = index.record(index.chain(b"ns", [1, 2, 3, 4, 5]), rows(b"ns", [1, 2, 3, 4, 5]))
+    assert (again.stored_entries, again.stored_bytes, again.reused_entries) == (0, 0, 2)
+    wider = rows(b"ns", [1, 2, 3, 4, 5], bpt=8)
+    other = index.record(index.chain(b"ns", [1, 2, 3, 4, 5]), wider, meta="f16")
+    assert (other.stored_entries, other.stored_bytes, other.reused_entries) == (0, 5 * 8, 2)
+
+
 def test_frames_that_cannot_be_paged_are_exact_length_entries() -> None:
     """Opaque payloads are stored whole and restore only the exact prompt."""
     index = PagedActivationIndex(page_tokens=2, max_entries=10)

@@ -379,6 +379,7 @@ class PagedActivationIndex:
             ):
                 return None
             self._resident_bytes += grow
+            op.stored_bytes += int(segment.size)
             existing.payload = _stored(segment)
             existing.nbytes = int(segment.size)
             existing.meta = meta

@@ -130,7 +130,8 @@ class PagedRecordOutcome:
     stored_entries: int
     """New entries stored (shared pages already cached are not stored again)."""
     stored_bytes: int
-    """Payload bytes of those new entries."""
+    """Payload bytes stored: of those new entries, and of cached entries re-recorded with other
+    rows (a frame of another dtype or width: counted in ``reused_entries``)."""
     reused_entries: int
     """Entries that were already cached (their recency was refreshed)."""
     covered_tokens: int
