@@ -108,7 +108,7 @@ class Prompt:
         missing = [c for c in counts if c not in known] if known else counts
         if missing:
             missing = sorted(set(missing))
-            prelude = _namespace_prelude(self.config, self.token_start, self.base.chat_template_id)
+            prelude = _stage_prelude(self.config, self.token_start, self.base.chat_template_id)
             data = self.tokens.data.cast("B")
             salt = self.base.cache_salt
             if salt is None:
@@ -262,9 +262,10 @@ _PRELUDES: Final = 64
 _preludes: dict[tuple[int, int, str | None], tuple[StageConfig, bytes]] = {}
 
 
-def _namespace_prelude(config: StageConfig, token_start: int, namespace: str | None) -> bytes:
+def _stage_prelude(config: StageConfig, token_start: int, namespace: str | None) -> bytes:
     """What the hash covers before the tokens (``identity._prelude``), remembered per stage
-    object: the identity module's own memo hashes the whole configuration per call."""
+    object: the identity module's checks and its memo keyed by the whole configuration cost
+    more than this lookup, made once per prompt on every stage."""
     key = (id(config), token_start, namespace)
     known = _preludes.get(key)
     if known is None or known[0] is not config:
