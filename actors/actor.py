@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Final, Generic, TypeVar, cast, overload
 
 import attrs
+import outcome
 import structlog
 import trio
 
@@ -406,12 +407,14 @@ class _Cell:
 
 
 class PendingReply(Generic[ReplyT_co]):
-    """The reply to an :meth:`ActorRef.ask_later`, collected with :meth:`result`."""
+    """The reply to an :meth:`ActorRef.ask_later`, collected once: awaited with :meth:`result`,
+    or handed to a callback (:meth:`add_done_callback`)."""
 
-    __slots__ = ("_reply",)
+    __slots__ = ("_collected", "_reply")
 
     def __init__(self, reply: Reply) -> None:
         self._reply = reply
+        self._collected = False
 
     @property
     def done(self) -> bool:
@@ -420,8 +423,38 @@ class PendingReply(Generic[ReplyT_co]):
 
     async def result(self) -> ReplyT_co:
         """Wait for the reply and return it; raise what ``handle`` raised for the message, or
-        :class:`ActorStoppedError` when the actor stopped before handling it. Collect it once."""
+        :class:`ActorStoppedError` when the actor stopped before handling it.
+
+        Raises:
+            RuntimeError: the reply was collected already (by this or a callback).
+        """
+        self._collect()
         return cast(ReplyT_co, await self._reply.wait())
+
+    def add_done_callback(self, callback: Callable[[outcome.Outcome[ReplyT_co]], object]) -> None:
+        """Collect the reply with ``callback`` instead of awaiting it: no task waits or wakes.
+
+        ``callback`` is called once, synchronously, with the reply's outcome
+        (``outcome.Value`` of what ``handle`` returned, or ``outcome.Error`` of what it raised,
+        or of :class:`ActorStoppedError`): at once when the reply is in, else by the task that
+        settles it (the actor's, or the one stopping it). It must be quick and must not raise:
+        an exception from it is logged (``actor_reply_callback_failed``) and dropped, so that a
+        caller's bug does not crash the actor.
+
+        Raises:
+            RuntimeError: the reply was collected already (by :meth:`result` or a callback).
+        """
+        self._collect()
+        reply = self._reply
+        reply.callback = callback
+        if reply.done:
+            reply.call_back()
+
+    def _collect(self) -> None:
+        if self._collected:
+            msg = "this reply was collected already (a reply is collected once)"
+            raise RuntimeError(msg)
+        self._collected = True
 
 
 def _log_hook_failure(hook: str, exc: Exception) -> None:

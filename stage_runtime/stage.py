@@ -29,12 +29,14 @@ Failure and cancellation, per request:
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVarTuple
 
 import attrs
 import numpy as np
 import numpy.typing as npt
+import outcome
 import structlog
 import trio
 
@@ -301,6 +303,10 @@ class Stage:
     _counts: dict[str, int] = attrs.field(
         factory=lambda: {"completed": 0, "failed": 0, "skipped": 0}, init=False
     )
+    _serving: trio.CancelScope | None = attrs.field(default=None, init=False)
+    """The scope the stage takes requests in (cancelled when a record fails)."""
+    _record_failure: BaseException | None = attrs.field(default=None, init=False)
+    """What the cache actor raised for a record: the stage fails with it."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve requests until the inbox closes, then stop the cache actor.
@@ -341,17 +347,28 @@ class Stage:
             )
             task_status.started()
             counts = self._counts
-            async with self.inbox:
-                async for request in self.inbox:
-                    if request.live:
-                        await self._process(request)
-                    else:
-                        counts["skipped"] += 1
+            with trio.CancelScope() as self._serving:
+                async with self.inbox:
+                    async for request in self.inbox:
+                        if request.live:
+                            await self._process(request)
+                        else:
+                            counts["skipped"] += 1
+            self._serving = None
+            self._raise_record_failure()
             if self.outbox is not None:
                 await self.outbox.aclose()
+            # Handled after every record sent before it (the mailbox is FIFO): once it is in,
+            # every record's outcome is too.
             self._final_stats = await self.statistics()
+            self._raise_record_failure()
             await self._cache.stop(drain=True)
         log.info("stage_stopped", **self._counts)
+
+    def _raise_record_failure(self) -> None:
+        failure = self._record_failure
+        if failure is not None:
+            raise failure
 
     async def clear_cache(self) -> tuple[EvictedEntry, ...]:
         """Evict every entry of the stage's cache; returns them (each logged as ``cleared``)."""
@@ -376,7 +393,7 @@ class Stage:
     async def _process(self, request: PrefillRequest) -> None:
         assert self._model is not None
         assert self._cache is not None
-        model, cache, config = self._model, self._cache, self.config
+        model, cache = self._model, self._cache
         started = trio.current_time()
         tokens = request.tokens
         n = int(tokens.size)
@@ -459,13 +476,49 @@ class Stage:
                 await self.outbox.send(request)
             else:
                 try:
-                    # No schedule point here: collecting the record's outcome is the next one.
+                    # No schedule point here: the next is taking the next request.
                     self.outbox.send_nowait(request)
                 except trio.WouldBlock:
                     await self.outbox.send(request)
-        # A failed record crashes the stage (a cache actor's error is not one request's fault);
-        # the pipeline then fails the requests in flight.
-        records = () if pending is None else tuple(await pending.result())
+        if pending is None:
+            self._report(request, (), k, n, started)
+        else:
+            # The record's outcome is handed over by the cache actor as it replies: the stage
+            # takes its next request meanwhile (whose restore the actor handles after this
+            # record, in mailbox order), and no task wakes only to file the report.
+            pending.add_done_callback(functools.partial(self._recorded, request, k, n, started))
+
+    def _recorded(
+        self,
+        request: PrefillRequest,
+        k: int,
+        n: int,
+        started: float,
+        result: outcome.Outcome[list[ResidentActivationRecord]],
+    ) -> None:
+        """The cache actor's outcome of a record (called in the actor's task)."""
+        try:
+            records = tuple(result.unwrap())
+        except BaseException as exc:
+            # A failed record crashes the stage (a cache actor's error is not one request's
+            # fault); the pipeline then fails the requests in flight.
+            if self._record_failure is None:
+                self._record_failure = exc
+            if self._serving is not None:
+                self._serving.cancel()
+            return
+        self._report(request, records, k, n, started)
+
+    def _report(
+        self,
+        request: PrefillRequest,
+        records: tuple[ResidentActivationRecord, ...],
+        k: int,
+        n: int,
+        started: float,
+    ) -> None:
+        """File this stage's report of ``request``; settle it if it was the last one due."""
+        config = self.config
         bisect.insort(
             request.reports,
             StagePrefillReport(

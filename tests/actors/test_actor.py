@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from typing import Any, assert_type
@@ -23,7 +24,7 @@ from actors import (
     spawn,
 )
 from actors._reply import Reply
-from actors.testing import LogEvent, RecordingActor, wait_idle
+from actors.testing import LogEvent, RecordingActor, capture_actor_logs, events_named, wait_idle
 
 
 @attrs.frozen
@@ -899,6 +900,73 @@ async def test_ask_later_nowait_queues_at_once_or_raises_when_full() -> None:
         await ref.stop()
         with pytest.raises(ActorStoppedError):
             ref.ask_later_nowait("late")
+
+
+async def test_a_done_callback_gets_the_reply_from_the_actors_task() -> None:
+    """add_done_callback hands the outcome over as the actor replies (in the actor's task, no
+    other task woken): a value, the handler's exception, or ActorStoppedError for a message
+    dropped by a stop; a reply already in is handed over at once. A reply is collected once."""
+    seen: list[tuple[str, Any, trio.lowlevel.Task]] = []
+
+    def keep(label: str) -> Any:
+        def callback(result: Any) -> None:
+            try:
+                seen.append((label, result.unwrap(), trio.lowlevel.current_task()))
+            except Exception as exc:
+                seen.append((label, exc, trio.lowlevel.current_task()))
+
+        return callback
+
+    gate = Gate()
+    async with trio.open_nursery() as nursery:
+        ref = await spawn(nursery, gate, name="gate", mailbox_size=4)
+        first = ref.ask_later_nowait("first")
+        first.add_done_callback(keep("first"))
+        with pytest.raises(RuntimeError, match="collected already"):
+            await first.result()
+        dropped = ref.ask_later_nowait("dropped")
+        dropped.add_done_callback(keep("dropped"))
+        assert seen == []
+        gate.release.set()
+        await wait_idle(ref)
+        assert [(label, value) for label, value, _ in seen] == [
+            ("first", "first"),
+            ("dropped", "dropped"),
+        ]
+        assert seen[0][2] is not trio.lowlevel.current_task()  # the actor's own task
+        late = ref.ask_later_nowait("late")
+        await wait_idle(ref)
+        late.add_done_callback(keep("late"))  # already in: handed over at once, here
+        assert seen[-1] == ("late", "late", trio.lowlevel.current_task())
+        gate.release = trio.Event()
+        ref.ask_later_nowait("busy")  # being handled while the stop comes
+        queued = ref.ask_later_nowait("queued")
+        queued.add_done_callback(keep("queued"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(functools.partial(ref.stop, drain=False))
+        await trio.testing.wait_all_tasks_blocked()
+        gate.release.set()
+    label, error, _ = seen[-1]
+    assert label == "queued"
+    assert isinstance(error, ActorStoppedError)
+
+
+async def test_a_raising_done_callback_is_logged_and_the_actor_goes_on() -> None:
+    """A callback's exception is the caller's bug: it is logged at error, with its traceback,
+    and neither crashes the actor nor reaches whoever settled the reply."""
+
+    def broken(result: Any) -> None:
+        raise ValueError("callback bug")
+
+    with capture_actor_logs() as logs:
+        async with open_actor(Counter, name="counter") as ref:
+            ref.ask_later_nowait(Add(1)).add_done_callback(broken)
+            assert await ref.ask(Add(2)) == 3
+    (event,) = events_named(logs, "actor_reply_callback_failed")
+    assert event["log_level"] == "error"
+    assert event["actor"] == "counter"
+    assert event["error_type"] == "ValueError"
+    assert isinstance(event["exc_info"], ValueError)
 
 
 async def test_an_actor_cannot_ask_later_nowait_itself() -> None:

@@ -12,8 +12,9 @@ import trio
 import trio.testing
 
 from actors.testing import LogEvent, capture_actor_logs, events_named
+from stage_runtime.cache_actor import CacheActor, RecordActivation
 from stage_runtime.config import MessageBase
-from stage_runtime.errors import ConfigError, FrameError
+from stage_runtime.errors import ConfigError, FrameError, StageFailedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import CausalMixModel, StageModel
 from stage_runtime.stage import PrefillRequest, Stage
@@ -58,6 +59,35 @@ async def test_last_stage_settles_the_request_and_stops_on_inbox_close(
     stats = await stage.statistics()  # final statistics survive the stop
     assert stats.cache is not None
     assert stats.cache.records == 2
+
+
+async def test_a_record_failing_after_the_inbox_closed_still_fails_the_stage(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cache actor hands a record's outcome over as it replies, while the stage goes on: a
+    failed record whose outcome comes in only after the stage left its inbox (its last
+    request's) crashes the stage all the same, rather than letting it stop cleanly."""
+
+    handle = CacheActor.handle
+
+    async def slow_and_broken(self: CacheActor, message: Any) -> Any:
+        if not isinstance(message, RecordActivation):
+            return handle(self, message)
+        await trio.sleep(1)  # long after the stage left its inbox
+        raise RuntimeError("cache bug")
+
+    config = stage_configs(1, min_tokens=8)[0]
+    send, receive = trio.open_memory_channel[PrefillRequest](1)
+    stage = Stage(config=config, model_factory=mix_factory(), inbox=receive, outbox=None)
+    req = request(20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CacheActor, "handle", slow_and_broken)
+        with pytest.RaisesGroup(pytest.RaisesExc(StageFailedError, match="cache bug")):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(stage.run)
+                send.send_nowait(req)  # the stage takes it, then finds its inbox closed
+                send.close()
+    assert not req.done.is_set()  # (the pipeline fails the requests of a crashed stage)
 
 
 async def test_middle_stage_uses_the_incoming_frame_and_forwards() -> None:
