@@ -470,6 +470,10 @@ def _failure(exc: BaseException) -> str:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             return str(first)
+        # Cancelled from outside, every stage's task and actor raises its own Cancelled.
+        _, rest = exc.split(trio.Cancelled)
+        if rest is None:
+            return "cancelled"
     exc = sole_exception(exc)
     if isinstance(exc, trio.Cancelled):
         return "cancelled"

@@ -43,6 +43,7 @@ import trio
 from actors import ActorRef, ActorStatistics, PendingReply, spawn
 from actors.errors import being_cancelled, stray_cancelled_error
 from stage_runtime._unchecked import unchecked_constructor
+from stage_runtime._validators import check_non_negative_int
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.cache_actor import (
@@ -56,8 +57,10 @@ from stage_runtime.cache_actor import (
 )
 from stage_runtime.config import SCHEMA_VERSION, MessageBase, StageConfig, check_name
 from stage_runtime.errors import (
+    ConfigError,
     FrameError,
     StageFailedError,
+    shown,
     sole_exception,
 )
 from stage_runtime.frames import ActivationFrame
@@ -129,6 +132,36 @@ def _owned(output: ActivationFrame, borrowed: ActivationFrame) -> ActivationFram
     if output.is_virtual or not np.may_share_memory(output.payload, borrowed.payload):
         return output
     return ActivationFrame(desc=output.desc, payload=output.payload.copy())
+
+
+def _checked_model(model: object, config: StageConfig) -> StageModel:
+    """``model`` if it can serve as ``config``'s stage: with ``forward`` (and ``embed`` on stage
+    0) and an ``activation_width`` that is an integer >= 0. Checked once, when the stage starts,
+    rather than at its first prefill.
+
+    Raises:
+        ConfigError: what the model factory returned cannot serve, named.
+    """
+    where = f"the model factory's model for stage {config.stage_id!r}"
+    needed = ("forward", "embed") if config.stage_index == 0 else ("forward",)
+    missing = [name for name in needed if not callable(getattr(model, name, None))]
+    if missing:
+        msg = (
+            f"{where} must be a StageModel (with {' and '.join(needed)}), got "
+            f"{shown(model)} (no {' or '.join(missing)})"
+        )
+        raise ConfigError(msg)
+    try:
+        width = model.activation_width  # type: ignore[attr-defined]
+    except AttributeError:
+        msg = f"{where} must have an activation_width, got {shown(model)}"
+        raise ConfigError(msg) from None
+    try:
+        check_non_negative_int("activation_width", width, numpy=True)
+    except ConfigError as exc:
+        msg = f"{where}: {exc}"
+        raise ConfigError(msg) from None
+    return model  # type: ignore[return-value]
 
 
 def _stage_index(report: StagePrefillReport) -> int:
@@ -326,7 +359,7 @@ class Stage:
 
     async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         config = self.config
-        self._model = model = self.model_factory(config)
+        self._model = model = _checked_model(self.model_factory(config), config)
         self._embed_async = getattr(model, "embed_async", None)
         self._full_restore = getattr(model, "full_restore", None)
         self._downstream = getattr(model, "downstream", None)

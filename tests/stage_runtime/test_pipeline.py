@@ -842,6 +842,92 @@ async def test_model_factory_failure_is_a_stage_failure() -> None:
     assert isinstance(group.value.exceptions[0].__cause__, OSError)
 
 
+@attrs.define(eq=False)
+class _OddWidth(WrappedModel):
+    """The wrapped model, claiming another activation_width."""
+
+    width: Any = None
+
+    @property
+    def activation_width(self) -> int:
+        return self.width  # type: ignore[no-any-return]
+
+
+_NO_MODEL = r"must be a StageModel \(with forward and embed\), got {} \(no forward or embed\)"
+
+
+@pytest.mark.parametrize(
+    ("width", "built", "complaint"),
+    [
+        (None, None, _NO_MODEL.format("None")),
+        (None, 42, _NO_MODEL.format("42")),
+        (64.0, None, r"activation_width must be an integer >= 0, got 64\.0"),
+        ("64", None, r"activation_width must be an integer >= 0, got '64'"),
+        (-1, None, r"activation_width must be an integer >= 0, got -1"),
+    ],
+)
+async def test_a_factory_whose_model_cannot_serve_fails_the_pipeline_at_start(
+    width: object, built: object, complaint: str
+) -> None:
+    """What the factory returned is checked when the stage starts, not at the first prefill
+    (a factory that forgot to return made every prefill a bare AssertionError)."""
+
+    def factory(config: Any) -> Any:
+        if config.stage_index != 0:
+            return mix_factory()(config)
+        if width is None:
+            return built
+        return _OddWidth(mix_factory()(config), width=width)
+
+    with pytest.RaisesGroup(pytest.RaisesExc(StageFailedError, match="stage-0")) as group:
+        async with open_pipeline(stage_configs(2), factory, environ=NO_ENV):
+            pytest.fail("the pipeline must not start")
+    cause = group.value.exceptions[0].__cause__
+    assert isinstance(cause, ConfigError)
+    assert str(cause).startswith("the model factory's model for stage 'stage-0'")
+    assert re.search(complaint, str(cause)), str(cause)
+
+
+async def test_a_later_stage_needs_no_embed() -> None:
+    """Only stage 0 embeds token ids: a later stage's model needs forward alone."""
+
+    @attrs.define(eq=False)
+    class ForwardOnly:
+        inner: StageModel
+
+        @property
+        def activation_width(self) -> int:
+            return self.inner.activation_width
+
+        async def forward(
+            self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+        ) -> ActivationFrame:
+            return await self.inner.forward(inputs, start, restored)
+
+    def factory(config: Any) -> Any:
+        model = mix_factory()(config)
+        return model if config.stage_index == 0 else ForwardOnly(model)
+
+    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
+        result = await pipeline.prefill(prompt(10), session_id="s")
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        expected = await pipeline.prefill(prompt(10), session_id="s")
+    np.testing.assert_array_equal(result.frame.rows(), expected.frame.rows())
+
+
+async def test_a_pipeline_cancelled_from_outside_says_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cancelled from outside, every stage's task raises its own Cancelled: the failure is
+    "cancelled", not the group they came in, and a later prefill says so."""
+    with trio.move_on_after(1):
+        async with open_pipeline(stage_configs(3), mix_factory(), environ=NO_ENV) as pipeline:
+            await trio.sleep_forever()
+    assert pipeline.failure == "cancelled"
+    with pytest.raises(PipelineStoppedError, match=r"^pipeline stopped \(cancelled\)"):
+        await pipeline.prefill(prompt(10), session_id="s")
+
+
 async def test_stats_report_cache_and_mailbox_per_stage() -> None:
     """stats() gives each stage's cache counters and its cache actor's mailbox statistics."""
     async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
