@@ -399,7 +399,9 @@ class KvCacheConfig:
     """``ladder`` (the upstream, the default) or ``paged`` (shared pages; not in the upstream)."""
 
     page_tokens: int | None = attrs.field(default=None, validator=optional_int_in(1, _U64_MAX))
-    """Tokens per page in ``paged`` mode; None means ``shared_prefix_stride_tokens``."""
+    """Tokens per page: the ``paged`` index's page size, and with either index the unit of the
+    unique-prefix accounting (``unique_prefix_bytes``); None means
+    ``shared_prefix_stride_tokens``."""
 
     page_eviction: PageEviction = attrs.field(
         default=PageEviction.LRU, converter=_to_page_eviction, validator=_paged_only
