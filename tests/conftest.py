@@ -11,23 +11,34 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import settings
 
-_MPL_DIR: str | None = None
+# The suite is deterministic: hypothesis draws the same examples on every run and keeps no
+# example database (which it would write under the working directory). A developer who wants
+# fresh examples runs it with HYPOTHESIS_PROFILE=explore.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+_SCRATCH_VARIABLES = {"MPLCONFIGDIR": "sr-mpl-", "HYPOTHESIS_STORAGE_DIRECTORY": "sr-hypothesis-"}
+_scratch: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """matplotlib (the plots of a replay report) writes its cache under ``~/.config`` unless
-    told otherwise: the suite points it at a temporary directory, removed at the end."""
-    global _MPL_DIR
-    if "MPLCONFIGDIR" not in os.environ:
-        _MPL_DIR = tempfile.mkdtemp(prefix="sr-mpl-")
-        os.environ["MPLCONFIGDIR"] = _MPL_DIR
+    """matplotlib (the plots of a replay report) writes its cache under ``~/.config``, and
+    hypothesis its files under ``./.hypothesis``, unless told otherwise: the suite points each
+    at a temporary directory, removed at the end."""
+    for variable, prefix in _SCRATCH_VARIABLES.items():
+        if variable not in os.environ:
+            _scratch[variable] = os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _MPL_DIR is not None:
-        os.environ.pop("MPLCONFIGDIR", None)
-        shutil.rmtree(_MPL_DIR, ignore_errors=True)
+    for variable, directory in _scratch.items():
+        os.environ.pop(variable, None)
+        shutil.rmtree(directory, ignore_errors=True)
+    _scratch.clear()
 
 
 @pytest.fixture(autouse=True)
