@@ -355,12 +355,18 @@ class ActivationFrame:
         tokens at 8,192 bytes each costs nothing. Simulations use it to account bytes
         faithfully without allocating them.
 
+        The counts and ``fill`` may be ``int`` or numpy integers (stored as ``int``), as for
+        :class:`ActivationDesc`; a ``bool`` or a float is not a count.
+
         Raises:
-            FrameError: a count is negative or ``fill`` is not a byte value.
+            FrameError: a count is not an integer >= 0, ``fill`` is not an integer byte value,
+                or the payload would pass the largest size numpy can index.
         """
-        for name, value in (("token_count", token_count), ("bytes_per_token", bytes_per_token)):
-            check_int(name, value, low=0, error=FrameError)
-        check_int("fill", fill, low=0, high=255, error=FrameError)
+        token_count = check_int("token_count", token_count, low=0, numpy=True, error=FrameError)
+        bytes_per_token = check_int(
+            "bytes_per_token", bytes_per_token, low=0, numpy=True, error=FrameError
+        )
+        fill = check_int("fill", fill, low=0, high=255, numpy=True, error=FrameError)
         size = token_count * bytes_per_token
         if size > _MAX_VIRTUAL_BYTES:
             msg = (

@@ -49,8 +49,9 @@ MAX_COST_S: Final = 3600.0
 overflow the virtual clock to infinity."""
 
 MAX_REFERENCE_WIDTH: Final = 8192
-"""Widest reference model a topology's ``[model]`` table or ``serve --width`` may ask for: it
-holds a ``width x width`` float64 matrix per stage (512 MiB at 8,192)."""
+"""Widest reference model (:class:`~stage_runtime.models.CausalMixModel`,
+:func:`~stage_runtime.models.reference_model_factory`, and so a topology's ``[model]`` table and
+``serve --width``): it holds a ``width x width`` float64 matrix per stage (512 MiB at 8,192)."""
 
 MAX_REQUESTS: Final = 200_000
 """Most requests a synthetic workload may have (100,000 take about 100 MB and 1 s to build)."""

@@ -6,9 +6,9 @@ longest cached prefix of its own output (``k`` rows), then asks its model only f
 
 Two reference models ship with the library:
 
-- :class:`CausalMixModel`: real numbers (numpy, seeded, any width). Each output row is the running
-  mean of a fixed mixing of the input rows seen so far, so row ``i`` depends only on inputs
-  ``0..i`` and the whole state needed to continue is the last output row.
+- :class:`CausalMixModel`: real numbers (numpy, seeded, width up to 8,192). Each output row is
+  the running mean of a fixed mixing of the input rows seen so far, so row ``i`` depends only on
+  inputs ``0..i`` and the whole state needed to continue is the last output row.
 - :class:`VirtualStageModel`: no numbers at all. It returns *virtual* frames (zero-stride payloads
   of the right size, no memory) and spends virtual time per computed token, for simulations.
 """
@@ -29,7 +29,7 @@ from stage_runtime._validators import check_int
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationDType, ActivationFrame
-from stage_runtime.limits import I32_MAX
+from stage_runtime.limits import I32_MAX, MAX_REFERENCE_WIDTH
 
 __all__ = [
     "CausalMixModel",
@@ -156,7 +156,8 @@ class CausalMixModel:
     and stops the thread at its next chunk, so the stage is free for the next request.
 
     Args:
-        width: Activation width (columns per token row); at least 1.
+        width: Activation width (columns per token row); in ``[1, 8,192]``
+            (:data:`~stage_runtime.limits.MAX_REFERENCE_WIDTH`).
         seed: Seed of the mixing matrix and embedding frequencies; at least 0.
         stage_index: Written into produced frames as ``producer_stage_index``.
         layer_start: Written into produced frames.
@@ -176,7 +177,7 @@ class CausalMixModel:
     _phases: npt.NDArray[np.float64] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self.width = _int_at_least("width", self.width, 1)
+        self.width = _reference_width(self.width)
         self.seed = _int_at_least("seed", self.seed, 0)
         self.thread_threshold_macs = _int_at_least(
             "thread_threshold_macs", self.thread_threshold_macs, 0
@@ -196,7 +197,12 @@ class CausalMixModel:
         seed: int = 0,
         thread_threshold_macs: int = THREAD_THRESHOLD_MACS,
     ) -> CausalMixModel:
-        """Build the model of one stage, seeded by ``seed + config.stage_index``."""
+        """Build the model of one stage, seeded by ``seed + config.stage_index``.
+
+        Raises:
+            ConfigError: ``width``, ``seed`` or ``thread_threshold_macs`` is out of range, as
+                for the class.
+        """
         return cls(
             width=width,
             seed=seed + config.stage_index,
@@ -377,6 +383,14 @@ def _int_at_least(name: str, value: object, minimum: int) -> int:
     return check_int(name, value, low=minimum, numpy=True)
 
 
+def _reference_width(value: object) -> int:
+    """``value`` as an int when it is an integer (numpy's too) in ``[1,``
+    :data:`~stage_runtime.limits.MAX_REFERENCE_WIDTH` ``]``; else ConfigError. A wider
+    :class:`CausalMixModel` could not allocate its ``width x width`` matrix: each stage would
+    fail at its first build with a MemoryError."""
+    return check_int("width", value, low=1, high=MAX_REFERENCE_WIDTH, numpy=True)
+
+
 def _seconds(name: str, value: object) -> float:
     """``value`` as a float when it is a finite number ``>= 0``; else ConfigError."""
     if (
@@ -395,16 +409,22 @@ def reference_model_factory(
     """A factory building one :class:`CausalMixModel` per stage, seeded ``seed + stage_index``.
 
     Args:
-        width: Activation width of every stage.
+        width: Activation width of every stage; in ``[1, 8,192]``
+            (:data:`~stage_runtime.limits.MAX_REFERENCE_WIDTH`, the bound of a topology's
+            ``[model]`` table and ``serve --width``).
         seed: Base seed; at least 0.
         thread_threshold_macs: Forwards of more multiply-adds (``rows x width x width``) than
             this run in a worker thread (see :class:`CausalMixModel`).
 
     Returns:
         A callable taking a :class:`~stage_runtime.config.StageConfig` and returning its model.
+
+    Raises:
+        ConfigError: an argument is not an integer in range, named with its value
+            (``"width must be an integer in [1, 8,192], got 1000000"``).
     """
     # Checked here, not when the first stage starts: a bad argument is the caller's error.
-    width = _int_at_least("width", width, 1)
+    width = _reference_width(width)
     seed = _int_at_least("seed", seed, 0)
     thread_threshold_macs = _int_at_least("thread_threshold_macs", thread_threshold_macs, 0)
 

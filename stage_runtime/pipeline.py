@@ -41,7 +41,7 @@ import trio
 
 from actors import ActorStoppedError
 from stage_runtime._config_lines import with_line
-from stage_runtime._validators import check_non_negative_int, is_int
+from stage_runtime._validators import check_non_negative_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (
     ConfigProblemError,
@@ -62,7 +62,6 @@ from stage_runtime.errors import (
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.identity import as_token_array
 from stage_runtime.integration import KvStageIntegration
-from stage_runtime.limits import MAX_REFERENCE_WIDTH
 from stage_runtime.models import ModelFactory
 from stage_runtime.placement import (
     LocalPlacement,
@@ -718,17 +717,6 @@ def load_model(path: str | os.PathLike[str]) -> ModelFactory | None:
     except ConfigProblemError as exc:
         msg = f"{source}: {exc.problem.render(('model',))}"
         raise ConfigError(msg) from None
-    if (
-        isinstance(model, _ReferenceModelTable)
-        and is_int(model.width)
-        and model.width > MAX_REFERENCE_WIDTH
-    ):
-        # As serve --width: the matrix could not be allocated once the stages start.
-        msg = (
-            f"{source}: model.width must be an integer in [1, {MAX_REFERENCE_WIDTH:,}], "
-            f"got {model.width}"
-        )
-        raise ConfigError(msg)
     try:
         if isinstance(model, _ReferenceModelTable):
             return reference_model_factory(width=model.width, seed=model.seed)

@@ -23,7 +23,7 @@ import attrs
 
 from actors import RestartPolicy
 from stage_runtime._validators import positive_int
-from stage_runtime.config import ConfigProblemError, structure
+from stage_runtime.config import ConfigProblemError, check_id, structure
 from stage_runtime.errors import ConfigError, shown
 
 if TYPE_CHECKING:
@@ -95,10 +95,17 @@ def _resources(value: object) -> dict[str, dict[str, float]]:
             raise ConfigError(msg)
         amounts: dict[str, float] = {}
         for name, amount in wants.items():
+            if not isinstance(name, str) or not name:
+                msg = (
+                    f"resources[{stage_id!r}] resource names must be non-empty strings, "
+                    f"got {shown(name)}"
+                )
+                raise ConfigError(msg)
+            # Ray takes any string as a resource name; a control character would reach the
+            # logs and error messages that show the stage's resources raw.
+            check_id(f"resources[{stage_id!r}] resource name {shown(name)}", name)
             if (
-                not isinstance(name, str)
-                or not name
-                or isinstance(amount, bool)
+                isinstance(amount, bool)
                 or not isinstance(amount, int | float)
                 or not math.isfinite(amount)
                 or amount < 0
@@ -153,7 +160,8 @@ class RayPlacement:
 
     resources: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict, converter=_resources)
     """Per stage id, extra resources its actor needs (``{"stage-1": {"GPU": 1}}``); a ``CPU``
-    entry overrides :attr:`num_cpus` for that stage."""
+    entry overrides :attr:`num_cpus` for that stage. A resource name is non-empty text without
+    control characters; an amount is a finite number >= 0."""
 
     strategy: str | None = attrs.field(default=None, validator=_strategy)
     """A placement-group strategy for the stages' bundles (``"STRICT_SPREAD"``: one stage per

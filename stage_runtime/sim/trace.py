@@ -257,8 +257,8 @@ def _parse_checked(
     timestamp = record["timestamp"]
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
         raise _fail(path, line, "timestamp", f"must be a number of ms, got {shown(timestamp)}")
-    if not timestamp >= 0:  # also refuses NaN
-        raise _fail(path, line, "timestamp", f"must be >= 0, got {shown(timestamp)}")
+    # NaN, the infinities and an integer past a float's range are not finite; each is refused
+    # as that, before the sign (NaN is not even >= 0, and -Infinity is not a time).
     try:
         arrival_s = float(timestamp) / 1000.0
     except OverflowError:
@@ -267,6 +267,8 @@ def _parse_checked(
         raise _fail(
             path, line, "timestamp", f"must be a finite number of ms, got {shown(timestamp)}"
         )
+    if timestamp < 0:
+        raise _fail(path, line, "timestamp", f"must be >= 0, got {shown(timestamp)}")
 
     input_length = _int_at_least(record, "input_length", 1, path, line)
     if max_input_length is not None and input_length > max_input_length:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from typing import Any
 
 import attrs
 import numpy as np
@@ -236,6 +237,44 @@ def test_virtual_rejects_negative_sizes() -> None:
         ActivationFrame.virtual(token_count=1, bytes_per_token=4, fill=256)
     with pytest.raises(FrameError, match=r"at most 9,223,372,036,854,775,807 bytes, got 4,294"):
         ActivationFrame.virtual(token_count=2**32 - 1, bytes_per_token=2**32)
+
+
+@pytest.mark.parametrize("kind", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint64])
+def test_virtual_accepts_numpy_integers_as_plain_ints(kind: type[np.integer[Any]]) -> None:
+    """Numpy integer counts and fill are taken, as ActivationDesc and prefix() take them, and
+    stored as plain ints (a numpy product could wrap: int8(100) x int8(100))."""
+    counts: dict[str, Any] = {
+        "token_count": kind(100),
+        "bytes_per_token": kind(100),
+        "fill": kind(7),
+    }
+    frame = ActivationFrame.virtual(**counts)
+    assert type(frame.desc.token_count) is int
+    assert type(frame.desc.payload_bytes) is int
+    assert (frame.token_count, frame.payload_bytes) == (100, 10_000)
+    assert int(frame.payload[0]) == 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("token_count", True, "token_count must be an integer >= 0, got True"),
+        ("token_count", np.bool_(True), "token_count must be an integer >= 0, got np.True_"),
+        ("token_count", 3.0, "token_count must be an integer >= 0, got 3.0"),
+        ("token_count", np.float64(3), r"token_count must be an integer >= 0, got np.float64\(3"),
+        ("token_count", np.int64(-1), r"token_count must be an integer >= 0, got np.int64\(-1\)"),
+        ("bytes_per_token", "4", "bytes_per_token must be an integer >= 0, got '4'"),
+        ("bytes_per_token", np.int32(-4), r"bytes_per_token must be .* got np.int32\(-4\)"),
+        ("fill", np.uint16(256), r"fill must be an integer in \[0, 255\], got np.uint16\(256\)"),
+        ("fill", False, r"fill must be an integer in \[0, 255\], got False"),
+    ],
+)
+def test_virtual_refuses_what_is_not_a_count(field: str, value: object, message: str) -> None:
+    """Bools, floats, strings and out-of-range numpy integers are FrameErrors naming the
+    field and the value as given."""
+    arguments: dict[str, Any] = {"token_count": 3, "bytes_per_token": 4, field: value}
+    with pytest.raises(FrameError, match=message):
+        ActivationFrame.virtual(**arguments)
 
 
 def test_prefix_is_view_with_updated_desc() -> None:

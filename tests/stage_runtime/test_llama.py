@@ -388,7 +388,10 @@ async def test_out_of_vocabulary_ids_are_refused_before_any_stage_runs(tmp_path:
         ("[model]\nkind = 'llama'", r"model\.path must be a model directory, got None"),
         ("[model]\nkind = 'llama'\npath = 'nowhere'", r"nowhere/config\.json: model config not"),
         ("[model]\nkind = 'reference'\npath = 'x'", r"unknown field model\.path \(known "),
-        ("[model]\nkind = 'reference'\nwidth = 0", r"model\.width must be an integer >= 1, got 0"),
+        (
+            "[model]\nkind = 'reference'\nwidth = 0",
+            r"model\.width must be an integer in \[1, 8,192\], got 0",
+        ),
         (  # as serve --width: the stages used to fail to start with a numpy MemoryError
             "[model]\nkind = 'reference'\nwidth = 10000000",
             r"model\.width must be an integer in \[1, 8,192\], got 10000000",

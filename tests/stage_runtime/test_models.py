@@ -16,6 +16,7 @@ from stage_runtime import models
 from stage_runtime.config import StageConfig
 from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.frames import ActivationFrame
+from stage_runtime.limits import MAX_REFERENCE_WIDTH
 from stage_runtime.models import (
     EMBED_COST_MACS,
     CausalMixModel,
@@ -107,18 +108,34 @@ async def test_forward_rejects_inconsistent_restored_prefix() -> None:
         await model.forward(inputs, 8, full)
 
 
-def test_width_must_be_positive() -> None:
-    """A zero width is a ConfigError naming the field."""
-    with pytest.raises(ConfigError, match="width must be an integer >= 1, got 0"):
-        CausalMixModel(width=0)
-    with pytest.raises(ConfigError, match="width must be an integer >= 1, got 0"):
-        reference_model_factory(width=0)
+@pytest.mark.parametrize("width", [0, -3, MAX_REFERENCE_WIDTH + 1, 1_000_000, np.int64(10**9)])
+def test_reference_width_must_be_within_its_bound(width: int) -> None:
+    """A width below 1 or past the bound a topology and ``serve --width`` keep is a ConfigError
+    naming width and the value, from the class, for_stage and the factory alike (a million
+    wide used to pass, then fail each stage's first build with a MemoryError)."""
+    message = f"^width must be an integer in \\[1, 8,192\\], got {re.escape(repr(width))}$"
+    with pytest.raises(ConfigError, match=message):
+        CausalMixModel(width=width)
+    with pytest.raises(ConfigError, match=message):
+        CausalMixModel.for_stage(_config(1), width=width)
+    with pytest.raises(ConfigError, match=message):
+        reference_model_factory(width=width)
+
+
+def test_the_bound_itself_is_a_reference_width() -> None:
+    """8,192 is accepted, not one past it (checked without building its 512 MiB matrix)."""
+    assert models._reference_width(MAX_REFERENCE_WIDTH) == MAX_REFERENCE_WIDTH
+    assert type(models._reference_width(np.int16(MAX_REFERENCE_WIDTH))) is int
 
 
 @pytest.mark.parametrize(
     ("factory", "kwargs", "message"),
     [
-        (reference_model_factory, {"width": "64"}, "width must be an integer >= 1, got '64'"),
+        (
+            reference_model_factory,
+            {"width": "64"},
+            "width must be an integer in [1, 8,192], got '64'",
+        ),
         (reference_model_factory, {"seed": 1.5}, "seed must be an integer >= 0, got 1.5"),
         (
             reference_model_factory,

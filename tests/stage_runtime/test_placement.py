@@ -626,6 +626,19 @@ def test_ray_placement_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPat
         ({"strategy": "EVERYWHERE"}, "strategy must be None or one of"),
         ({"max_in_flight": 0}, "max_in_flight must be an integer >= 1, got 0"),
         ({"resources": {"stage-0": {"GPU": -1}}}, r"resources\['stage-0'\]\['GPU'\]"),
+        (
+            {"resources": {"stage-0": {"": 1}}},
+            r"^resources\['stage-0'\] resource names must be non-empty strings, got ''$",
+        ),
+        (
+            {"resources": {"stage-0": {7: 1}}},
+            r"^resources\['stage-0'\] resource names must be non-empty strings, got 7$",
+        ),
+        (
+            {"resources": {"stage-0": {"accel\n": 1}}},
+            r"^resources\['stage-0'\] resource name 'accel\\n' must not hold control "
+            r"characters, got '\\n' at index 5$",
+        ),
         ({"address": ""}, "address must be None or a non-empty string"),
         ({"init_options": {"address": "auto"}}, "init_options must not hold 'address'"),
         ({"log_setup": 3}, "log_setup must be None or a callable"),
@@ -735,6 +748,11 @@ within_s = 60
             r"toml: line \d+: "
             r"placement\.resources\['stage-0'\]\['CPU'\] must be a finite number >= 0",
         ),
+        (
+            'engine = "ray"\n[placement.resources]\n"stage-1" = { "" = 1 }',
+            r"toml: line \d+: placement\.resources\['stage-1'\] resource names must be "
+            r"non-empty strings, got ''$",
+        ),
     ],
 )
 def test_a_bad_placement_table_names_file_and_key_path(
@@ -745,6 +763,22 @@ def test_a_bad_placement_table_names_file_and_key_path(
     with pytest.raises(ConfigError, match=match) as caught:
         load_placement(path)
     assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_an_empty_resource_name_is_named_at_its_line(tmp_path: Path) -> None:
+    """An empty resource name is the error, not its (good) amount, at the line that holds it."""
+    path = write_topology(
+        tmp_path,
+        '\n[placement]\nengine = "ray"\n[placement.resources]\n'
+        '"stage-0" = { GPU = 1 }\n"stage-1" = { "" = 1 }\n',
+    )
+    line = path.read_text(encoding="utf-8").splitlines().index('"stage-1" = { "" = 1 }') + 1
+    with pytest.raises(ConfigError) as caught:
+        load_placement(path)
+    assert str(caught.value) == (
+        f"{path}: line {line}: placement.resources['stage-1'] resource names must be "
+        "non-empty strings, got ''"
+    )
 
 
 async def test_a_topology_files_local_placement_opens_a_local_pipeline(tmp_path: Path) -> None:

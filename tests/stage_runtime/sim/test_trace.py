@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stage_runtime import ConfigError, TraceFormatError
 from stage_runtime.sim import SimRequest, parse_trace_line, read_demo_trace, read_trace
@@ -70,7 +73,9 @@ def test_block_layout_cuts_the_last_block() -> None:
         ("[" * 100_000 + "]" * 100_000, "", "is not valid JSON (nested too deeply)"),
         (_line(timestamp=float("inf")), "timestamp", "must be a finite number of ms, got inf"),
         (_line(timestamp=10**400), "timestamp", "must be a finite number of ms, got 1000"),
-        (_line(timestamp=float("nan")), "timestamp", "must be >= 0, got nan"),
+        (_line(timestamp=float("nan")), "timestamp", "must be a finite number of ms, got nan"),
+        (_line(timestamp=-float("inf")), "timestamp", "must be a finite number of ms, got -inf"),
+        (_line(timestamp=-0.5), "timestamp", "must be >= 0, got -0.5"),
         (_line(timestamp=_MISSING), "timestamp", "timestamp is missing"),
         (_line(timestamp="soon"), "timestamp", "must be a number of ms, got 'soon'"),
         (_line(timestamp=-1), "timestamp", "must be >= 0, got -1"),
@@ -82,6 +87,10 @@ def test_block_layout_cuts_the_last_block() -> None:
         (_line(input_length=0), "input_length", "must be >= 1, got 0"),
         (_line(output_length=_MISSING), "output_length", "output_length is missing"),
         (_line(output_length=-2), "output_length", "must be >= 0, got -2"),
+        # NaN is a float to json, never a length or an id
+        (_line(input_length=float("nan")), "input_length", "must be an integer, got nan"),
+        (_line(output_length=float("nan")), "output_length", "must be an integer, got nan"),
+        (_line(hash_ids=[1, float("nan")]), "hash_ids", "got nan at position 1"),
         (_line(hash_ids=_MISSING), "hash_ids", "hash_ids is missing"),
         (_line(hash_ids="1,2"), "hash_ids", "must be a list of integers"),
         (_line(hash_ids=[1, "x"]), "hash_ids", "got 'x' at position 1"),
@@ -113,6 +122,20 @@ def test_malformed_line_names_file_line_and_field(text: str, field: str, fragmen
     assert fragment in str(caught.value)
     assert len(str(caught.value)) < 200
     assert (caught.value.path, caught.value.line, caught.value.field) == ("trace.jsonl", 7, field)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_a_float_timestamp_is_refused_for_what_is_wrong_with_it(timestamp: float) -> None:
+    """Any float: a finite one >= 0 is an arrival in seconds; any NaN or infinity is named as
+    not finite (whatever its sign), and only a finite negative one as below zero."""
+    text = _line(timestamp=timestamp)
+    if math.isfinite(timestamp) and timestamp >= 0:
+        assert parse_trace_line(text).arrival_s == timestamp / 1000.0
+        return
+    with pytest.raises(TraceFormatError) as caught:
+        parse_trace_line(text, path="t.jsonl", line=2)
+    rule = "must be >= 0" if math.isfinite(timestamp) else "must be a finite number of ms"
+    assert str(caught.value) == f"t.jsonl:2: timestamp {rule}, got {timestamp!r}"
 
 
 def test_a_byte_order_mark_before_the_first_line_is_ignored(tmp_path: Path) -> None:
