@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from stage_runtime._validators import at_least, is_int
+from stage_runtime._validators import at_least, check_int, is_int
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import (
     CacheIndex,
@@ -68,7 +68,7 @@ from stage_runtime.sim.clairvoyant import (
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.model import simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
-from stage_runtime.sim.trace import SimRequest
+from stage_runtime.sim.trace import SimRequest, check_block_size
 from stage_runtime.stage import StagePrefillReport
 
 __all__ = [
@@ -247,14 +247,13 @@ class SimConfig:
         return self.stride if self.page_tokens is None else self.page_tokens
 
     def check_capacity(self, capacity_tokens: int) -> None:
-        """Refuse a capacity that is negative or whose byte bound no cache can hold.
+        """Refuse a capacity that is not an integer >= 0 (0: unbounded) or whose byte bound no
+        cache can hold.
 
         Raises:
-            ConfigError: naming the capacity and the bytes it comes to.
+            ConfigError: naming the capacity (and the bytes it comes to).
         """
-        if capacity_tokens < 0:
-            msg = f"capacity_tokens must be >= 0, got {capacity_tokens}"
-            raise ConfigError(msg)
+        check_int("capacity_tokens", capacity_tokens, low=0)
         if capacity_tokens * self.bytes_per_token > MAX_CACHE_BYTES:
             msg = (
                 f"capacity_tokens {capacity_tokens:,} x bytes_per_token {self.bytes_per_token:,} "
@@ -264,9 +263,15 @@ class SimConfig:
             raise ConfigError(msg)
 
     def max_bytes(self, capacity_tokens: int | None = None) -> int:
-        """Per-stage byte bound for a capacity in tokens (this config's when None)."""
-        capacity = self.capacity_tokens if capacity_tokens is None else capacity_tokens
-        return capacity * self.bytes_per_token
+        """Per-stage byte bound for a capacity in tokens (this config's when None).
+
+        Raises:
+            ConfigError: ``capacity_tokens`` is refused by :meth:`check_capacity`.
+        """
+        if capacity_tokens is None:
+            return self.capacity_tokens * self.bytes_per_token
+        self.check_capacity(capacity_tokens)
+        return capacity_tokens * self.bytes_per_token
 
     def as_dict(self, capacity_tokens: int | None = None) -> dict[str, object]:
         """The configuration as JSON-ready values (resolved defaults included)."""
@@ -307,9 +312,11 @@ def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) ->
 
     Returns:
         A ``lookup-record`` cache with the config's bounds and ladder.
+
+    Raises:
+        ConfigError: ``capacity_tokens`` is not an integer >= 0 or its byte bound passes
+            :data:`MAX_CACHE_BYTES` (see :meth:`SimConfig.check_capacity`).
     """
-    if capacity_tokens is not None:
-        config.check_capacity(capacity_tokens)
     return KvCacheConfig(
         mode=CacheMode.LOOKUP_RECORD,
         payload=CachePayload.RESIDENT_KV,
@@ -586,7 +593,11 @@ def admission_order(requests: Sequence[SimRequest], concurrency: int) -> list[Si
     Returns:
         File order at concurrency 1; otherwise by arrival, ties in file order (``(arrival_s,
         index)``).
+
+    Raises:
+        ConfigError: ``concurrency`` is not an integer >= 1.
     """
+    check_int("concurrency", concurrency, low=1)
     if concurrency == 1:
         return list(requests)
     return sorted(requests, key=lambda request: (request.arrival_s, request.index))
@@ -599,17 +610,21 @@ def validate_requests(
 
     Args:
         requests: The workload.
-        block_size: Tokens per block id.
+        block_size: Tokens per block id (an integer in ``[4, 1,048,576]``).
         max_input_length: The longest prompt the stages take (their ``ctx_size``); None: no
             limit.
 
     Raises:
-        ConfigError: naming the request: an empty prompt, a prompt longer than
+        ConfigError: ``block_size`` or ``max_input_length`` is out of range; or, naming the
+            request: an empty prompt, a prompt longer than
             ``max_input_length``, more tokens than its blocks hold,
             block lengths that do not add up, an arrival time that is not a finite number,
             arrivals spanning more than :data:`MAX_ARRIVAL_SPAN_S`, or two requests with the
             same index.
     """
+    check_block_size(block_size)
+    if max_input_length is not None:
+        check_int("max_input_length", max_input_length, low=1)
     seen: set[int] = set()
     for position, request in enumerate(requests):
         if not is_int(request.index, numpy=True):
@@ -743,6 +758,7 @@ async def replay(
         ConfigError: the requests or the settings are invalid.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    config.check_capacity(capacity)
     validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
@@ -878,9 +894,11 @@ def summarise_replay(
         The replay's result.
 
     Raises:
-        ConfigError: ``stages`` does not hold one entry per stage, or one per request each.
+        ConfigError: ``stages`` does not hold one entry per stage, or one per request each, or
+            ``capacity_tokens`` is refused by :meth:`SimConfig.check_capacity`.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    config.check_capacity(capacity)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     ordered = admission_order(requests, config.concurrency)

@@ -398,7 +398,15 @@ def stage_groups(stages: int, replays: int, parallelism: int | None) -> list[Sta
 
     Returns:
         The units of one replay, each a run of consecutive stages, together every stage once.
+
+    Raises:
+        ConfigError: ``stages`` is not an integer >= 1, ``replays`` not an integer >= 0, or
+            ``parallelism`` not None or an integer >= 1.
     """
+    check_int("stages", stages, low=1)
+    check_int("replays", replays, low=0)
+    if parallelism is not None:
+        check_int("parallelism", parallelism, low=1)
     if parallelism is None:
         return [(stage,) for stage in range(stages)]
 

@@ -14,6 +14,10 @@ restore 32 + 16 + (16 + 4) = 68.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import numpy as np
 import pytest
@@ -25,6 +29,8 @@ from stage_runtime.sim import (
     CostModel,
     SimConfig,
     SimRequest,
+    StageReplay,
+    admission_order,
     kv_cache_config,
     pipeline_finish_times,
     read_demo_trace,
@@ -33,6 +39,7 @@ from stage_runtime.sim import (
     run_replay,
     run_sweep,
     stage_configs,
+    summarise_replay,
     validate_requests,
 )
 
@@ -117,7 +124,7 @@ def test_sweep_gives_one_result_per_capacity_in_order() -> None:
     counts: list[int] = []
     run_sweep(trace, _config(), [32, 0], progress=counts.append)
     assert counts == list(range(1, 2 * len(trace) + 1))  # one tick per request, across runs
-    with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
+    with pytest.raises(ConfigError, match="capacity_tokens must be an integer >= 0, got -1"):
         run_sweep(trace, _config(), [-1])
     with pytest.raises(ConfigError, match="capacity_tokens 9,223,372,036,854,775,808 x"):
         run_sweep(trace, _config(), [32, 2**63])
@@ -395,6 +402,70 @@ def test_unusable_requests_are_refused_before_the_replay(
         run_replay(requests, _config())
     with pytest.raises(ConfigError, match=message):
         run_sweep(requests, _config(), [0, 64])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # A block size of 0 blamed the first request ("input_length must be <= block_size *
+        # len(block_ids) = 0"); a string was a TypeError.
+        ({"block_size": 0}, r"block_size must be an integer in \[4, 1,048,576\], got 0"),
+        ({"block_size": "16"}, r"block_size must be an integer in \[4, 1,048,576\], got '16'"),
+        ({"block_size": 2**20 + 1}, r"block_size must be an integer in \[4, 1,048,576\]"),
+        ({"block_size": 16, "max_input_length": 0}, "max_input_length must be an integer >= 1"),
+        ({"block_size": 16, "max_input_length": 1.5}, "max_input_length must be an integer >= 1"),
+    ],
+)
+def test_validate_requests_names_a_bad_setting_not_a_request(
+    arguments: dict[str, object], message: str
+) -> None:
+    """validate_requests checks its own settings first, as the replay's SimConfig does."""
+    with pytest.raises(ConfigError, match=message) as caught:
+        validate_requests(HAND_TRACE, **arguments)  # type: ignore[arg-type]
+    assert "request" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "shown"), [(-5, "-5"), (1500.7, "1500.7"), (True, "True"), ("100", "'100'")]
+)
+def test_every_capacity_argument_is_checked_by_name(capacity: Any, shown: str) -> None:
+    """A capacity that is not an integer >= 0 is named as capacity_tokens wherever it is
+    given: a float used to be refused as max_bytes, True to replay a one-token cache, and
+    summarise_replay took -5 as unbounded."""
+    config = _config()
+    message = f"capacity_tokens must be an integer >= 0, got {shown}"
+    stages = [
+        StageReplay(
+            stage_id=f"stage-{index}",
+            restored_tokens=(0,) * len(HAND_TRACE),
+            computed_tokens=tuple(r.input_length for r in HAND_TRACE),
+            records=0,
+            evictions=0,
+            evicted_bytes=0,
+            resident_bytes_max=0,
+        )
+        for index in range(config.stages)
+    ]
+    calls: list[Callable[[], object]] = [
+        lambda: kv_cache_config(config, capacity_tokens=capacity),
+        lambda: stage_configs(config, capacity_tokens=capacity),
+        lambda: config.max_bytes(capacity),
+        lambda: config.as_dict(capacity),
+        lambda: summarise_replay(HAND_TRACE, config, stages, capacity_tokens=capacity),
+        lambda: run_replay(HAND_TRACE, config, capacity_tokens=capacity),
+        lambda: run_sweep(HAND_TRACE, config, [0, capacity]),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert summarise_replay(HAND_TRACE, config, stages, capacity_tokens=0).capacity_tokens == 0
+
+
+@pytest.mark.parametrize("concurrency", [0, -1, 1.0, None])
+def test_admission_order_refuses_a_concurrency_that_is_not_a_count(concurrency: object) -> None:
+    """admission_order names a concurrency below 1 (0 used to sort by arrival silently)."""
+    with pytest.raises(ConfigError, match="concurrency must be an integer >= 1, got "):
+        admission_order(HAND_TRACE, concurrency)  # type: ignore[arg-type]
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_replay() -> None:
