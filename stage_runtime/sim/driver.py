@@ -455,7 +455,8 @@ class ReplayResult:
     @property
     def offered_load(self) -> OfferedLoad | None:
         """How loaded the busiest stage was by the arrivals, or None when arrivals did not pace
-        the replay (concurrency 1: one request after another) or all came at once.
+        the replay (concurrency 1: one request after another) or all came at once (no arrival
+        rate to load the stages with; :attr:`waiting_share` still says how long they queued).
 
         The arrival rate is estimated as ``(requests - 1) / arrival_span_s`` (the span holds one
         gap fewer than requests), so the load is the busiest stage's work per request times
@@ -477,8 +478,13 @@ class ReplayResult:
     @property
     def waiting_share(self) -> float | None:
         """Share of the time to first token with the cache, over all requests, spent waiting
-        (for a busy stage or an admission slot) rather than computing and restoring; None when
-        arrivals did not pace the replay (concurrency 1: nothing waits)."""
+        (for a busy stage or an admission slot) rather than computing and restoring.
+
+        None only when arrivals did not pace the replay (concurrency 1: one request after
+        another, nothing waits) or no time passed at all (every cost 0). Requests that all
+        arrive at once do have a share, unlike :attr:`offered_load`: they queue behind one
+        another, as in any burst.
+        """
         if self.config.concurrency == 1:
             return None
         total = sum(outcome.ttft_cached_s for outcome in self.outcomes)

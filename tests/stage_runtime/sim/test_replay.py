@@ -161,6 +161,24 @@ def test_concurrent_replay_reports_load_and_queueing_worked_by_hand() -> None:
     assert one_at_a_time.waiting_share is None
 
 
+def test_requests_arriving_at_once_have_no_load_but_a_queueing_share() -> None:
+    """Two 16-token prompts at the same instant, concurrency 2: no arrival rate, so no load,
+    but the second waits 16 ms for stage 0 (r0 there 0-16 ms, at stage 1 16-32; r1 at stage 0
+    16-32, stage 1 32-48): 16 of the 32 + 48 ms of time to first token are queueing."""
+    trace = [_request(0, [1], 16, arrival_s=5.0), _request(1, [2], 16, arrival_s=5.0)]
+    result = run_replay(trace, _config(concurrency=2))
+    assert result.arrival_span_s == 0.0
+    assert result.offered_load is None
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx([0.032, 0.048])
+    assert result.waiting_share == pytest.approx(0.016 / 0.080)
+    document = result_to_json(result)
+    assert document["offered_load"] is None
+    assert document["ttft_waiting_share"] == pytest.approx(0.2)
+    # A single request at concurrency 2 waits for nothing: a share of 0, not None.
+    alone = run_replay(trace[:1], _config(concurrency=2))
+    assert (alone.offered_load, alone.waiting_share) == (None, 0.0)
+
+
 def test_load_counts_each_stage_at_its_own_costs_restores_included() -> None:
     """Stages at 1 and 3 ms per token, restores at 1 ms per byte (2 bytes per token); the same
     40-token prompt at 0 and 10 ms. r0 computes: 40 + 120 ms. r1 restores all 40 tokens at both
