@@ -204,12 +204,32 @@ class SimConfig:
         return PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
-    """Tokens per page in paged mode; ``None``: the stride."""
+    """Tokens per page with ``index="paged"``; ``None``: the stride. Set with the ladder index,
+    it is refused (the ladder has no pages), as ``--page-tokens`` is without ``--index
+    paged``."""
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_eviction)
-    """Paged mode's eviction: ``lru`` or ``reuse``."""
+    """Paged mode's eviction: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved)
+    or ``adaptive`` (which pages come back, learnt from the workload). Another policy than
+    ``lru`` with the ladder index is refused: the ladder evicts by LRU only (as in
+    :class:`~stage_runtime.config.KvCacheConfig`)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.index is not CacheIndex.PAGED:
+            # Refused here, not when the replay builds the stages' caches (page_eviction) or
+            # never (page_tokens, which the ladder ignored without a word).
+            paged_only = []
+            if self.page_tokens is not None:
+                paged_only.append(f"page_tokens {self.page_tokens}")
+            if self.page_eviction is not PageEviction.LRU:
+                paged_only.append(f"page_eviction {self.page_eviction.value!r}")
+            if paged_only:
+                verb = "apply" if len(paged_only) > 1 else "applies"
+                msg = (
+                    f"{' and '.join(paged_only)} {verb} to index 'paged' only "
+                    f"(index is {self.index.value!r})"
+                )
+                raise ConfigError(msg)
         per_stage = len(self.cost.stage_prefill_s_per_token)
         if per_stage and per_stage != self.stages:
             msg = (

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import trio
 
-from stage_runtime import ConfigError
+from stage_runtime import CacheIndex, ConfigError, PageEviction
 from stage_runtime.sim import (
     PAGED_MAX_ENTRIES,
     CostModel,
@@ -671,6 +671,33 @@ def test_the_paged_index_defaults_to_a_page_count_bound_not_the_ladders_64() -> 
     assert attrs.evolve(SimConfig(max_entries=7), index="paged").max_entries == 7
     with pytest.raises(ConfigError, match=r"^max_entries must be an integer >= 1, got 0$"):
         SimConfig(max_entries=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"page_eviction": "adaptive"}, "page_eviction 'adaptive' applies to index 'paged' only"),
+        ({"page_eviction": "reuse"}, "page_eviction 'reuse' applies to index 'paged' only"),
+        ({"page_tokens": 64}, "page_tokens 64 applies to index 'paged' only"),
+        (
+            {"page_tokens": 64, "page_eviction": "reuse"},
+            "page_tokens 64 and page_eviction 'reuse' apply to index 'paged' only",
+        ),
+    ],
+)
+def test_page_settings_with_the_ladder_are_refused_when_the_config_is_made(
+    settings: dict[str, object], message: str
+) -> None:
+    """The ladder has no pages and evicts by LRU only: a page size or another eviction with it
+    is a ConfigError at construction (page_eviction used to fail only in run_replay, and
+    page_tokens was ignored without a word), as --page-tokens is without --index paged."""
+    with pytest.raises(ConfigError, match=rf"^{message} \(index is 'ladder'\)$"):
+        SimConfig(**settings)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        attrs.evolve(SimConfig(index="paged", **settings), index="ladder")  # type: ignore[arg-type]
+    paged = SimConfig(index="paged", **settings)  # type: ignore[arg-type]
+    assert kv_cache_config(paged).index is CacheIndex.PAGED
+    assert SimConfig(page_eviction="lru").page_eviction is PageEviction.LRU  # the ladder's own
 
 
 def test_numpy_integer_fields_replay_as_their_ints() -> None:
