@@ -630,7 +630,11 @@ def admission_order(requests: Sequence[SimRequest], concurrency: int) -> list[Si
 
 
 def validate_requests(
-    requests: Sequence[SimRequest], *, block_size: int, max_input_length: int | None = None
+    requests: Sequence[SimRequest],
+    *,
+    block_size: int,
+    max_input_length: int | None = None,
+    concurrency: int = 1,
 ) -> None:
     """Check that every request can be turned into a prompt, before any replay starts.
 
@@ -639,18 +643,21 @@ def validate_requests(
         block_size: Tokens per block id (an integer in ``[4, 1,048,576]``).
         max_input_length: The longest prompt the stages take (their ``ctx_size``); None: no
             limit.
+        concurrency: The replay's ``SimConfig.concurrency``: above 1 arrivals pace it, and
+            their span is bounded; at 1 timestamps are not used, and any finite ones do.
 
     Raises:
-        ConfigError: ``block_size`` or ``max_input_length`` is out of range; or, naming the
-            request: an empty prompt, a prompt longer than
+        ConfigError: ``block_size``, ``max_input_length`` or ``concurrency`` is out of range;
+            or, naming the request: an empty prompt, a prompt longer than
             ``max_input_length``, more tokens than its blocks hold,
             block lengths that do not add up, an arrival time that is not a finite number,
-            arrivals spanning more than :data:`MAX_ARRIVAL_SPAN_S`, or two requests with the
-            same index.
+            two requests with the same index; or, at ``concurrency`` above 1, arrivals
+            spanning more than :data:`MAX_ARRIVAL_SPAN_S`.
     """
     check_block_size(block_size)
     if max_input_length is not None:
         check_int("max_input_length", max_input_length, low=1)
+    check_int("concurrency", concurrency, low=1)
     seen: set[int] = set()
     for position, request in enumerate(requests):
         if not is_int(request.index, numpy=True):
@@ -701,12 +708,13 @@ def validate_requests(
                 f"and sum to input_length {request.input_length}, got {list(lengths)}"
             )
             raise ConfigError(msg)
-    if requests:
+    if requests and concurrency > 1:
         arrivals = [float(request.arrival_s) for request in requests]
         span = max(arrivals) - min(arrivals)
         if span > MAX_ARRIVAL_SPAN_S:
             # Virtual time counts from the first arrival; this far from it a float clock
-            # cannot tell microseconds apart, and stage costs would round away.
+            # cannot tell microseconds apart, and stage costs would round away. One request
+            # at a time, arrivals are not used: the replay takes them in file order.
             msg = (
                 f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
                 f"got {span:.3g} s"
@@ -785,7 +793,12 @@ async def replay(
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     configs = stage_configs(config, capacity_tokens=capacity)

@@ -149,7 +149,12 @@ def replay_stages(
         raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     with fewer_full_collections():
         return trio.run(_replay_stages, requests, config, stages, capacity)
 
@@ -312,7 +317,12 @@ def fan_out(
     for capacity in capacities:
         config.check_capacity(capacity)
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     if log_setup is None:
         log_setup = functools.partial(
             stderr_json_logging, driver_log_level(), driver_pid=os.getpid()

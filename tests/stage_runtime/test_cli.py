@@ -348,6 +348,24 @@ def test_simultaneous_arrivals_give_a_queueing_share_but_no_load(
     assert "share of all TTFT spent queueing" in capsys.readouterr().out
 
 
+def test_arrivals_spanning_more_than_1e9_s_replay_one_at_a_time_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Timestamps 2e12 ms (2e9 s) apart: --concurrency 1 replays them in file order (they are
+    not used); --concurrency 2, paced by them, is refused in one line, as the docs say."""
+    far = [TINY[0], dict(TINY[2], timestamp=2 * 10**12)]
+    trace = _trace(tmp_path, [json.dumps(line) for line in far])
+    assert main(["replay", str(trace), *SMALL, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["arrival_span_s"] == 2e9
+    assert document["restored_tokens"] == 32
+    status = main(["replay", str(trace), *SMALL, "--concurrency", "2", "--json", "-"])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    assert "arrivals must span at most 1e+09 s (about 31 years), got 2e+09 s" in captured.err
+
+
 def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> None:
     """A malformed line stops the replay with exit 1 and file:line: field in one line."""
     bad = dict(TINY[0], input_length=-4)
