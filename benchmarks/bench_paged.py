@@ -355,13 +355,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         wrapper_class=structlog.make_filtering_bound_logger(30), cache_logger_on_first_use=True
     )
     requests = list(read_trace(trace_path, limit=args.limit_requests).requests)
+    # No page_tokens: SimConfig refuses it with the ladder, and the paged variants (_config)
+    # take the stride's 512 tokens per page when it is unset.
     config = SimConfig(
         stages=args.stages,
         block_size=512,
         min_tokens=512,
         stride_tokens=512,
         record_limit=2,
-        page_tokens=512,
         max_entries=MAX_ENTRIES,
     )
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size).ratio

@@ -41,8 +41,9 @@ SIM_CTX_SIZE: Final = 262_144
 """The simulated stages' context (``SimConfig.ctx_size``): no synthetic prompt may be longer."""
 
 MAX_ARRIVAL_SPAN_S: Final = 1e9
-"""Longest span of arrival times a replay accepts (seconds, about 31 years): the virtual clock
-counts from the first arrival in floating point, which still resolves microseconds there."""
+"""Longest span of arrival times a replay paced by its arrivals (concurrency above 1) accepts
+(seconds, about 31 years): the virtual clock counts from the first arrival in floating point,
+which still resolves microseconds there. One request at a time, arrivals are not used."""
 
 MAX_COST_S: Final = 3600.0
 """Largest simulated cost per token or per byte: an hour. Larger values (``1e308``) would

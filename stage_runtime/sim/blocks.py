@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.errors import ConfigError
-from stage_runtime.sim.trace import SimRequest
+from stage_runtime.sim.trace import SimRequest, check_block_size
 
 __all__ = ["VOCAB_SIZE", "BlockTokenizer"]
 
@@ -51,13 +51,6 @@ def _mix64(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return z
 
 
-def _positive(name: str, value: int) -> int:
-    if value < 1:
-        msg = f"{name} must be >= 1, got {value}"
-        raise ConfigError(msg)
-    return value
-
-
 @attrs.define(eq=False)
 class BlockTokenizer:
     """Turns block ids into token ids.
@@ -73,14 +66,15 @@ class BlockTokenizer:
     """
 
     block_size: int = attrs.field(default=512)
-    """Tokens per block (512 in the Mooncake traces)."""
+    """Tokens per block (512 in the Mooncake traces): an integer in ``[4, 1,048,576]``
+    (:func:`~stage_runtime.sim.trace.check_block_size`), else a ConfigError."""
 
     _base: npt.NDArray[np.uint32] = attrs.field(init=False, repr=False)
     _lane_of: npt.NDArray[np.intp] = attrs.field(init=False, repr=False)
     _run: int = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        _positive("block_size", self.block_size)
+        check_block_size(self.block_size)
         rng = np.random.default_rng(_BASE_SEED)
         self._base = rng.integers(0, VOCAB_SIZE, size=self.block_size, dtype=np.uint32)
         self._run = max(1, min(_MAX_RUN, self.block_size // _LANES))

@@ -40,6 +40,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._validators import check_int
+from stage_runtime.errors import ConfigError, shown
 from stage_runtime.sim.pages import page_table, same_workload
 from stage_runtime.sim.theory import restorable_tokens
 from stage_runtime.sim.trace import SimRequest
@@ -94,7 +96,12 @@ class ClairvoyantPlan:
 
 
 def plan(requests: Iterable[SimRequest], *, block_size: int) -> ClairvoyantPlan:
-    """The pages of ``requests`` (in replay order) and their next uses."""
+    """The pages of ``requests`` (in replay order) and their next uses.
+
+    Raises:
+        ConfigError: ``block_size`` is not an integer in ``[4, 1,048,576]``, or a request's
+            ``block_lengths`` hold a length outside ``[0, block_size]``.
+    """
     table = page_table(requests, block_size=block_size)
     pages, requests_of = table.pages, table.request_of_block()
     # A page is used at most once per request (its chain fixes its depth): sorted by page,
@@ -143,7 +150,12 @@ def capacity_pages(capacity_tokens: int, block_size: int) -> int:
 
 
 def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantResult:
-    """Replay ``workload`` through a clairvoyant cache of ``capacity`` pages (0: unbounded)."""
+    """Replay ``workload`` through a clairvoyant cache of ``capacity`` pages (0: unbounded).
+
+    Raises:
+        ConfigError: ``capacity`` is not an integer >= 0.
+    """
+    capacity = check_int("capacity", capacity, low=0)
     if not capacity:  # nothing is evicted: the theoretical maximum, computed in numpy
         return ClairvoyantResult(
             capacity_pages=0,
@@ -193,9 +205,32 @@ def clairvoyant_hits(workload: ClairvoyantPlan, capacity: int) -> ClairvoyantRes
 def clairvoyant_for(
     requests: Sequence[SimRequest], *, block_size: int, capacities_tokens: Iterable[int]
 ) -> dict[int, ClairvoyantResult]:
-    """The clairvoyant result at each capacity in tokens (one backward pass in all)."""
+    """The clairvoyant result at each capacity in tokens (one backward pass in all).
+
+    Args:
+        requests: The workload, in replay order.
+        block_size: Tokens per block id, and per page of the clairvoyant cache: an integer in
+            ``[4, 1,048,576]``, as ``SimConfig.block_size``.
+        capacities_tokens: Capacities in tokens, each an integer >= 0 (0: unbounded, as
+            ``--sweep-capacity`` spells it); a capacity holds ``capacity // block_size`` pages,
+            at least one.
+
+    Returns:
+        The result at each capacity, keyed by the capacity.
+
+    Raises:
+        ConfigError: ``block_size`` or a capacity is out of range (checked before any work), or
+            a request's ``block_lengths`` hold a length outside ``[0, block_size]``.
+    """
+    if isinstance(capacities_tokens, str | bytes) or not isinstance(capacities_tokens, Iterable):
+        msg = f"capacities_tokens must be an iterable of integers, got {shown(capacities_tokens)}"
+        raise ConfigError(msg)
+    capacities = [
+        check_int(f"capacities_tokens[{position}]", capacity, low=0)
+        for position, capacity in enumerate(capacities_tokens)
+    ]
     workload = plan(requests, block_size=block_size)
     return {
         capacity: clairvoyant_hits(workload, capacity_pages(capacity, block_size))
-        for capacity in capacities_tokens
+        for capacity in capacities
     }

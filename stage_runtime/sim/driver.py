@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from stage_runtime._validators import at_least, is_int
+from stage_runtime._validators import at_least, check_int, is_int
 from stage_runtime.accounting import CacheAccounting
 from stage_runtime.config import (
     CacheIndex,
@@ -68,7 +68,7 @@ from stage_runtime.sim.clairvoyant import (
 from stage_runtime.sim.cost import CostModel, Percentiles, percentiles, pipeline_finish_times
 from stage_runtime.sim.model import simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
-from stage_runtime.sim.trace import SimRequest
+from stage_runtime.sim.trace import SimRequest, check_block_size
 from stage_runtime.stage import StagePrefillReport
 
 __all__ = [
@@ -204,12 +204,32 @@ class SimConfig:
         return PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
-    """Tokens per page in paged mode; ``None``: the stride."""
+    """Tokens per page with ``index="paged"``; ``None``: the stride. Set with the ladder index,
+    it is refused (the ladder has no pages), as ``--page-tokens`` is without ``--index
+    paged``."""
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_eviction)
-    """Paged mode's eviction: ``lru`` or ``reuse``."""
+    """Paged mode's eviction: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved)
+    or ``adaptive`` (which pages come back, learnt from the workload). Another policy than
+    ``lru`` with the ladder index is refused: the ladder evicts by LRU only (as in
+    :class:`~stage_runtime.config.KvCacheConfig`)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.index is not CacheIndex.PAGED:
+            # Refused here, not when the replay builds the stages' caches (page_eviction) or
+            # never (page_tokens, which the ladder ignored without a word).
+            paged_only = []
+            if self.page_tokens is not None:
+                paged_only.append(f"page_tokens {self.page_tokens}")
+            if self.page_eviction is not PageEviction.LRU:
+                paged_only.append(f"page_eviction {self.page_eviction.value!r}")
+            if paged_only:
+                verb = "apply" if len(paged_only) > 1 else "applies"
+                msg = (
+                    f"{' and '.join(paged_only)} {verb} to index 'paged' only "
+                    f"(index is {self.index.value!r})"
+                )
+                raise ConfigError(msg)
         per_stage = len(self.cost.stage_prefill_s_per_token)
         if per_stage and per_stage != self.stages:
             msg = (
@@ -247,14 +267,13 @@ class SimConfig:
         return self.stride if self.page_tokens is None else self.page_tokens
 
     def check_capacity(self, capacity_tokens: int) -> None:
-        """Refuse a capacity that is negative or whose byte bound no cache can hold.
+        """Refuse a capacity that is not an integer >= 0 (0: unbounded) or whose byte bound no
+        cache can hold.
 
         Raises:
-            ConfigError: naming the capacity and the bytes it comes to.
+            ConfigError: naming the capacity (and the bytes it comes to).
         """
-        if capacity_tokens < 0:
-            msg = f"capacity_tokens must be >= 0, got {capacity_tokens}"
-            raise ConfigError(msg)
+        check_int("capacity_tokens", capacity_tokens, low=0)
         if capacity_tokens * self.bytes_per_token > MAX_CACHE_BYTES:
             msg = (
                 f"capacity_tokens {capacity_tokens:,} x bytes_per_token {self.bytes_per_token:,} "
@@ -264,9 +283,15 @@ class SimConfig:
             raise ConfigError(msg)
 
     def max_bytes(self, capacity_tokens: int | None = None) -> int:
-        """Per-stage byte bound for a capacity in tokens (this config's when None)."""
-        capacity = self.capacity_tokens if capacity_tokens is None else capacity_tokens
-        return capacity * self.bytes_per_token
+        """Per-stage byte bound for a capacity in tokens (this config's when None).
+
+        Raises:
+            ConfigError: ``capacity_tokens`` is refused by :meth:`check_capacity`.
+        """
+        if capacity_tokens is None:
+            return self.capacity_tokens * self.bytes_per_token
+        self.check_capacity(capacity_tokens)
+        return capacity_tokens * self.bytes_per_token
 
     def as_dict(self, capacity_tokens: int | None = None) -> dict[str, object]:
         """The configuration as JSON-ready values (resolved defaults included)."""
@@ -307,9 +332,11 @@ def kv_cache_config(config: SimConfig, *, capacity_tokens: int | None = None) ->
 
     Returns:
         A ``lookup-record`` cache with the config's bounds and ladder.
+
+    Raises:
+        ConfigError: ``capacity_tokens`` is not an integer >= 0 or its byte bound passes
+            :data:`MAX_CACHE_BYTES` (see :meth:`SimConfig.check_capacity`).
     """
-    if capacity_tokens is not None:
-        config.check_capacity(capacity_tokens)
     return KvCacheConfig(
         mode=CacheMode.LOOKUP_RECORD,
         payload=CachePayload.RESIDENT_KV,
@@ -448,7 +475,8 @@ class ReplayResult:
     @property
     def offered_load(self) -> OfferedLoad | None:
         """How loaded the busiest stage was by the arrivals, or None when arrivals did not pace
-        the replay (concurrency 1: one request after another) or all came at once.
+        the replay (concurrency 1: one request after another) or all came at once (no arrival
+        rate to load the stages with; :attr:`waiting_share` still says how long they queued).
 
         The arrival rate is estimated as ``(requests - 1) / arrival_span_s`` (the span holds one
         gap fewer than requests), so the load is the busiest stage's work per request times
@@ -470,8 +498,13 @@ class ReplayResult:
     @property
     def waiting_share(self) -> float | None:
         """Share of the time to first token with the cache, over all requests, spent waiting
-        (for a busy stage or an admission slot) rather than computing and restoring; None when
-        arrivals did not pace the replay (concurrency 1: nothing waits)."""
+        (for a busy stage or an admission slot) rather than computing and restoring.
+
+        None only when arrivals did not pace the replay (concurrency 1: one request after
+        another, nothing waits) or no time passed at all (every cost 0). Requests that all
+        arrive at once do have a share, unlike :attr:`offered_load`: they queue behind one
+        another, as in any burst.
+        """
         if self.config.concurrency == 1:
             return None
         total = sum(outcome.ttft_cached_s for outcome in self.outcomes)
@@ -586,30 +619,45 @@ def admission_order(requests: Sequence[SimRequest], concurrency: int) -> list[Si
     Returns:
         File order at concurrency 1; otherwise by arrival, ties in file order (``(arrival_s,
         index)``).
+
+    Raises:
+        ConfigError: ``concurrency`` is not an integer >= 1.
     """
+    check_int("concurrency", concurrency, low=1)
     if concurrency == 1:
         return list(requests)
     return sorted(requests, key=lambda request: (request.arrival_s, request.index))
 
 
 def validate_requests(
-    requests: Sequence[SimRequest], *, block_size: int, max_input_length: int | None = None
+    requests: Sequence[SimRequest],
+    *,
+    block_size: int,
+    max_input_length: int | None = None,
+    concurrency: int = 1,
 ) -> None:
     """Check that every request can be turned into a prompt, before any replay starts.
 
     Args:
         requests: The workload.
-        block_size: Tokens per block id.
+        block_size: Tokens per block id (an integer in ``[4, 1,048,576]``).
         max_input_length: The longest prompt the stages take (their ``ctx_size``); None: no
             limit.
+        concurrency: The replay's ``SimConfig.concurrency``: above 1 arrivals pace it, and
+            their span is bounded; at 1 timestamps are not used, and any finite ones do.
 
     Raises:
-        ConfigError: naming the request: an empty prompt, a prompt longer than
+        ConfigError: ``block_size``, ``max_input_length`` or ``concurrency`` is out of range;
+            or, naming the request: an empty prompt, a prompt longer than
             ``max_input_length``, more tokens than its blocks hold,
             block lengths that do not add up, an arrival time that is not a finite number,
-            arrivals spanning more than :data:`MAX_ARRIVAL_SPAN_S`, or two requests with the
-            same index.
+            two requests with the same index; or, at ``concurrency`` above 1, arrivals
+            spanning more than :data:`MAX_ARRIVAL_SPAN_S`.
     """
+    check_block_size(block_size)
+    if max_input_length is not None:
+        check_int("max_input_length", max_input_length, low=1)
+    check_int("concurrency", concurrency, low=1)
     seen: set[int] = set()
     for position, request in enumerate(requests):
         if not is_int(request.index, numpy=True):
@@ -660,12 +708,13 @@ def validate_requests(
                 f"and sum to input_length {request.input_length}, got {list(lengths)}"
             )
             raise ConfigError(msg)
-    if requests:
+    if requests and concurrency > 1:
         arrivals = [float(request.arrival_s) for request in requests]
         span = max(arrivals) - min(arrivals)
         if span > MAX_ARRIVAL_SPAN_S:
             # Virtual time counts from the first arrival; this far from it a float clock
-            # cannot tell microseconds apart, and stage costs would round away.
+            # cannot tell microseconds apart, and stage costs would round away. One request
+            # at a time, arrivals are not used: the replay takes them in file order.
             msg = (
                 f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
                 f"got {span:.3g} s"
@@ -743,7 +792,13 @@ async def replay(
         ConfigError: the requests or the settings are invalid.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    config.check_capacity(capacity)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     configs = stage_configs(config, capacity_tokens=capacity)
@@ -878,9 +933,11 @@ def summarise_replay(
         The replay's result.
 
     Raises:
-        ConfigError: ``stages`` does not hold one entry per stage, or one per request each.
+        ConfigError: ``stages`` does not hold one entry per stage, or one per request each, or
+            ``capacity_tokens`` is refused by :meth:`SimConfig.check_capacity`.
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
+    config.check_capacity(capacity)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     ordered = admission_order(requests, config.concurrency)

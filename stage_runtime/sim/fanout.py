@@ -149,7 +149,12 @@ def replay_stages(
         raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     with fewer_full_collections():
         return trio.run(_replay_stages, requests, config, stages, capacity)
 
@@ -312,7 +317,12 @@ def fan_out(
     for capacity in capacities:
         config.check_capacity(capacity)
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     if log_setup is None:
         log_setup = functools.partial(
             stderr_json_logging, driver_log_level(), driver_pid=os.getpid()
@@ -398,7 +408,15 @@ def stage_groups(stages: int, replays: int, parallelism: int | None) -> list[Sta
 
     Returns:
         The units of one replay, each a run of consecutive stages, together every stage once.
+
+    Raises:
+        ConfigError: ``stages`` is not an integer >= 1, ``replays`` not an integer >= 0, or
+            ``parallelism`` not None or an integer >= 1.
     """
+    check_int("stages", stages, low=1)
+    check_int("replays", replays, low=0)
+    if parallelism is not None:
+        check_int("parallelism", parallelism, low=1)
     if parallelism is None:
         return [(stage,) for stage in range(stages)]
 

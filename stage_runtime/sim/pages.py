@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from stage_runtime.errors import ConfigError
 from stage_runtime.limits import U64_MAX
-from stage_runtime.sim.trace import SimRequest
+from stage_runtime.sim.trace import SimRequest, check_block_size
 
 __all__ = ["PageTable", "page_table", "same_workload"]
 
@@ -79,9 +79,12 @@ def page_table(requests: Iterable[SimRequest], *, block_size: int) -> PageTable:
     clairvoyant plan share one table. Its arrays are read-only.
 
     Raises:
-        ConfigError: a request's ``block_lengths`` hold a length outside ``[0, block_size]``.
+        ConfigError: ``block_size`` is not an integer in ``[4, 1,048,576]`` (the bounds of
+            ``SimConfig.block_size``), or a request's ``block_lengths`` hold a length outside
+            ``[0, block_size]``.
     """
     global _last_table
+    check_block_size(block_size)
     workload = tuple(requests)
     last = _last_table
     if last is not None and same_workload(last[0], last[1], workload, block_size):

@@ -52,8 +52,9 @@ def result_to_json(
         (``p50``/``p90``/``p99``, each ``cached`` and ``uncached``), ``wall_s``,
         ``tokens_per_s`` and ``config`` (every setting used), plus ``virtual_s``,
         ``theoretical_max_hit_tokens``, ``arrival_span_s``, ``offered_load``
-        (``cached``/``uncached``) and ``ttft_waiting_share`` (both null when arrivals did not
-        pace the replay).
+        (``cached``/``uncached``; null when arrivals did not pace the replay, or all came at
+        once) and ``ttft_waiting_share`` (null when arrivals did not pace the replay: see
+        :attr:`~stage_runtime.sim.driver.ReplayResult.waiting_share`).
     """
     config = result.config.as_dict(result.capacity_tokens)
     if source is not None:

@@ -105,7 +105,12 @@ def run_sweep(
     for capacity in capacities:
         config.check_capacity(capacity)
     # Before the theoretical maximum, which would fail on a malformed request without naming it.
-    validate_requests(requests, block_size=config.block_size, max_input_length=config.ctx_size)
+    validate_requests(
+        requests,
+        block_size=config.block_size,
+        max_input_length=config.ctx_size,
+        concurrency=config.concurrency,
+    )
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     if executor is not None:
         return fan_out(

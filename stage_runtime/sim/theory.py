@@ -43,10 +43,15 @@ def theoretical_max_hit_ratio(requests: Iterable[SimRequest], *, block_size: int
 
     Args:
         requests: The workload in replay order.
-        block_size: Tokens per block id (needed for trace requests with implicit lengths).
+        block_size: Tokens per block id (needed for trace requests with implicit lengths): an
+            integer in ``[4, 1,048,576]``, as ``SimConfig.block_size``.
 
     Returns:
         The restorable and total prompt tokens.
+
+    Raises:
+        ConfigError: ``block_size`` is out of range, or a request's ``block_lengths`` hold a
+            length outside ``[0, block_size]``.
     """
     table = page_table(requests, block_size=block_size)
     hit_tokens = restorable_tokens(table.pages, table.used, table.offsets)

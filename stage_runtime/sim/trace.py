@@ -19,7 +19,7 @@ import msgspec
 from stage_runtime._validators import check_int, is_int
 from stage_runtime.config import _DuplicateKeyError, _unique_keys
 from stage_runtime.errors import TraceFormatError, json_error_detail, shown
-from stage_runtime.limits import U64_MAX
+from stage_runtime.limits import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, U64_MAX
 
 __all__ = [
     "SimRequest",
@@ -30,6 +30,19 @@ __all__ = [
     "read_trace_lines",
     "total_prompt_tokens",
 ]
+
+
+def check_block_size(block_size: object) -> int:
+    """``block_size`` as an ``int`` when it is a simulation block size: an integer in
+    ``[MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]`` (:mod:`stage_runtime.limits`), the bounds of
+    ``SimConfig.block_size`` and ``--block-size``. Every function of the simulator that takes a
+    block size checks it with this, before any work.
+
+    Raises:
+        ConfigError: ``"block_size must be an integer in [4, 1,048,576], got 0"``.
+    """
+    return check_int("block_size", block_size, low=MIN_BLOCK_SIZE, high=MAX_BLOCK_SIZE)
+
 
 _ID_MIN = -(2**63)
 """Smallest hash id (int64); the largest is :data:`~stage_runtime.limits.U64_MAX`. The same
@@ -138,7 +151,34 @@ def parse_trace_line(
     Raises:
         TraceFormatError: The line is not UTF-8, not a JSON object, lacks a field, or has an
             invalid value; the message names the file, line and field.
+        ConfigError: ``block_size`` is not an integer in ``[4, 1,048,576]`` or
+            ``max_input_length`` is not None or an integer >= 1 (checked first: the line would
+            otherwise be refused as if it were bad).
     """
+    check_block_size(block_size)
+    if max_input_length is not None:
+        check_int("max_input_length", max_input_length, low=1)
+    return _parse_line(
+        text,
+        path=path,
+        line=line,
+        index=index,
+        block_size=block_size,
+        max_input_length=max_input_length,
+    )
+
+
+def _parse_line(
+    text: str | bytes,
+    *,
+    path: str,
+    line: int,
+    index: int,
+    block_size: int,
+    max_input_length: int | None,
+) -> SimRequest:
+    """:func:`parse_trace_line` once its settings are checked (a reader checks them once, not
+    per line)."""
     if type(text) is bytes or type(text) is str:
         request = _parse_fast(
             text, line=line, index=index, block_size=block_size, max_input_length=max_input_length
@@ -330,10 +370,10 @@ def read_trace_lines(
     Raises:
         TraceFormatError: A line is malformed and ``skip_bad_lines`` is false.
         ConfigError: ``block_size``, ``limit`` or ``max_input_length`` is not an integer in
-            range (checked first: a block size of 0 would have every line refused, the first
-            one named as if it were bad).
+            range (``block_size`` in ``[4, 1,048,576]``; checked first: a block size of 0 would
+            have every line refused, the first one named as if it were bad).
     """
-    check_int("block_size", block_size, low=1)
+    check_block_size(block_size)
     if limit is not None:
         check_int("limit", limit, low=0)
     if max_input_length is not None:
@@ -347,7 +387,7 @@ def read_trace_lines(
         if not text.strip() or (line_number == 1 and text.strip() in ("\ufeff", b"\xef\xbb\xbf")):
             continue  # blank (a first line may hold just a byte-order mark)
         try:
-            request = parse_trace_line(
+            request = _parse_line(
                 text,
                 path=path,
                 line=line_number,
@@ -392,7 +432,7 @@ def read_trace(
         TraceFormatError: A line is malformed (file, line and field in the message; a line that
             is not UTF-8 text is one) and ``skip_bad_lines`` is false.
         ConfigError: ``block_size``, ``limit`` or ``max_input_length`` is not an integer in
-            range.
+            range (``block_size`` in ``[4, 1,048,576]``).
         OSError: The file cannot be opened.
     """
     name = os.fspath(path)
@@ -422,6 +462,10 @@ def read_demo_trace(*, block_size: int = 512, limit: int | None = None) -> Trace
 
     Returns:
         The excerpt's requests.
+
+    Raises:
+        ConfigError: ``block_size`` is not an integer in ``[4, 1,048,576]`` or ``limit`` is
+            not None or an integer >= 0.
     """
     from stage_runtime.data import DEMO_TRACE, demo_trace
 

@@ -19,7 +19,7 @@ import numpy as np
 from stage_runtime._validators import is_int
 from stage_runtime.errors import ConfigError, shown
 from stage_runtime.limits import MAX_BLOCKS, MAX_PROMPT_TOKENS, MAX_REQUESTS
-from stage_runtime.sim.trace import SimRequest
+from stage_runtime.sim.trace import SimRequest, check_block_size
 
 __all__ = ["MAX_BLOCKS", "MAX_PROMPT_TOKENS", "MAX_REQUESTS", "WorkloadSpec", "synthetic_workload"]
 
@@ -140,13 +140,12 @@ def synthetic_workload(spec: WorkloadSpec, *, block_size: int = 512) -> list[Sim
 
     Returns:
         The requests, indexed and timed in arrival order.
+
+    Raises:
+        ConfigError: ``block_size`` is not an integer in ``[4, 1,048,576]``, or would give the
+            workload more than :data:`MAX_BLOCKS` blocks.
     """
-    if not is_int(block_size):
-        msg = f"block_size must be an integer, got {shown(block_size)}"
-        raise ConfigError(msg)
-    if block_size < 1:
-        msg = f"block_size must be >= 1, got {block_size}"
-        raise ConfigError(msg)
+    check_block_size(block_size)
     blocks = spec.block_count(block_size)
     if blocks > MAX_BLOCKS:
         msg = (

@@ -328,6 +328,44 @@ def test_replay_sweep_json_to_stdout_is_pure_json(tmp_path: Path) -> None:
     assert results[0]["stages"][0]["evictions"] == 5
 
 
+def test_simultaneous_arrivals_give_a_queueing_share_but_no_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two lines with one timestamp at --concurrency 2: offered_load is null (no arrival
+    rate), ttft_waiting_share is the second request's wait over both TTFTs, and the report
+    shows the share."""
+    same = [dict(TINY[0], timestamp=7), dict(TINY[1], timestamp=7)]
+    trace = _trace(tmp_path, [json.dumps(line) for line in same])
+    argv = ["replay", str(trace), *SMALL, "--concurrency", "2", "--prefill-us-per-token", "1000"]
+    assert main([*argv, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["arrival_span_s"] == 0
+    assert document["offered_load"] is None
+    # 40 and 32 tokens at 1 ms per token and stage: r0 takes 40 + 40 ms, r1 waits 40 ms for
+    # stage 0 then 8 ms for stage 1 (free at 80 ms): 48 of the 80 + 112 ms are queueing.
+    assert document["ttft_waiting_share"] == pytest.approx(48 / 192)
+    assert main(argv) == 0
+    assert "share of all TTFT spent queueing" in capsys.readouterr().out
+
+
+def test_arrivals_spanning_more_than_1e9_s_replay_one_at_a_time_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Timestamps 2e12 ms (2e9 s) apart: --concurrency 1 replays them in file order (they are
+    not used); --concurrency 2, paced by them, is refused in one line, as the docs say."""
+    far = [TINY[0], dict(TINY[2], timestamp=2 * 10**12)]
+    trace = _trace(tmp_path, [json.dumps(line) for line in far])
+    assert main(["replay", str(trace), *SMALL, "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["arrival_span_s"] == 2e9
+    assert document["restored_tokens"] == 32
+    status = main(["replay", str(trace), *SMALL, "--concurrency", "2", "--json", "-"])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    assert "arrivals must span at most 1e+09 s (about 31 years), got 2e+09 s" in captured.err
+
+
 def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> None:
     """A malformed line stops the replay with exit 1 and file:line: field in one line."""
     bad = dict(TINY[0], input_length=-4)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stage_runtime import ConfigError
-from stage_runtime.sim import VOCAB_SIZE, BlockTokenizer, SimRequest
+from stage_runtime.sim import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, VOCAB_SIZE, BlockTokenizer, SimRequest
 
 _IDS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
@@ -49,8 +49,8 @@ def test_equal_chains_give_equal_prefixes_and_cut_to_length() -> None:
 
 
 def test_tokens_are_int32_in_the_vocabulary() -> None:
-    """Token ids are contiguous int32 values in [0, VOCAB_SIZE)."""
-    for block_size in (512, 100, 3):
+    """Token ids are contiguous int32 values in [0, VOCAB_SIZE), down to the smallest blocks."""
+    for block_size in (512, 100, MIN_BLOCK_SIZE):
         tokens = BlockTokenizer(block_size).prompt(list(range(50)), 50 * block_size - 1)
         assert tokens.dtype == np.int32
         assert tokens.flags.c_contiguous
@@ -85,10 +85,16 @@ def test_inconsistent_prompts_are_refused(
         BlockTokenizer(8).prompt(ids, length, block_lengths=lengths)
 
 
-def test_block_size_must_be_positive() -> None:
-    """A zero block size is refused."""
-    with pytest.raises(ConfigError, match="block_size must be >= 1, got 0"):
-        BlockTokenizer(0)
+@pytest.mark.parametrize(
+    "block_size", [0, -512, MIN_BLOCK_SIZE - 1, MAX_BLOCK_SIZE + 1, 512.0, True, "512", None]
+)
+def test_block_size_outside_the_simulation_bounds_is_refused(block_size: object) -> None:
+    """A block size that is not an integer in [4, 1,048,576] (SimConfig's bounds) is refused
+    by name, before any block is generated: blocks of fewer than 4 tokens cannot keep distinct
+    ids apart, and a huge one would exhaust memory instead of failing."""
+    rule = r"block_size must be an integer in \[4, 1,048,576\], got "
+    with pytest.raises(ConfigError, match=rule + repr(block_size).replace(".", r"\.")):
+        BlockTokenizer(block_size)  # type: ignore[arg-type]
 
 
 def test_unsigned_64_bit_ids_are_accepted() -> None:

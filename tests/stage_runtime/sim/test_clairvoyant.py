@@ -5,14 +5,19 @@ from __future__ import annotations
 import io
 import json
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from stage_runtime import ConfigError
 from stage_runtime.sim import (
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
     CostModel,
     SimConfig,
     SimRequest,
+    clairvoyant_for,
     render_report,
     render_sweep,
     result_to_json,
@@ -186,3 +191,66 @@ def test_the_plan_of_the_same_workload_is_computed_once() -> None:
     assert plan_of(list(TRACE), block_size=16) is first
     assert plan_of(TRACE, block_size=8) is not first
     assert plan_of(TRACE[:3], block_size=16) is not first
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    block_size=st.integers(-(2**21), 2**21),
+    capacities=st.lists(st.integers(-(2**40), 2**40), max_size=4),
+)
+@example(block_size=0, capacities=[0])
+@example(block_size=-1, capacities=[0])
+@example(block_size=-512, capacities=[0])
+@example(block_size=B, capacities=[-5])
+@example(block_size=B, capacities=[0, 1, B, 3 * B + 1])
+def test_clairvoyant_for_checks_its_arguments(block_size: int, capacities: list[int]) -> None:
+    """clairvoyant_for takes a block size in [4, 1,048,576] (SimConfig's bounds) and capacities
+    that are integers >= 0 (0: unbounded, as --sweep-capacity spells it): anything else is a
+    ConfigError naming it, before any work (a block size of 0 was a ZeroDivisionError, -512 a
+    KeyError, -1 a silent 0; a capacity of -5 acted unbounded). Valid ones hold
+    capacity // block_size pages, at least one, and never beat the infinite cache."""
+    requests = [_request(0, [1, 2]), _request(1, [3]), _request(2, [1, 2])]
+    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        message = rf"^block_size must be an integer in \[4, 1,048,576\], got {block_size}$"
+        with pytest.raises(ConfigError, match=message):
+            clairvoyant_for(requests, block_size=block_size, capacities_tokens=[0])
+        return
+    negative = [(i, c) for i, c in enumerate(capacities) if c < 0]
+    if negative:
+        position, capacity = negative[0]
+        message = rf"^capacities_tokens\[{position}\] must be an integer >= 0, got {capacity}$"
+        with pytest.raises(ConfigError, match=message):
+            clairvoyant_for(requests, block_size=block_size, capacities_tokens=capacities)
+        return
+    results = clairvoyant_for(requests, block_size=block_size, capacities_tokens=capacities)
+    assert sorted(results) == sorted(set(capacities))
+    theory = theoretical_max_hit_ratio(requests, block_size=block_size).hit_tokens
+    for capacity, result in results.items():
+        assert result.capacity_pages == (capacity and max(capacity // block_size, 1))
+        assert 0 <= result.hit_tokens <= theory
+
+
+@pytest.mark.parametrize(
+    ("capacities", "message"),
+    [
+        ([1500.7], r"capacities_tokens\[0\] must be an integer >= 0, got 1500.7"),
+        ([0, True], r"capacities_tokens\[1\] must be an integer >= 0, got True"),
+        (["100"], r"capacities_tokens\[0\] must be an integer >= 0, got '100'"),
+        ([None], r"capacities_tokens\[0\] must be an integer >= 0, got None"),
+        (100, "capacities_tokens must be an iterable of integers, got 100"),
+        ("100", "capacities_tokens must be an iterable of integers, got '100'"),
+    ],
+)
+def test_clairvoyant_for_names_a_capacity_that_is_not_a_token_count(
+    capacities: object, message: str
+) -> None:
+    """A float capacity (which gave capacity_pages=2.0), a bool, a string or something that
+    is not a list of capacities is refused by name."""
+    with pytest.raises(ConfigError, match=message):
+        clairvoyant_for(TRACE, block_size=16, capacities_tokens=capacities)  # type: ignore[arg-type]
+
+
+def test_clairvoyant_hits_refuses_a_negative_capacity() -> None:
+    """A negative page count is named (it used to empty the heap: an IndexError)."""
+    with pytest.raises(ConfigError, match="capacity must be an integer >= 0, got -1"):
+        clairvoyant_hits(plan(TRACE, block_size=16), -1)

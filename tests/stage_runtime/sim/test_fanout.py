@@ -118,7 +118,7 @@ def test_replay_stage_refuses_a_stage_the_pipeline_does_not_have() -> None:
     """stage_index must name a stage of the configuration; the capacity must fit a cache."""
     with pytest.raises(ConfigError, match=r"stage_index must be an integer in \[0, 1\], got 2"):
         replay_stage(HAND_TRACE, SMALL, 2)
-    with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
+    with pytest.raises(ConfigError, match="capacity_tokens must be an integer >= 0, got -1"):
         replay_stage(HAND_TRACE, SMALL, 0, -1)
 
 
@@ -219,6 +219,24 @@ def test_stage_groups_weigh_shared_work_against_idle_processes(
     """The units of a replay: the count that finishes soonest by the estimate, each a run of
     consecutive stages, together every stage once."""
     assert stage_groups(stages, replays, parallelism) == groups
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ((0, 1, 2), "stages must be an integer >= 1, got 0"),  # was min() of an empty range
+        ((4, -1, 2), "replays must be an integer >= 0, got -1"),
+        ((4, 1, 0), "parallelism must be an integer >= 1, got 0"),  # was a ZeroDivisionError
+        ((4, 1, -1), "parallelism must be an integer >= 1, got -1"),  # was a silent answer
+        ((4.0, 1, 2), "stages must be an integer >= 1, got 4.0"),
+    ],
+)
+def test_stage_groups_names_an_argument_out_of_range(
+    arguments: tuple[object, object, object], message: str
+) -> None:
+    """stage_groups refuses counts that are not counts, naming the argument and its value."""
+    with pytest.raises(ConfigError, match=message):
+        stage_groups(*arguments)  # type: ignore[arg-type]
 
 
 def test_a_known_parallelism_groups_the_stages_with_the_same_results() -> None:

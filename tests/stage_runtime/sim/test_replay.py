@@ -14,17 +14,23 @@ restore 32 + 16 + (16 + 4) = 68.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import numpy as np
 import pytest
 import trio
 
-from stage_runtime import ConfigError
+from stage_runtime import CacheIndex, ConfigError, PageEviction
 from stage_runtime.sim import (
     PAGED_MAX_ENTRIES,
     CostModel,
     SimConfig,
     SimRequest,
+    StageReplay,
+    admission_order,
     kv_cache_config,
     pipeline_finish_times,
     read_demo_trace,
@@ -33,6 +39,7 @@ from stage_runtime.sim import (
     run_replay,
     run_sweep,
     stage_configs,
+    summarise_replay,
     validate_requests,
 )
 
@@ -117,7 +124,7 @@ def test_sweep_gives_one_result_per_capacity_in_order() -> None:
     counts: list[int] = []
     run_sweep(trace, _config(), [32, 0], progress=counts.append)
     assert counts == list(range(1, 2 * len(trace) + 1))  # one tick per request, across runs
-    with pytest.raises(ConfigError, match="capacity_tokens must be >= 0, got -1"):
+    with pytest.raises(ConfigError, match="capacity_tokens must be an integer >= 0, got -1"):
         run_sweep(trace, _config(), [-1])
     with pytest.raises(ConfigError, match="capacity_tokens 9,223,372,036,854,775,808 x"):
         run_sweep(trace, _config(), [32, 2**63])
@@ -152,6 +159,24 @@ def test_concurrent_replay_reports_load_and_queueing_worked_by_hand() -> None:
     assert one_at_a_time.arrival_span_s == pytest.approx(0.01)
     assert one_at_a_time.offered_load is None
     assert one_at_a_time.waiting_share is None
+
+
+def test_requests_arriving_at_once_have_no_load_but_a_queueing_share() -> None:
+    """Two 16-token prompts at the same instant, concurrency 2: no arrival rate, so no load,
+    but the second waits 16 ms for stage 0 (r0 there 0-16 ms, at stage 1 16-32; r1 at stage 0
+    16-32, stage 1 32-48): 16 of the 32 + 48 ms of time to first token are queueing."""
+    trace = [_request(0, [1], 16, arrival_s=5.0), _request(1, [2], 16, arrival_s=5.0)]
+    result = run_replay(trace, _config(concurrency=2))
+    assert result.arrival_span_s == 0.0
+    assert result.offered_load is None
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx([0.032, 0.048])
+    assert result.waiting_share == pytest.approx(0.016 / 0.080)
+    document = result_to_json(result)
+    assert document["offered_load"] is None
+    assert document["ttft_waiting_share"] == pytest.approx(0.2)
+    # A single request at concurrency 2 waits for nothing: a share of 0, not None.
+    alone = run_replay(trace[:1], _config(concurrency=2))
+    assert (alone.offered_load, alone.waiting_share) == (None, 0.0)
 
 
 def test_load_counts_each_stage_at_its_own_costs_restores_included() -> None:
@@ -346,10 +371,6 @@ async def test_example_program_restores_shared_prompts(
             [_request(0, [1], 8), _request(1, [2], 8, arrival_s=float("inf"))],
             "request 1: arrival_s must be a finite number, got inf",
         ),
-        (  # a float clock this far from the first arrival cannot resolve the stage costs
-            [_request(0, [1], 8), _request(1, [2], 8, arrival_s=2e9)],
-            "arrivals must span at most 1e.09 s .about 31 years., got 2e.09 s",
-        ),
         # Fields of the wrong type (a SimRequest is not checked when it is made) used to fail
         # in the tokenizer or the theoretical maximum with a TypeError or ValueError that did
         # not name the request, or (a float) to be truncated silently.
@@ -395,6 +416,92 @@ def test_unusable_requests_are_refused_before_the_replay(
         run_replay(requests, _config())
     with pytest.raises(ConfigError, match=message):
         run_sweep(requests, _config(), [0, 64])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # A block size of 0 blamed the first request ("input_length must be <= block_size *
+        # len(block_ids) = 0"); a string was a TypeError.
+        ({"block_size": 0}, r"block_size must be an integer in \[4, 1,048,576\], got 0"),
+        ({"block_size": "16"}, r"block_size must be an integer in \[4, 1,048,576\], got '16'"),
+        ({"block_size": 2**20 + 1}, r"block_size must be an integer in \[4, 1,048,576\]"),
+        ({"block_size": 16, "max_input_length": 0}, "max_input_length must be an integer >= 1"),
+        ({"block_size": 16, "max_input_length": 1.5}, "max_input_length must be an integer >= 1"),
+    ],
+)
+def test_validate_requests_names_a_bad_setting_not_a_request(
+    arguments: dict[str, object], message: str
+) -> None:
+    """validate_requests checks its own settings first, as the replay's SimConfig does."""
+    with pytest.raises(ConfigError, match=message) as caught:
+        validate_requests(HAND_TRACE, **arguments)  # type: ignore[arg-type]
+    assert "request" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "shown"), [(-5, "-5"), (1500.7, "1500.7"), (True, "True"), ("100", "'100'")]
+)
+def test_every_capacity_argument_is_checked_by_name(capacity: Any, shown: str) -> None:
+    """A capacity that is not an integer >= 0 is named as capacity_tokens wherever it is
+    given: a float used to be refused as max_bytes, True to replay a one-token cache, and
+    summarise_replay took -5 as unbounded."""
+    config = _config()
+    message = f"capacity_tokens must be an integer >= 0, got {shown}"
+    stages = [
+        StageReplay(
+            stage_id=f"stage-{index}",
+            restored_tokens=(0,) * len(HAND_TRACE),
+            computed_tokens=tuple(r.input_length for r in HAND_TRACE),
+            records=0,
+            evictions=0,
+            evicted_bytes=0,
+            resident_bytes_max=0,
+        )
+        for index in range(config.stages)
+    ]
+    calls: list[Callable[[], object]] = [
+        lambda: kv_cache_config(config, capacity_tokens=capacity),
+        lambda: stage_configs(config, capacity_tokens=capacity),
+        lambda: config.max_bytes(capacity),
+        lambda: config.as_dict(capacity),
+        lambda: summarise_replay(HAND_TRACE, config, stages, capacity_tokens=capacity),
+        lambda: run_replay(HAND_TRACE, config, capacity_tokens=capacity),
+        lambda: run_sweep(HAND_TRACE, config, [0, capacity]),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert summarise_replay(HAND_TRACE, config, stages, capacity_tokens=0).capacity_tokens == 0
+
+
+@pytest.mark.parametrize("concurrency", [0, -1, 1.0, None])
+def test_admission_order_refuses_a_concurrency_that_is_not_a_count(concurrency: object) -> None:
+    """admission_order names a concurrency below 1 (0 used to sort by arrival silently)."""
+    with pytest.raises(ConfigError, match="concurrency must be an integer >= 1, got "):
+        admission_order(HAND_TRACE, concurrency)  # type: ignore[arg-type]
+
+
+def test_arrivals_spanning_more_than_1e9_s_are_refused_only_when_they_pace_the_replay() -> None:
+    """Above concurrency 1 the virtual clock counts from the first arrival, and 2e9 s from it a
+    float clock cannot resolve the stage costs: refused. One request at a time the timestamps
+    are not used (file order), so the same workload replays (it used to be refused too)."""
+    far = [_request(0, [1, 2], 32), _request(1, [1, 2], 32, arrival_s=2e9)]
+    message = r"^arrivals must span at most 1e\+09 s \(about 31 years\), got 2e\+09 s$"
+    with pytest.raises(ConfigError, match=message):
+        run_replay(far, _config(concurrency=2))
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(far, _config(concurrency=2), [0, 64])
+    with pytest.raises(ConfigError, match=message):
+        validate_requests(far, block_size=16, concurrency=2)
+    validate_requests(far, block_size=16)  # concurrency 1 by default, as SimConfig's
+    result = run_replay(far, _config())
+    assert [o.restored_tokens for o in result.outcomes] == [(0, 0), (32, 32)]
+    assert result.arrival_span_s == 2e9
+    assert result.offered_load is None
+    assert [o.ttft_cached_s for o in result.outcomes] == pytest.approx([2 * 32 * P, 0.0])
+    # (16 tokens hold the 16-token rung of the ladder.)
+    assert [r.restored_tokens for r in run_sweep(far, _config(), [0, 16])] == [32, 16]
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_replay() -> None:
@@ -582,6 +689,33 @@ def test_the_paged_index_defaults_to_a_page_count_bound_not_the_ladders_64() -> 
     assert attrs.evolve(SimConfig(max_entries=7), index="paged").max_entries == 7
     with pytest.raises(ConfigError, match=r"^max_entries must be an integer >= 1, got 0$"):
         SimConfig(max_entries=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"page_eviction": "adaptive"}, "page_eviction 'adaptive' applies to index 'paged' only"),
+        ({"page_eviction": "reuse"}, "page_eviction 'reuse' applies to index 'paged' only"),
+        ({"page_tokens": 64}, "page_tokens 64 applies to index 'paged' only"),
+        (
+            {"page_tokens": 64, "page_eviction": "reuse"},
+            "page_tokens 64 and page_eviction 'reuse' apply to index 'paged' only",
+        ),
+    ],
+)
+def test_page_settings_with_the_ladder_are_refused_when_the_config_is_made(
+    settings: dict[str, object], message: str
+) -> None:
+    """The ladder has no pages and evicts by LRU only: a page size or another eviction with it
+    is a ConfigError at construction (page_eviction used to fail only in run_replay, and
+    page_tokens was ignored without a word), as --page-tokens is without --index paged."""
+    with pytest.raises(ConfigError, match=rf"^{message} \(index is 'ladder'\)$"):
+        SimConfig(**settings)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        attrs.evolve(SimConfig(index="paged", **settings), index="ladder")  # type: ignore[arg-type]
+    paged = SimConfig(index="paged", **settings)  # type: ignore[arg-type]
+    assert kv_cache_config(paged).index is CacheIndex.PAGED
+    assert SimConfig(page_eviction="lru").page_eviction is PageEviction.LRU  # the ladder's own
 
 
 def test_numpy_integer_fields_replay_as_their_ints() -> None:

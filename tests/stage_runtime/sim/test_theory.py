@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import numpy as np
+import re
 
-from stage_runtime.sim import BlockTokenizer, SimRequest, theoretical_max_hit_ratio
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from stage_runtime import ConfigError
+from stage_runtime.sim import (
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    BlockTokenizer,
+    SimRequest,
+    theoretical_max_hit_ratio,
+)
 
 
 def _request(index: int, ids: list[int], length: int) -> SimRequest:
@@ -61,3 +73,39 @@ def test_numpy_integer_ids_are_accepted() -> None:
     """Ids given as numpy integers (the library API takes any integers) count like ints."""
     requests = [_request(0, list(np.array([1, 2], dtype=np.int64)), 1024)] * 2
     assert theoretical_max_hit_ratio(requests, block_size=512).hit_tokens == 1024
+
+
+_TWICE = [_request(0, [1, 2], 8), _request(1, [1, 2], 8)]
+"""A prompt that fits two blocks of any allowed size, then its repeat."""
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.integers(-(2**21), 2**21))
+@example(block_size=0)
+@example(block_size=-1)
+@example(block_size=-512)
+@example(block_size=MIN_BLOCK_SIZE - 1)
+@example(block_size=MIN_BLOCK_SIZE)
+@example(block_size=MAX_BLOCK_SIZE)
+@example(block_size=MAX_BLOCK_SIZE + 1)
+def test_block_size_has_the_simulation_bounds(block_size: int) -> None:
+    """A block size in [4, 1,048,576] (SimConfig's and --block-size's bounds) gives the maximum;
+    any other integer is a ConfigError naming it (0 was a ZeroDivisionError, -512 a KeyError,
+    -1 a silent 0)."""
+    if MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        result = theoretical_max_hit_ratio(_TWICE, block_size=block_size)
+        assert (result.hit_tokens, result.prompt_tokens) == (8, 16)
+        return
+    message = rf"^block_size must be an integer in \[4, 1,048,576\], got {block_size}$"
+    with pytest.raises(ConfigError, match=message):
+        theoretical_max_hit_ratio(_TWICE, block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [512.0, 1.5, "512", None, True])
+def test_a_block_size_that_is_not_an_integer_is_refused(block_size: object) -> None:
+    """A float, a string, None or a bool is named, not a TypeError from inside numpy."""
+    message = (
+        rf"block_size must be an integer in \[4, 1,048,576\], got {re.escape(repr(block_size))}"
+    )
+    with pytest.raises(ConfigError, match=message):
+        theoretical_max_hit_ratio(_TWICE, block_size=block_size)  # type: ignore[arg-type]

@@ -210,10 +210,12 @@ def test_limit_stops_after_that_many_requests(tmp_path: Path) -> None:
     [
         # A block size of 0 used to blame the first line ("input_length must be <=
         # block_size * len(hash_ids) = 0 * 2"), None to raise a TypeError; a negative limit
-        # read nothing without a word.
-        ({"block_size": 0}, "block_size must be an integer >= 1, got 0"),
-        ({"block_size": None}, "block_size must be an integer >= 1, got None"),
-        ({"block_size": True}, "block_size must be an integer >= 1, got True"),
+        # read nothing without a word. Block sizes have SimConfig's bounds.
+        ({"block_size": 0}, "block_size must be an integer in [4, 1,048,576], got 0"),
+        ({"block_size": 3}, "block_size must be an integer in [4, 1,048,576], got 3"),
+        ({"block_size": 2**20 + 1}, "block_size must be an integer in [4, 1,048,576], got 1048577"),
+        ({"block_size": None}, "block_size must be an integer in [4, 1,048,576], got None"),
+        ({"block_size": True}, "block_size must be an integer in [4, 1,048,576], got True"),
         ({"limit": -1}, "limit must be an integer >= 0, got -1"),
         ({"limit": "2"}, "limit must be an integer >= 0, got '2'"),
         ({"max_input_length": 0}, "max_input_length must be an integer >= 1, got 0"),
@@ -228,6 +230,25 @@ def test_bad_reading_arguments_are_config_errors_not_bad_lines(
     with pytest.raises(ConfigError, match=re.escape(message)):
         read_trace(path, **arguments)  # type: ignore[arg-type]
     assert len(read_trace(path, limit=0).requests) == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"block_size": 0}, "block_size must be an integer in [4, 1,048,576], got 0"),
+        ({"block_size": -1}, "block_size must be an integer in [4, 1,048,576], got -1"),
+        ({"block_size": 1.5}, "block_size must be an integer in [4, 1,048,576], got 1.5"),
+        ({"max_input_length": 0}, "max_input_length must be an integer >= 1, got 0"),
+    ],
+)
+def test_a_bad_argument_to_parse_trace_line_is_not_blamed_on_the_line(
+    arguments: dict[str, object], message: str
+) -> None:
+    """parse_trace_line checks its settings as read_trace does: a block size of 0 made a good
+    line a TraceFormatError ("input_length must be <= block_size * len(hash_ids) = 0 * 2")."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        parse_trace_line(_line(), **arguments)  # type: ignore[arg-type]
+    assert not isinstance(caught.value, TraceFormatError)
 
 
 def test_non_utf8_file_is_a_trace_format_error(tmp_path: Path) -> None:

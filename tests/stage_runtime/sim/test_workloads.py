@@ -73,13 +73,11 @@ def test_impossible_workloads_are_refused(kwargs: dict[str, object], message: st
         WorkloadSpec(**kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    ("block_size", "message"),
-    [(None, "block_size must be an integer, got None"), (True, "must be an integer, got True")],
-)
-def test_a_block_size_that_is_not_an_integer_is_refused(block_size: object, message: str) -> None:
-    """synthetic_workload names a block size of the wrong type (None was a TypeError, True
-    made blocks of one token)."""
+@pytest.mark.parametrize("block_size", [None, True, 512.0, 0, 3, 2**20 + 1])
+def test_a_block_size_outside_the_simulation_bounds_is_refused(block_size: object) -> None:
+    """synthetic_workload names a block size that is not an integer in [4, 1,048,576],
+    SimConfig's bounds (None was a TypeError, True made blocks of one token)."""
+    message = rf"block_size must be an integer in \[4, 1,048,576\], got {block_size!r}"
     with pytest.raises(ConfigError, match=message):
         synthetic_workload(WorkloadSpec(), block_size=block_size)  # type: ignore[arg-type]
 
@@ -131,5 +129,5 @@ def test_small_blocks_are_bounded_by_the_blocks_they_would_hold() -> None:
     """The memory a workload takes grows with its blocks: tiny blocks are refused by count."""
     spec = WorkloadSpec(groups=1000, prompts_per_group=10, system_prompt_tokens=30_000)
     assert spec.block_count(1) == spec.prompt_tokens
-    with pytest.raises(ConfigError, match="block_size 1 would give the workload 303,926,016 "):
-        synthetic_workload(spec, block_size=1)
+    with pytest.raises(ConfigError, match="block_size 4 would give the workload 75,981,504 "):
+        synthetic_workload(spec, block_size=4)
