@@ -459,8 +459,9 @@ class ReplayResult:
     stages: tuple[StageSummary, ...]
     clairvoyant: ClairvoyantResult | None = attrs.field(default=None, kw_only=True)
     """What a clairvoyant (Belady) cache of this capacity would restore, with pages of the block
-    size (:mod:`stage_runtime.sim.clairvoyant`); None when the paged index's page size is not
-    the block size."""
+    size (:mod:`stage_runtime.sim.clairvoyant`); None when the index's grain is not the block
+    size (the paged index's page size, or the ladder's stride: a finer one can restore part of
+    a block, which a ceiling in whole blocks would not count)."""
     ttft_cached: Percentiles
     ttft_uncached: Percentiles
     wall_s: float
@@ -894,8 +895,9 @@ async def _replay_concurrently(
 def _clairvoyant(
     ordered: Sequence[SimRequest], config: SimConfig, capacity_tokens: int
 ) -> ClairvoyantResult | None:
-    """The clairvoyant ceiling of a replay at its capacity, or None when the paged index's
-    page size differs from the block size (the ceiling's pages are blocks)."""
+    """The clairvoyant ceiling of a replay at its capacity, or None when the index's grain
+    (the paged index's page size, the ladder's stride) differs from the block size (the
+    ceiling's pages are blocks)."""
     if config.effective_page_tokens != config.block_size:
         return None
     workload = plan_of(ordered, block_size=config.block_size)
