@@ -626,8 +626,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     async def ask_later(self, message: Any) -> PendingReply[Any]:
         """Send ``message`` as :meth:`ask` does, but return once it is queued: the reply is
-        collected later with ``await pending.result()``, so the caller can do other work (send
-        its frame on) while the actor handles the message.
+        collected later with ``await pending.result()`` (or handed to a callback,
+        :meth:`PendingReply.add_done_callback`), so the caller can do other work (send its
+        frame on) while the actor handles the message.
 
         Cancelling the caller before the message is queued sends nothing; cancelling
         ``result()`` drops the late reply, as with :meth:`ask`. A reply nobody collects is
@@ -655,8 +656,9 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     def ask_later_nowait(self, message: Any) -> PendingReply[Any]:
         """:meth:`ask_later` if the mailbox has room right now, without a schedule point (as
-        ``send_nowait`` is to ``send``): for a caller that reaches one next anyway, as a stage
-        does, which waits for the reply next. ``await ask_later(...)`` is the fallback when full.
+        ``send_nowait`` is to ``send``): for a caller that reaches one next anyway, or that
+        collects the reply with a callback, as a stage does. ``await ask_later(...)`` is the
+        fallback when full.
 
         Raises:
             trio.WouldBlock: The mailbox is full (nothing is sent).

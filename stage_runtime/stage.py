@@ -135,20 +135,24 @@ def _owned(output: ActivationFrame, borrowed: ActivationFrame) -> ActivationFram
 
 
 def _checked_model(model: object, config: StageConfig) -> StageModel:
-    """``model`` if it can serve as ``config``'s stage: with ``forward`` (and ``embed`` on stage
-    0) and an ``activation_width`` that is an integer >= 0. Checked once, when the stage starts,
-    rather than at its first prefill.
+    """``model`` if it can serve as ``config``'s stage: with ``forward`` (and ``embed`` or
+    ``embed_async`` on stage 0) and an ``activation_width`` that is an integer >= 0. Checked
+    once, when the stage starts, rather than at its first prefill.
 
     Raises:
         ConfigError: what the model factory returned cannot serve, named.
     """
     where = f"the model factory's model for stage {config.stage_id!r}"
-    needed = ("forward", "embed") if config.stage_index == 0 else ("forward",)
-    missing = [name for name in needed if not callable(getattr(model, name, None))]
+    missing = [] if callable(getattr(model, "forward", None)) else ["forward"]
+    if config.stage_index == 0 and not any(
+        callable(getattr(model, name, None)) for name in ("embed", "embed_async")
+    ):
+        missing.append("embed or embed_async")
     if missing:
+        needed = "forward, and embed or embed_async" if config.stage_index == 0 else "forward"
         msg = (
-            f"{where} must be a StageModel (with {' and '.join(needed)}), got "
-            f"{shown(model)} (no {' or '.join(missing)})"
+            f"{where} must be a StageModel (with {needed}), got {shown(model)} "
+            f"(no {', no '.join(missing)})"
         )
         raise ConfigError(msg)
     try:
@@ -257,7 +261,7 @@ class PrefillRequest:
     """Tenant salt for the cache keys (see ``MessageBase.cache_salt``); None shares."""
 
     outstanding: int = 0
-    """Stages that passed the request on and still wait for their record's outcome."""
+    """Stages that passed the request on and whose record's outcome has not come in yet."""
 
     reached_end: bool = False
     """Whether the last stage has handled the request (it settles once nothing is
@@ -392,9 +396,10 @@ class Stage:
             if self.outbox is not None:
                 await self.outbox.aclose()
             # Handled after every record sent before it (the mailbox is FIFO): once it is in,
-            # every record's outcome is too.
-            self._final_stats = await self.statistics()
+            # every record's outcome is too. (Kept only for a stage that did not fail.)
+            final = await self.statistics()
             self._raise_record_failure()
+            self._final_stats = final
             await self._cache.stop(drain=True)
         log.info("stage_stopped", **self._counts)
 
@@ -492,8 +497,8 @@ class Stage:
                     base=base, tokens=tokens, activation_width=width, frame=output
                 )
             try:
-                # No schedule point here: waiting for the record's outcome, below, is the next
-                # one (or sending downstream, when the next stage's channel is full).
+                # No schedule point here: the next is sending downstream (when the next
+                # stage's channel is full) or taking the next request.
                 pending = cache.ask_later_nowait(record)
             except trio.WouldBlock:
                 pending = await cache.ask_later(record)
@@ -515,11 +520,17 @@ class Stage:
                     await self.outbox.send(request)
         if pending is None:
             self._report(request, (), k, n, started)
-        else:
+        elif self._lookup:
             # The record's outcome is handed over by the cache actor as it replies: the stage
-            # takes its next request meanwhile (whose restore the actor handles after this
-            # record, in mailbox order), and no task wakes only to file the report.
+            # takes its next request meanwhile, whose restore the actor handles after this
+            # record (mailbox order), so a stage is never more than one record ahead of its
+            # actor; and no task wakes only to file the report.
             pending.add_done_callback(functools.partial(self._recorded, request, k, n, started))
+        else:
+            # A stage that only records has no restore to wait behind: it waits for the record
+            # itself, or it could run a mailbox of records (and their frames) ahead. A failed
+            # record crashes the stage.
+            self._report(request, tuple(await pending.result()), k, n, started)
 
     def _recorded(
         self,
@@ -531,16 +542,15 @@ class Stage:
     ) -> None:
         """The cache actor's outcome of a record (called in the actor's task)."""
         try:
-            records = tuple(result.unwrap())
+            self._report(request, tuple(result.unwrap()), k, n, started)
         except BaseException as exc:
-            # A failed record crashes the stage (a cache actor's error is not one request's
-            # fault); the pipeline then fails the requests in flight.
+            # A failed record (or a bug filing its report) crashes the stage: a cache actor's
+            # error is not one request's fault, and the pipeline then fails the requests in
+            # flight. Raised here, it would only be logged, and the request never settled.
             if self._record_failure is None:
                 self._record_failure = exc
             if self._serving is not None:
                 self._serving.cancel()
-            return
-        self._report(request, records, k, n, started)
 
     def _report(
         self,

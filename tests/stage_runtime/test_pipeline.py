@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.cache_actor import CacheActor
-from stage_runtime.config import StageConfig
+from stage_runtime.config import CacheMode, StageConfig
 from stage_runtime.errors import (
     ConfigError,
     FrameError,
@@ -853,7 +854,10 @@ class _OddWidth(WrappedModel):
         return self.width  # type: ignore[no-any-return]
 
 
-_NO_MODEL = r"must be a StageModel \(with forward and embed\), got {} \(no forward or embed\)"
+_NO_MODEL = (
+    r"must be a StageModel \(with forward, and embed or embed_async\), got {} "
+    r"\(no forward, no embed or embed_async\)"
+)
 
 
 @pytest.mark.parametrize(
@@ -886,6 +890,84 @@ async def test_a_factory_whose_model_cannot_serve_fails_the_pipeline_at_start(
     assert isinstance(cause, ConfigError)
     assert str(cause).startswith("the model factory's model for stage 'stage-0'")
     assert re.search(complaint, str(cause)), str(cause)
+
+
+async def test_a_bug_filing_a_records_report_crashes_the_stage_not_hangs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cache actor hands a record's outcome to the stage as it replies; whatever goes wrong
+    filing it (here a record that is not one) crashes the stage, as a failed record does: the
+    caller's prefill is not left waiting."""
+
+    def malformed(self: CacheActor, message: Any) -> Any:
+        return [object()]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CacheActor, "_record", malformed)
+        with trio.fail_after(60):  # virtual seconds: a hang fails here at once
+            with pytest.RaisesGroup(
+                pytest.RaisesExc(StageFailedError, match="stage 'stage-0' failed")
+            ):
+                async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipe:
+                    await pipe.prefill(prompt(300), session_id="s")
+
+
+async def test_a_stage_that_only_records_stays_one_record_ahead_of_its_actor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A stage that looks nothing up has no restore to queue behind its last record: it waits
+    for each record, so its mailbox never holds a backlog of records and their frames, however
+    many callers send prompts at once."""
+    handle = CacheActor.handle
+
+    async def slow(self: CacheActor, message: Any) -> Any:
+        await trio.sleep(0.01)
+        return handle(self, message)
+
+    configs = stage_configs(1, mode=CacheMode.RECORD)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CacheActor, "handle", slow)
+        async with open_pipeline(configs, mix_factory(), environ=NO_ENV) as pipe:
+            async with trio.open_nursery() as callers:
+                for i in range(20):
+                    callers.start_soon(
+                        functools.partial(pipe.prefill, prompt(300, start=1000 * i), session_id="s")
+                    )
+            stats = await pipe.statistics()
+    (stage,) = stats.stages
+    assert stage.cache is not None
+    assert stage.cache.records == 40  # every prompt recorded, two rungs each
+    assert stage.mailbox.max_queued <= 1
+
+
+async def test_a_first_stage_may_embed_asynchronously_only() -> None:
+    """Stage 0 awaits embed_async when its model has one: a model with no embed serves."""
+
+    @attrs.define(eq=False)
+    class AsyncEmbedOnly:
+        inner: StageModel
+
+        @property
+        def activation_width(self) -> int:
+            return self.inner.activation_width
+
+        async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+            return self.inner.embed(tokens)
+
+        async def forward(
+            self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+        ) -> ActivationFrame:
+            return await self.inner.forward(inputs, start, restored)
+
+    def factory(config: Any) -> Any:
+        model = mix_factory()(config)
+        return AsyncEmbedOnly(model) if config.stage_index == 0 else model
+
+    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
+        result = await pipeline.prefill(prompt(10), session_id="s")
+    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
+        expected = await pipeline.prefill(prompt(10), session_id="s")
+    np.testing.assert_array_equal(result.frame.rows(), expected.frame.rows())
 
 
 async def test_a_later_stage_needs_no_embed() -> None:

@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from actors import ActorStoppedError
 from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.cache_actor import CacheActor, RecordActivation
 from stage_runtime.config import MessageBase
@@ -88,6 +89,8 @@ async def test_a_record_failing_after_the_inbox_closed_still_fails_the_stage(
                 send.send_nowait(req)  # the stage takes it, then finds its inbox closed
                 send.close()
     assert not req.done.is_set()  # (the pipeline fails the requests of a crashed stage)
+    with pytest.raises(ActorStoppedError):  # no final statistics from a stage that failed
+        await stage.statistics()
 
 
 async def test_middle_stage_uses_the_incoming_frame_and_forwards() -> None:
