@@ -204,9 +204,9 @@ class SimConfig:
         return PAGED_MAX_ENTRIES if self.index is CacheIndex.PAGED else 64
 
     page_tokens: int | None = attrs.field(default=None, validator=_optional_at_least(1))
-    """Tokens per page with ``index="paged"``; ``None``: the stride. Set with the ladder index,
-    it is refused (the ladder has no pages), as ``--page-tokens`` is without ``--index
-    paged``."""
+    """Tokens per page with ``index="paged"``; ``None``: the stride. Refused with the ladder
+    index, as ``--page-tokens`` is without ``--index paged``: the ladder then counts its
+    unique-prefix bytes in pages of the stride."""
 
     page_eviction: PageEviction = attrs.field(default=PageEviction.LRU, converter=_to_eviction)
     """Paged mode's eviction: ``lru`` (default), ``reuse`` (weighs reuse and recompute saved)
@@ -265,6 +265,15 @@ class SimConfig:
     def effective_page_tokens(self) -> int:
         """``page_tokens``, resolved: the stride when unset."""
         return self.stride if self.page_tokens is None else self.page_tokens
+
+    @property
+    def grain(self) -> int:
+        """The finest prefix the index restores by: the paged index's page size, the ladder's
+        grid spacing (:attr:`effective_stride`). The clairvoyant ceiling, in whole blocks,
+        exists only when this is the block size."""
+        if self.index is CacheIndex.PAGED:
+            return self.effective_page_tokens
+        return self.effective_stride
 
     def check_capacity(self, capacity_tokens: int) -> None:
         """Refuse a capacity that is not an integer >= 0 (0: unbounded) or whose byte bound no
@@ -459,9 +468,10 @@ class ReplayResult:
     stages: tuple[StageSummary, ...]
     clairvoyant: ClairvoyantResult | None = attrs.field(default=None, kw_only=True)
     """What a clairvoyant (Belady) cache of this capacity would restore, with pages of the block
-    size (:mod:`stage_runtime.sim.clairvoyant`); None when the index's grain is not the block
-    size (the paged index's page size, or the ladder's stride: a finer one can restore part of
-    a block, which a ceiling in whole blocks would not count)."""
+    size (:mod:`stage_runtime.sim.clairvoyant`); None when the index's grain
+    (:attr:`SimConfig.grain`: the paged index's page size, or the ladder's grid spacing) is not
+    the block size: a finer one can restore part of a block, which a ceiling in whole blocks
+    would not count."""
     ttft_cached: Percentiles
     ttft_uncached: Percentiles
     wall_s: float
@@ -809,7 +819,7 @@ async def replay(
     )
     tokenizer = BlockTokenizer(config.block_size)
     ordered = admission_order(requests, config.concurrency)
-    if config.effective_page_tokens == config.block_size:
+    if config.grain == config.block_size:
         # The ceiling's plan, made while the caches are still empty (its summary reuses it).
         plan_of(ordered, block_size=config.block_size)
     tallies = [_StageTally(len(ordered)) for _ in configs]
@@ -896,9 +906,8 @@ def _clairvoyant(
     ordered: Sequence[SimRequest], config: SimConfig, capacity_tokens: int
 ) -> ClairvoyantResult | None:
     """The clairvoyant ceiling of a replay at its capacity, or None when the index's grain
-    (the paged index's page size, the ladder's stride) differs from the block size (the
-    ceiling's pages are blocks)."""
-    if config.effective_page_tokens != config.block_size:
+    (:attr:`SimConfig.grain`) differs from the block size (the ceiling's pages are blocks)."""
+    if config.grain != config.block_size:
         return None
     workload = plan_of(ordered, block_size=config.block_size)
     return clairvoyant_hits(workload, capacity_pages(capacity_tokens, config.block_size))

@@ -163,6 +163,23 @@ def test_the_replay_reports_the_ceiling_next_to_the_hit_ratio() -> None:
     assert "is what the eviction policy loses" in out.getvalue()
 
 
+@pytest.mark.parametrize(
+    ("grid", "grain"),
+    [({}, 16), ({"min_tokens": 8}, 8), ({"min_tokens": 8, "stride_tokens": 8}, 8)],
+)
+def test_a_ladder_has_a_ceiling_only_when_its_grid_is_blocks(
+    grid: dict[str, int], grain: int
+) -> None:
+    """The ladder's grain is its grid spacing (the stride capped at min_tokens), however it is
+    spelled: finer than a block, it can restore part of one, which a ceiling in whole blocks
+    would not count, so there is none."""
+    config = _config(capacity_tokens=48, index="ladder", **grid)
+    assert config.grain == grain
+    result = run_replay(TRACE, config)
+    assert (result.clairvoyant is None) == (grain != 16)
+    assert (result_to_json(result)["clairvoyant_hit_ratio"] is None) == (grain != 16)
+
+
 def test_the_ceiling_is_null_when_pages_are_not_blocks() -> None:
     """Pages of another size than the block size: no ceiling (null in the JSON)."""
     result = run_replay(TRACE, _config(capacity_tokens=48, page_tokens=8))
