@@ -35,7 +35,8 @@ from typing import Any, Final
 
 import structlog
 
-from stage_runtime._cli_support import int_at_least
+from stage_runtime._cli_support import int_at_least, int_between
+from stage_runtime.limits import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from stage_runtime.sim import (
     SimConfig,
     SimRequest,
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=list(ISSUE_FIGURES),
         help="tokens per stage, comma-separated (0: unbounded; default 1M,3M,10M)",
     )
-    parser.add_argument("--block-size", type=int_at_least(1), default=512)
+    parser.add_argument(
+        "--block-size", type=int_between(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE), default=512
+    )
     parser.add_argument(
         "--policies",
         type=_policies,

@@ -59,7 +59,8 @@ from typing import Final
 import httpx
 import trio
 
-from stage_runtime._cli_support import LOG_LEVELS, configure_logging, int_at_least
+from stage_runtime._cli_support import LOG_LEVELS, configure_logging, int_at_least, int_between
+from stage_runtime.limits import MAX_REFERENCE_WIDTH
 from stage_runtime.models import reference_model_factory
 from stage_runtime.pipeline import load_topology, open_pipeline
 
@@ -304,7 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         help="concurrent callers, one run each (default: 1 32)",
     )
     parser.add_argument("--tokens", type=int_at_least(1), default=128, help="prompt length")
-    parser.add_argument("--width", type=int_at_least(1), default=64, help="model width")
+    parser.add_argument(
+        "--width", type=int_between(1, MAX_REFERENCE_WIDTH), default=64, help="model width"
+    )
     parser.add_argument(
         "--repeat", type=int_at_least(1), default=3, help="repetitions (median reported)"
     )

@@ -48,7 +48,8 @@ from typing import Any
 
 import structlog
 
-from stage_runtime._cli_support import int_at_least
+from stage_runtime._cli_support import int_at_least, int_between
+from stage_runtime.limits import MAX_REFERENCE_WIDTH
 from stage_runtime.sim import (
     ReplayResult,
     SimConfig,
@@ -356,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     pipeline.add_argument(
         "--prompt-tokens", type=int_at_least(64), default=2048, help="tokens per prompt (2048)"
     )
-    pipeline.add_argument("--width", type=int_at_least(1), default=1024, help="width (1024)")
+    pipeline.add_argument(
+        "--width", type=int_between(1, MAX_REFERENCE_WIDTH), default=1024, help="width (1024)"
+    )
     pipeline.add_argument(
         "--concurrency", type=int_at_least(1), default=8, help="prefills in flight (8)"
     )

@@ -30,6 +30,12 @@ from tests.benchmark_scripts import load_script
         ("bench_http", ["--concurrency", "1", "0"], "--concurrency: must be an integer >= 1"),
         ("bench_http", ["--load-requests", "-1"], "--load-requests: must be an integer >= 0"),
         ("bench_http", ["--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+        ("bench_http", ["--width", "9000"], "--width: must be an integer in [1, 8,192], got 9000"),
+        (
+            "bench_clairvoyant",
+            ["TRACE", "--block-size", "2"],
+            "--block-size: must be an integer in [4, 1,048,576], got 2",
+        ),
         ("bench_placement", ["/no/such/trace.jsonl"], "cannot read trace /no/such/trace.jsonl"),
         ("bench_placement", ["TRACE", "--repeat", "0"], "--repeat: must be an integer >= 1, got 0"),
         (
