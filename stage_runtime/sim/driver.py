@@ -275,6 +275,20 @@ class SimConfig:
             return self.effective_page_tokens
         return self.effective_stride
 
+    def check_requests(self, requests: Sequence[SimRequest]) -> None:
+        """:func:`validate_requests` with this configuration's block size, context and
+        concurrency: whether a replay of it can take every request.
+
+        Raises:
+            ConfigError: naming the first request it cannot take, and why.
+        """
+        validate_requests(
+            requests,
+            block_size=self.block_size,
+            max_input_length=self.ctx_size,
+            concurrency=self.concurrency,
+        )
+
     def check_capacity(self, capacity_tokens: int) -> None:
         """Refuse a capacity that is not an integer >= 0 (0: unbounded) or whose byte bound no
         cache can hold.
@@ -804,12 +818,7 @@ async def replay(
     """
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
-    validate_requests(
-        requests,
-        block_size=config.block_size,
-        max_input_length=config.ctx_size,
-        concurrency=config.concurrency,
-    )
+    config.check_requests(requests)
     if theoretical is None:
         theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     configs = stage_configs(config, capacity_tokens=capacity)

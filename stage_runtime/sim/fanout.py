@@ -54,7 +54,6 @@ from stage_runtime.sim.driver import (
     admission_order,
     stage_configs,
     summarise_replay,
-    validate_requests,
 )
 from stage_runtime.sim.model import SimulatedStageModel, simulated_model_factory
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
@@ -149,12 +148,7 @@ def replay_stages(
         raise ConfigError(msg)
     capacity = config.capacity_tokens if capacity_tokens is None else capacity_tokens
     config.check_capacity(capacity)
-    validate_requests(
-        requests,
-        block_size=config.block_size,
-        max_input_length=config.ctx_size,
-        concurrency=config.concurrency,
-    )
+    config.check_requests(requests)
     with fewer_full_collections():
         return trio.run(_replay_stages, requests, config, stages, capacity)
 
@@ -317,12 +311,7 @@ def fan_out(
     for capacity in capacities:
         config.check_capacity(capacity)
     requests = list(requests)  # one object for every unit: Ray's executor then ships it once
-    validate_requests(
-        requests,
-        block_size=config.block_size,
-        max_input_length=config.ctx_size,
-        concurrency=config.concurrency,
-    )
+    config.check_requests(requests)
     if log_setup is None:
         log_setup = functools.partial(
             stderr_json_logging, driver_log_level(), driver_pid=os.getpid()

@@ -17,7 +17,6 @@ from stage_runtime.sim.driver import (
     ReplayResult,
     SimConfig,
     replay,
-    validate_requests,
 )
 from stage_runtime.sim.fanout import fan_out
 from stage_runtime.sim.theory import TheoreticalMax, theoretical_max_hit_ratio
@@ -105,12 +104,7 @@ def run_sweep(
     for capacity in capacities:
         config.check_capacity(capacity)
     # Before the theoretical maximum, which would fail on a malformed request without naming it.
-    validate_requests(
-        requests,
-        block_size=config.block_size,
-        max_input_length=config.ctx_size,
-        concurrency=config.concurrency,
-    )
+    config.check_requests(requests)
     theoretical = theoretical_max_hit_ratio(requests, block_size=config.block_size)
     if executor is not None:
         return fan_out(

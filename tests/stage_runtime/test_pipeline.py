@@ -940,55 +940,40 @@ async def test_a_stage_that_only_records_stays_one_record_ahead_of_its_actor(
     assert stage.mailbox.max_queued <= 1
 
 
-async def test_a_first_stage_may_embed_asynchronously_only() -> None:
-    """Stage 0 awaits embed_async when its model has one: a model with no embed serves."""
+@attrs.define(eq=False)
+class _ForwardOnly:
+    """The wrapped model's width and forward, and no embedding."""
 
-    @attrs.define(eq=False)
-    class AsyncEmbedOnly:
-        inner: StageModel
+    inner: StageModel
 
-        @property
-        def activation_width(self) -> int:
-            return self.inner.activation_width
+    @property
+    def activation_width(self) -> int:
+        return self.inner.activation_width
 
-        async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
-            return self.inner.embed(tokens)
-
-        async def forward(
-            self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
-        ) -> ActivationFrame:
-            return await self.inner.forward(inputs, start, restored)
-
-    def factory(config: Any) -> Any:
-        model = mix_factory()(config)
-        return AsyncEmbedOnly(model) if config.stage_index == 0 else model
-
-    async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
-        result = await pipeline.prefill(prompt(10), session_id="s")
-    async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipeline:
-        expected = await pipeline.prefill(prompt(10), session_id="s")
-    np.testing.assert_array_equal(result.frame.rows(), expected.frame.rows())
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        return await self.inner.forward(inputs, start, restored)
 
 
-async def test_a_later_stage_needs_no_embed() -> None:
-    """Only stage 0 embeds token ids: a later stage's model needs forward alone."""
+@attrs.define(eq=False)
+class _AsyncEmbedOnly(_ForwardOnly):
+    """The wrapped model, embedding through embed_async only."""
 
-    @attrs.define(eq=False)
-    class ForwardOnly:
-        inner: StageModel
+    async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        return self.inner.embed(tokens)
 
-        @property
-        def activation_width(self) -> int:
-            return self.inner.activation_width
 
-        async def forward(
-            self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
-        ) -> ActivationFrame:
-            return await self.inner.forward(inputs, start, restored)
+@pytest.mark.parametrize(
+    ("stage_index", "wrapper"), [(0, _AsyncEmbedOnly), (1, _ForwardOnly)], ids=["first", "later"]
+)
+async def test_a_stage_needs_only_what_it_calls(stage_index: int, wrapper: type[Any]) -> None:
+    """Stage 0 embeds with embed_async when its model has one (no embed needed then); a later
+    stage only forwards. Such models serve, and compute what the reference model does."""
 
     def factory(config: Any) -> Any:
         model = mix_factory()(config)
-        return model if config.stage_index == 0 else ForwardOnly(model)
+        return wrapper(model) if config.stage_index == stage_index else model
 
     async with open_pipeline(stage_configs(2), factory, environ=NO_ENV) as pipeline:
         result = await pipeline.prefill(prompt(10), session_id="s")
