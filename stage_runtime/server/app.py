@@ -211,7 +211,7 @@ class PipelineApp:
     _prefill_route: _ASGIApp | None = attrs.field(default=None, init=False)
     """``POST /v1/prefill`` behind the same middlewares, without Starlette's router."""
     _answer_deadline: float = attrs.field(default=math.inf, init=False)
-    """When a shutdown started plus :data:`ANSWER_MARGIN_S`: no answer is written after it."""
+    """The shutdown deadline plus :data:`ANSWER_MARGIN_S`: no answer is written after it."""
 
     @property
     def draining(self) -> bool:
@@ -273,9 +273,13 @@ class PipelineApp:
                 scope.deadline = self._shutdown_deadline
             for scope in self._body_reads:
                 scope.cancel()
-            self._answer_deadline = trio.current_time() + ANSWER_MARGIN_S
+            # An answer written from now on gets ANSWER_MARGIN_S to leave (its own deadline,
+            # set as it starts), and none past the margin after the shutdown deadline, when
+            # hypercorn drops the connections; one being written now gets the margin from now.
+            self._answer_deadline = self._shutdown_deadline + ANSWER_MARGIN_S
+            stuck = trio.current_time() + ANSWER_MARGIN_S
             for scope in self._sends:  # a small JSON answer leaves in well under that
-                scope.deadline = min(scope.deadline, self._answer_deadline)
+                scope.deadline = min(scope.deadline, stuck)
 
     @property
     def routes(self) -> list[Route]:

@@ -711,6 +711,42 @@ async def test_a_stuck_answer_is_given_up_soon_after_the_shutdown_starts(
     assert (served["status"], served["send_timed_out"]) == (499, True)
 
 
+async def test_a_prefill_finishing_well_into_the_shutdown_is_still_answered(
+    autojump_clock: trio.testing.MockClock, capture_stage_logs: LogEvents
+) -> None:
+    """Every answer used to be cut off ANSWER_MARGIN_S after the shutdown began, though
+    prefills may run for shutdown_timeout_s: one finishing 10 s in computed its result and
+    dropped it (logged 499). Each answer now gets the margin from when it is written."""
+    gate = trio.Event()
+    async with open_pipeline(four_stages(), gated_factory(gate), environ={}) as p:
+        app = create_app(p, settings=ServerSettings(shutdown_timeout_s=30))
+        body = json.dumps({"tokens": [1, 2, 3], "session_id": "s"}).encode()
+        answered: list[MutableMapping[str, Any]] = []
+        bodies = [body]
+
+        async def receive() -> MutableMapping[str, Any]:
+            if not bodies:
+                await trio.sleep_forever()  # the client stays connected
+            return {"type": "http.request", "body": bodies.pop(), "more_body": False}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await trio.lowlevel.checkpoint()  # (a server's write yields, as hypercorn's does)
+            answered.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/prefill", "headers": []}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app, scope, receive, send)
+            await trio.testing.wait_all_tasks_blocked()
+            app.start_shutdown()
+            await trio.sleep(10 * ANSWER_MARGIN_S)  # well within shutdown_timeout_s
+            gate.set()
+    assert answered[0]["status"] == 200
+    assert json.loads(answered[1]["body"])["tokens"] == 3
+    [served] = served_events(capture_stage_logs)
+    assert served["status"] == 200
+    assert not served.get("send_timed_out", False)
+
+
 async def test_a_draining_prefill_reads_the_body_before_its_503(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
