@@ -7,13 +7,15 @@ forwards a worker's stderr to the driver). Ray-free, so that local worker proces
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
 
-__all__ = ["driver_log_level", "stderr_json_logging"]
+__all__ = ["driver_log_level", "one_word_json", "stderr_json_logging"]
 
 
 def driver_log_level() -> int:
@@ -24,6 +26,16 @@ def driver_log_level() -> int:
         if isinstance(value, int):
             return value
     return logging.INFO
+
+
+def one_word_json(value: Any, **options: Any) -> str:
+    """``json.dumps`` of ``value`` without a literal space: compact separators, and spaces in
+    strings written ``\\u0020`` (the same JSON once parsed). Ray forwards worker lines to the
+    driver and merges those from different processes that are equal once the words holding
+    digits are dropped (``stage-0`` and ``stage-1`` alike), showing one of them with "repeated
+    Nx across cluster": one word holding a timestamp is never merged, so every stage's event
+    reaches the driver."""
+    return json.dumps(value, separators=(",", ":"), **options).replace(" ", "\\u0020")
 
 
 def stderr_json_logging(level: int, *, driver_pid: int | None = None) -> None:
@@ -38,7 +50,7 @@ def stderr_json_logging(level: int, *, driver_pid: int | None = None) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(serializer=one_word_json),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
