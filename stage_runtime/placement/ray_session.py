@@ -92,7 +92,8 @@ def ray_session(placement: RayPlacement) -> Iterator[bool]:
 
     When the process is already connected (its own ``ray.init``, a test fixture's), that
     connection is used and left alone. Otherwise ``ray.init(address=placement.address,
-    **placement.init_options)`` starts a local instance (``address=None``) or joins a cluster,
+    **placement.init_options)`` starts a local instance (``address=None``, given to Ray as
+    ``"local"``: a new instance even when ``ray start`` recorded a cluster) or joins a cluster,
     on a thread that lives until the last session ends (see :class:`_RayOwner`); that session
     calls ``ray.shutdown()``, which stops an instance the session started and only disconnects
     from one it joined.
@@ -106,7 +107,11 @@ def ray_session(placement: RayPlacement) -> Iterator[bool]:
             _check_reachable(placement.address)
             options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             options.update(placement.init_options)
-            owner = _RayOwner(placement.address, options)
+            # None starts an instance of this pipeline's own, as documented: "local" says so
+            # to Ray, which would otherwise join the last cluster `ray start` recorded on this
+            # host, and wait forever when that cluster has since died (its file outlives it).
+            address = "local" if placement.address is None else placement.address
+            owner = _RayOwner(address, options)
             try:
                 owner.start()
             except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:

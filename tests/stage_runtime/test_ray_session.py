@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +27,11 @@ class FakeRay:
         self.starting: threading.Event | None = None
         """When set: init waits for it (a slow start, to interrupt)."""
         self.calls: list[tuple[str, threading.Thread]] = []
+        self.addresses: list[str | None] = []
 
     def init(self, **kwargs: Any) -> None:
         self.calls.append(("init", threading.current_thread()))
+        self.addresses.append(kwargs.get("address"))
         if self.starting is not None:
             self.starting.wait()
         if self.fail is not None:
@@ -131,6 +134,20 @@ def test_an_address_that_answers_is_handed_to_ray(fake_ray: FakeRay) -> None:
         with ray_session(RayPlacement(address=address)) as connected:
             assert connected is True
     assert [what for what, _ in fake_ray.calls] == ["init", "shutdown"]
+
+
+def test_no_address_starts_an_instance_of_its_own(
+    fake_ray: FakeRay, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray, given no address, joins the cluster `ray start` last recorded on the host, and
+    waits forever when that cluster has died since (its file outlives it). A placement with no
+    address starts an instance of its own, as documented: Ray is asked for "local"."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")  # a dead cluster
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    with ray_session(RayPlacement()) as connected:
+        assert connected is True
+    assert fake_ray.addresses == ["local"]
 
 
 def test_an_interrupted_start_shuts_down_what_it_was_starting(
