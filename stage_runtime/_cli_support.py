@@ -141,6 +141,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def ray_address(text: str) -> str:
+    """An argparse type: a Ray address (``--ray-address``), which is not blank."""
+    if not text.strip():
+        msg = f"must be a Ray address ('auto', 'host:port' or 'ray://host:port'), got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return text
+
+
+ray_address.__name__ = "Ray address"
+
+
 def int_between(minimum: int, maximum: int) -> Callable[[str], int]:
     """An argparse type: an integer in ``[minimum, maximum]``."""
     rule = f"an integer in [{minimum:,}, {maximum:,}]"

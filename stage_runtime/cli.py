@@ -30,6 +30,7 @@ from stage_runtime._cli_support import (
     int_between,
     non_negative_float,
     positive_float,
+    ray_address,
     whole_line_stderr,
 )
 from stage_runtime.errors import ConfigError, TraceFormatError
@@ -248,6 +249,7 @@ def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     processes.add_argument(
         "--ray-address",
         metavar="ADDR",
+        type=ray_address,
         default=None,
         help="the Ray cluster to join ('auto', 'host:port' or 'ray://host:port'); implies "
         "--placement ray (default: start a local Ray instance)",

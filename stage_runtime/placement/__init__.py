@@ -87,12 +87,13 @@ def _resources(value: object) -> dict[str, dict[str, float]]:
         raise ConfigError(msg)
     checked: dict[str, dict[str, float]] = {}
     for stage_id, wants in value.items():
-        if not isinstance(stage_id, str) or not isinstance(wants, Mapping):
+        if not isinstance(stage_id, str) or not stage_id or not isinstance(wants, Mapping):
             msg = (
                 f"resources must map stage ids to tables of resource amounts, got "
                 f"{shown(stage_id)}: {shown(wants)}"
             )
             raise ConfigError(msg)
+        check_id(f"resources stage id {shown(stage_id)}", stage_id)
         amounts: dict[str, float] = {}
         for name, amount in wants.items():
             if not isinstance(name, str) or not name:
@@ -118,6 +119,14 @@ def _resources(value: object) -> dict[str, dict[str, float]]:
             amounts[name] = float(amount)
         checked[stage_id] = amounts
     return checked
+
+
+def _init_options(value: object) -> dict[str, Any]:
+    """``ray.init``'s keyword arguments, as a dict with names for keys."""
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        msg = f"init_options must be a mapping of ray.init argument names, got {shown(value)}"
+        raise ConfigError(msg)
+    return dict(value)
 
 
 def _strategy(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -181,7 +190,7 @@ class RayPlacement:
     worker stderr to the driver. Must be picklable (a module-level function, or a
     ``functools.partial`` of one)."""
 
-    init_options: Mapping[str, Any] = attrs.field(factory=dict)
+    init_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_init_options)
     """Extra keyword arguments for ``ray.init`` (``num_cpus``, ``_temp_dir``,
     ``include_dashboard``...); the pipeline passes ``address`` itself."""
 

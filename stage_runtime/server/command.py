@@ -23,6 +23,7 @@ from stage_runtime._cli_support import (
     int_between,
     non_negative_float,
     positive_float,
+    ray_address,
 )
 from stage_runtime.config import unrecognised_cache_mode
 from stage_runtime.errors import ConfigError
@@ -161,6 +162,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ray-address",
+        type=ray_address,
         default=None,
         metavar="ADDR",
         help="join the Ray cluster at ADDR ('auto', 'host:port' or 'ray://host:port'); "

@@ -147,6 +147,11 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
             ["replay", "t.jsonl", "--placement", "local", "--ray-address", "auto"],
             "--ray-address auto needs --placement ray, got --placement local",
         ),
+        (
+            ["simulate", "--ray-address", ""],
+            "argument --ray-address: must be a Ray address ('auto', 'host:port' or "
+            "'ray://host:port'), got ''",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(

@@ -641,6 +641,13 @@ def test_ray_placement_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPat
         ),
         ({"address": ""}, "address must be None or a non-empty string"),
         ({"init_options": {"address": "auto"}}, "init_options must not hold 'address'"),
+        ({"init_options": "abc"}, "^init_options must be a mapping of ray.init argument names"),
+        ({"init_options": {1: 2}}, "^init_options must be a mapping of ray.init argument names"),
+        (
+            {"resources": {"st\x00age": {"GPU": 1}}},
+            r"^resources stage id 'st\\x00age' must not hold control characters",
+        ),
+        ({"resources": {"": {"GPU": 1}}}, "^resources must map stage ids to tables"),
         ({"log_setup": 3}, "log_setup must be None or a callable"),
     ],
 )
