@@ -384,29 +384,73 @@ class RayStages:
                     except Exception as exc:
                         log.debug("prefill_cancel_failed", error=str(exc))
 
+    def _check_open(self, what: str) -> None:
+        """Raise :class:`PipelineStoppedError` when the stage processes are gone (the pipeline
+        closed or stopped): ``what`` could not be done."""
+        if self._fatal is not None:
+            msg = f"pipeline has stopped ({self._fatal}): {what}"
+            raise PipelineStoppedError(msg)
+        if self._closing or any(process.actor is None for process in self._processes):
+            msg = f"pipeline has stopped: {what}"
+            raise PipelineStoppedError(msg)
+
+    async def _ask(self, process: _StageProcess, method: str) -> Any:
+        """Call ``method`` of ``process``'s stage, waiting for the stage to come back when it is
+        being recreated (as a prefill does; bounded by the restart's start timeout).
+
+        Raises:
+            PipelineStoppedError: the pipeline stopped, or stops while waiting.
+        """
+        stage_id = process.config.stage_id
+        while True:
+            await process.available.wait()
+            self._check_open(f"stage {stage_id!r} is gone")
+            generation = process.generation
+            try:
+                return await await_ref(getattr(process.actor, method).remote())
+            except RayActorError as exc:
+                self._declare_dead(process, generation, exc)
+            except RayTaskError as exc:
+                if not isinstance(_cause(exc), StageFailedError):
+                    msg = f"stage {stage_id!r} is unavailable: {exc}"
+                    raise PipelineStoppedError(msg) from None
+                self._declare_dead(process, generation, exc)  # the stage crashed inside
+            if process.generation == generation:  # (a death seen while closing)
+                self._check_open(f"stage {stage_id!r} is gone")
+                msg = f"stage {stage_id!r} is unavailable"
+                raise PipelineStoppedError(msg)
+
     async def stage_statistics(self) -> tuple[StageStats, ...]:
-        """Each stage's statistics, asked of its process (the final ones once closed)."""
+        """Each stage's statistics, asked of its process (the final ones once closed); a stage
+        being recreated is waited for.
+
+        Raises:
+            PipelineStoppedError: the pipeline stopped without final statistics.
+        """
         if self._final is not None:
             return self._final
+        self._check_open("no final statistics")
         stats = []
         for process in self._processes:
-            try:
-                stage: StageStats = await await_ref(process.actor.statistics.remote())
-            except (RayActorError, RayTaskError) as exc:
-                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
-                raise PipelineStoppedError(msg) from None
+            stage: StageStats = await self._ask(process, "statistics")
             stats.append(attrs.evolve(stage, restarts=process.restarts))
         return tuple(stats)
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
-        """Empty every stage's cache; per stage, the entries evicted."""
-        evicted = []
+        """Empty every stage's cache; per stage, the entries evicted. Waits for stages being
+        recreated before clearing any, so that a stopped pipeline clears none; a stage that
+        dies meanwhile comes back empty (its entries are lost, not evicted).
+
+        Raises:
+            PipelineStoppedError: the pipeline has closed or stopped (no cache to clear).
+        """
+        self._check_open("no cache to clear")
         for process in self._processes:
-            try:
-                evicted.append(await await_ref(process.actor.clear_cache.remote()))
-            except (RayActorError, RayTaskError) as exc:
-                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
-                raise PipelineStoppedError(msg) from None
+            await process.available.wait()
+        self._check_open("no cache to clear")
+        evicted: list[tuple[EvictedEntry, ...]] = []
+        for process in self._processes:
+            evicted.append(await self._ask(process, "clear_cache"))
         return tuple(evicted)
 
     async def close(self) -> None:

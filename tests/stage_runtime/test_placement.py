@@ -211,6 +211,8 @@ async def test_stats_and_clear_caches_reach_every_stage(placement: Placement) ->
             assert counts(again) == [(0, 300), (0, 300)]
         final = await pipeline.statistics()
         assert all(s.cache is not None and s.cache.entries == 2 for s in final.stages)
+        with pytest.raises(PipelineStoppedError, match="no cache to clear"):
+            await pipeline.clear_caches()
 
 
 async def test_leaving_the_block_drains_prefills_in_flight(placement: Placement) -> None:
@@ -476,6 +478,10 @@ async def test_sigkill_fails_prefills_in_flight_and_stops_the_pipeline(
     assert "stage-1" in pipeline.failure
     with pytest.raises(PipelineStoppedError):
         await pipeline.prefill(prompt(300), session_id="s")
+    with pytest.raises(PipelineStoppedError, match="stage-1"):
+        await pipeline.statistics()
+    with pytest.raises(PipelineStoppedError, match="no cache to clear"):
+        await pipeline.clear_caches()
     assert _gone(victim)
 
 
@@ -512,6 +518,39 @@ async def test_sigkill_under_a_restart_policy_recreates_the_stage_empty(
         ("stage-1", 1, True)
     ]
     assert pipeline.failure is None
+
+
+async def test_statistics_and_clearing_wait_for_a_stage_being_recreated(
+    ray_cluster: Any,
+) -> None:
+    """While a killed stage is recreated, statistics and clear_caches wait for it (as prefills
+    do) instead of failing, and clearing empties every stage, not only those before it."""
+    placement = RayPlacement(
+        num_cpus=0.25,
+        restart=RestartPolicy(max_restarts=2, within_s=60, backoff_s=1),
+        health_check_s=0.1,
+    )
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            await pipeline.prefill(prompt(300), session_id="s")
+            stage_1 = pipeline._stages._processes[1]  # type: ignore[attr-defined]
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            # Until the health check sees the death (the driver's own state: no event says it).
+            while stage_1.available.is_set():  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            stats = await pipeline.statistics()
+            assert [s.restarts for s in stats.stages] == [0, 1]
+            assert [s.cache.entries if s.cache else 0 for s in stats.stages] == [2, 0]
+            await pipeline.prefill(prompt(300), session_id="s")
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            while stage_1.available.is_set():  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            cleared = await pipeline.clear_caches()
+            assert [len(evicted) for evicted in cleared] == [2, 0]
+            again = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(again) == [(0, 300), (0, 300)]
 
 
 async def test_cancelled_prefill_interrupts_the_remote_stage(ray_cluster: Any) -> None:
