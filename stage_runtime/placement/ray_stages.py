@@ -127,6 +127,17 @@ class _StageProcess:
 
 
 @attrs.define(eq=False)
+class _Flight:
+    """One prefill in flight: its calls, and why it failed when a stage it is on died or the
+    pipeline stopped (its wait is cancelled then)."""
+
+    request_id: str
+    calls: list[tuple[_StageProcess, int, Any]]
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    error: Exception | None = None
+
+
+@attrs.define(eq=False)
 class RayStages:
     """The running stage processes of a Ray-placed pipeline (see :func:`open_ray_stages`)."""
 
@@ -146,6 +157,7 @@ class RayStages:
     _fatal_event: trio.Event = attrs.field(factory=trio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _final: tuple[StageStats, ...] | None = attrs.field(default=None, init=False)
+    _flights: set[_Flight] = attrs.field(factory=set, init=False)
     _log_setup: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -247,6 +259,15 @@ class RayStages:
         process.available = trio.Event()
         stage_id = process.config.stage_id
         log.warning("stage_process_died", stage=stage_id, pid=process.pid, error=str(exc))
+        # Every prefill with a call on the dead process fails now, naming it, instead of when
+        # Ray gets to its call (only once the stages before it finish their part).
+        for flight in self._flights:
+            if flight.error is None and any(
+                p is process and g == generation for p, g, _ in flight.calls
+            ):
+                flight.error = _stage_error(stage_id, exc)
+                flight.error.__cause__ = exc
+                flight.scope.cancel()
         policy = self._placement.restart
         now = trio.current_time()
         if policy is not None:
@@ -325,6 +346,9 @@ class RayStages:
             for process in self._processes:
                 await process.available.wait()
             self._check_running()  # (a stage that could not come back stopped the pipeline)
+            if self._closing:
+                msg = f"pipeline stopped before request {request.request_id!r} finished"
+                raise PipelineStoppedError(msg)
             await self._run(request)
 
     async def _run(self, request: PrefillRequest) -> None:
@@ -342,47 +366,82 @@ class RayStages:
                 key, request.request_id, request.session_id, request.cache_salt, tokens, frame
             )
             calls.append((process, process.generation, report))
+        flight = _Flight(request_id=request.request_id, calls=calls)
+        self._flights.add(flight)
+        succeeded = False
         try:
-            # The last stage's report comes once every stage has answered (each waits for the
-            # frame its predecessor returned with its report) or one has failed: awaited alone,
-            # then each report is read at once, in order, so the first failure names its stage.
-            with suppress(RayActorError, RayTaskError):
-                await await_ref(calls[-1][2])
-            for process, generation, report in calls:
-                try:
-                    outcome, logits = await _settled(report)
-                    request.reports.append(outcome)
-                    if logits is not None:
-                        request.logits = logits
-                except RayActorError as exc:
-                    self._declare_dead(process, generation, exc)
-                    error = _stage_error(process.config.stage_id, exc)
-                    error.__cause__ = exc
-                    request.fail(error)
-                    return
-                except RayTaskError as exc:
-                    cause = _cause(exc)
-                    if isinstance(cause, StageFailedError):  # the stage crashed inside
-                        self._declare_dead(process, generation, exc)
-                    request.fail(cause if isinstance(cause, Exception) else exc)
-                    return
-            try:
-                request.frame = await _settled(frame)
-            except (RayActorError, RayTaskError) as exc:
-                process = calls[-1][0]
-                error = _stage_error(process.config.stage_id, exc)
-                error.__cause__ = exc
+            with flight.scope:  # cancelled when a stage it is on dies, or the pipeline stops
+                error = await self._outcome(request, calls, frame)
+            if flight.error is not None:
+                request.fail(flight.error)
+            elif error is not None:
                 request.fail(error)
-                return
-            request.succeed()
+            else:
+                request.succeed()
+                succeeded = True
         finally:
-            if not request.done.is_set():
-                # Cancelled (or failed part-way): stop every stage's work on it.
+            self._flights.discard(flight)
+            if not succeeded:
+                # Cancelled or failed: stop every stage's work on it (a stage upstream of a
+                # dead one would otherwise finish it for nothing).
                 for _process, _generation, report in calls:
                     try:
                         ray.cancel(report)
                     except Exception as exc:
                         log.debug("prefill_cancel_failed", error=str(exc))
+
+    async def _outcome(
+        self, request: PrefillRequest, calls: list[tuple[_StageProcess, int, Any]], frame: Any
+    ) -> Exception | None:
+        """Wait for ``request``'s calls: fill in its reports, logits and frame, or return the
+        error to fail it with."""
+        # The last stage's report comes once every stage has answered (each waits for the frame
+        # its predecessor returned with its report) or one has failed: awaited alone, then each
+        # report is read in order, so that the first failure names its stage.
+        failed = False
+        try:
+            await await_ref(calls[-1][2])
+        except (RayActorError, RayTaskError):
+            failed = True
+        for process, generation, report in calls:
+            try:
+                if failed:
+                    # A report not ready yet is of a stage still working, upstream of the
+                    # failure: not its cause (its work is cancelled once this fails).
+                    outcome, logits = ray.get(report, timeout=0)
+                else:
+                    outcome, logits = await _settled(report)
+                request.reports.append(outcome)
+                if logits is not None:
+                    request.logits = logits
+            except GetTimeoutError:
+                continue
+            except RayActorError as exc:
+                self._declare_dead(process, generation, exc)
+                error = _stage_error(process.config.stage_id, exc)
+                error.__cause__ = exc
+                return error
+            except RayTaskError as exc:
+                cause = _cause(exc)
+                if isinstance(cause, StageFailedError):  # the stage crashed inside
+                    self._declare_dead(process, generation, exc)
+                return cause if isinstance(cause, Exception) else exc
+        try:
+            request.frame = await _settled(frame)
+        except (RayActorError, RayTaskError) as exc:
+            error = _stage_error(calls[-1][0].config.stage_id, exc)
+            error.__cause__ = exc
+            return error
+        return None
+
+    def abort_flights(self) -> None:
+        """Fail every prefill in flight with :class:`PipelineStoppedError` (the pipeline is
+        stopping: its stage processes are about to be killed), as a local pipeline does."""
+        for flight in self._flights:
+            if flight.error is None:
+                msg = f"pipeline stopped before request {flight.request_id!r} finished"
+                flight.error = PipelineStoppedError(msg)
+                flight.scope.cancel()
 
     def _check_open(self, what: str) -> None:
         """Raise :class:`PipelineStoppedError` when the stage processes are gone (the pipeline
@@ -610,6 +669,7 @@ async def open_ray_stages(
                 yield stages
             finally:
                 stages._closing = True
+                stages.abort_flights()
                 with trio.CancelScope(shield=True):
                     await stages.kill_all()
                 nursery.cancel_scope.cancel()

@@ -553,6 +553,115 @@ async def test_statistics_and_clearing_wait_for_a_stage_being_recreated(
             assert counts(again) == [(0, 300), (0, 300)]
 
 
+async def test_a_dead_stage_fails_the_prefills_waiting_before_it_at_once(
+    ray_cluster: Any,
+) -> None:
+    """Prefills held up in the stages before a stage that dies fail within 10 s naming it
+    (not once those stages finish them), and their work there is cancelled."""
+    placement = RayPlacement(
+        num_cpus=0.25, restart=RestartPolicy(max_restarts=1, within_s=60), health_check_s=0.2
+    )
+    errors: list[StageFailedError] = []
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(3),
+            ProbeModels(slow_stage=0, delay_s=3600),
+            environ=NO_ENV,
+            placement=placement,
+        ) as pipeline:
+
+            async def slow(n: int) -> None:
+                with pytest.raises(StageFailedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            victim = pipeline.stage_processes()[2].pid
+            async with trio.open_nursery() as nursery:
+                for n in range(4):
+                    nursery.start_soon(slow, n)
+                await trio.testing.wait_all_tasks_blocked()
+                os.kill(victim, signal.SIGKILL)
+                with trio.fail_after(10):
+                    while len(errors) < 4:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+            assert [e.stage_id for e in errors] == ["stage-2"] * 4
+            assert all("its process died" in str(e) for e in errors)
+            # Stage 0 gave up the slow prompts: it serves the next one at once.
+            with trio.fail_after(10):
+                result = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(result) == [(0, 300)] * 3
+
+
+class _Interrupted(Exception):
+    pass
+
+
+async def test_callers_outside_the_block_see_the_pipeline_stop(placement: Placement) -> None:
+    """An exception leaving the pipeline's block fails the prefills that callers in other tasks
+    have in flight with PipelineStoppedError, under either placement (no stage failed)."""
+    errors: list[BaseException] = []
+    with trio.fail_after(WAIT_S), pytest.RaisesGroup(_Interrupted, flatten_subgroups=True):
+        async with (
+            trio.open_nursery() as callers,
+            open_pipeline(
+                stage_configs(3),
+                ProbeModels(slow_stage=1, delay_s=3600),
+                environ=NO_ENV,
+                placement=placement,
+            ) as pipeline,
+        ):
+
+            async def slow(n: int) -> None:
+                with pytest.raises(PipelineStoppedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            for n in range(4):
+                callers.start_soon(slow, n)
+            await trio.testing.wait_all_tasks_blocked()
+            raise _Interrupted
+    assert len(errors) == 4
+    assert all("pipeline stopped before request" in str(e) for e in errors)
+
+
+async def test_a_stage_death_stopping_the_pipeline_fails_outside_callers_naming_it(
+    ray_cluster: Any,
+) -> None:
+    """Callers in other tasks whose prefills wait before a stage that dies (no restart) are
+    failed naming that stage, not the stages the pipeline kills as it stops."""
+    errors: list[StageFailedError] = []
+    placement = RayPlacement(num_cpus=0.25, health_check_s=0.2)
+    with (
+        trio.fail_after(WAIT_S),
+        pytest.RaisesGroup(
+            pytest.RaisesExc(StageFailedError, match="stage 'stage-1' failed"),
+            flatten_subgroups=True,
+        ),
+    ):
+        async with (
+            trio.open_nursery() as callers,
+            open_pipeline(
+                stage_configs(2),
+                ProbeModels(slow_stage=0, delay_s=3600),
+                environ=NO_ENV,
+                placement=placement,
+            ) as pipeline,
+        ):
+
+            async def slow(n: int) -> None:
+                with pytest.raises(StageFailedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            for n in range(6):
+                callers.start_soon(slow, n)
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                await trio.sleep_forever()  # until the pipeline stops and cancels this
+    assert [e.stage_id for e in errors] == ["stage-1"] * 6
+
+
 async def test_cancelled_prefill_interrupts_the_remote_stage(ray_cluster: Any) -> None:
     """A caller giving up cancels its remote work: the sleeping stage is interrupted, records
     nothing, and serves the next prompt at once; caches stay consistent."""
