@@ -64,6 +64,9 @@ CLOSE_TIMEOUT_S: Final = 30.0
 """How long closing waits for a stage process to drain (its queue is empty by then: the
 pipeline waited for every prefill) before it is killed anyway."""
 
+FREE_WAIT_S: Final = 2.0
+"""How long opening waits for CPUs that the cluster has but does not count free (yet)."""
+
 PING_TIMEOUT_S: Final = 10.0
 """A health check that gets no answer in this long is not a death; only Ray's word is."""
 
@@ -562,17 +565,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _cluster_cpus() -> float:
-    """Logical CPUs of the Ray cluster this process is connected to."""
-    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    return float(resources.get("CPU", 0.0))
+def _cluster_cpus() -> tuple[float, float]:
+    """Logical CPUs of the Ray cluster this process is connected to: free now, and in all."""
+    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    free = ray.available_resources()  # type: ignore[no-untyped-call]
+    return float(free.get("CPU", 0.0)), float(total.get("CPU", 0.0))
 
 
-def _cpu_share(stages: int) -> float:
-    """An equal share of the cluster's CPUs per stage, at most one (two decimals, rounded down,
-    so that the shares always fit)."""
-    total = float(_cluster_cpus())
-    return max(min(1.0, math.floor(100 * total / stages) / 100), 0.01)
+def _cpu_share(stages: int, free: float) -> float:
+    """An equal share of ``free`` CPUs per stage, at most one (two decimals, rounded down, so
+    that the shares always fit)."""
+    return max(min(1.0, math.floor(100 * free / stages) / 100), 0.01)
+
+
+async def _reserve(
+    configs: Sequence[StageConfig], placement: RayPlacement
+) -> tuple[float, list[dict[str, float]]]:
+    """The CPUs a stage reserves when the placement does not say, and each stage's bundle.
+
+    The default share divides the CPUs free now, not the cluster's: another pipeline (or any
+    Ray work) on the same instance holds its own, which the stages would wait for in vain.
+    CPUs released a moment ago may take Ray a moment to count free: a reservation that fits
+    the cluster but not what it has free is retried for up to :data:`FREE_WAIT_S`.
+
+    Raises:
+        ConfigError: the stages reserve more CPUs than the cluster has free.
+    """
+    deadline = trio.current_time() + FREE_WAIT_S
+    while True:
+        free, total = _cluster_cpus()
+        share = _cpu_share(len(configs), free)
+        # A placement group's bundle must hold some resource: a stage that reserves nothing
+        # gets a sliver of a CPU in its bundle (counted below).
+        bundles = [
+            {
+                "CPU": placement.stage_cpus(c.stage_id, share),
+                "GPU": placement.stage_gpus(c.stage_id),
+                **placement.stage_resources(c.stage_id),
+            }
+            for c in configs
+        ]
+        bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
+        wanted = (
+            sum(b.get("CPU", 0.0) for b in bundles)
+            if placement.strategy is not None
+            else sum(placement.stage_cpus(c.stage_id, share) for c in configs)
+        )
+        if wanted <= free + 1e-9:
+            return share, bundles
+        if wanted > total + 1e-9 or trio.current_time() >= deadline:
+            break
+        await trio.sleep(0.1)
+    taken = f" ({total - free:g} of its {total:g} are taken)" if free < total else ""
+    msg = (
+        f"the stages reserve {wanted:g} CPUs (RayPlacement.num_cpus and resources) but the Ray "
+        f"cluster has {free:g} free{taken}: reserve fractions of a CPU per stage, close what "
+        "holds them, or add nodes"
+    )
+    raise ConfigError(msg)
 
 
 def _check_picklable(name: str, value: object) -> None:
@@ -616,31 +666,7 @@ async def open_ray_stages(
     await trio.to_thread.run_sync(session.__enter__)
     group: PlacementGroup | None = None
     try:
-        share = _cpu_share(len(configs))
-        # A placement group's bundle must hold some resource: a stage that reserves nothing
-        # gets a sliver of a CPU in its bundle (counted below).
-        bundles = [
-            {
-                "CPU": placement.stage_cpus(c.stage_id, share),
-                "GPU": placement.stage_gpus(c.stage_id),
-                **placement.stage_resources(c.stage_id),
-            }
-            for c in configs
-        ]
-        bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
-        wanted = (
-            sum(b.get("CPU", 0.0) for b in bundles)
-            if placement.strategy is not None
-            else sum(placement.stage_cpus(c.stage_id, share) for c in configs)
-        )
-        total = float(_cluster_cpus())
-        if wanted > total:
-            msg = (
-                f"the stages reserve {wanted:g} CPUs (RayPlacement.num_cpus and resources) but "
-                f"the Ray cluster has {total:g}: reserve fractions of a CPU per stage, or add "
-                "nodes"
-            )
-            raise ConfigError(msg)
+        share, bundles = await _reserve(configs, placement)
         if placement.strategy is not None:
             group = placement_group(bundles, strategy=placement.strategy)
             with trio.move_on_after(START_TIMEOUT_S) as waited:

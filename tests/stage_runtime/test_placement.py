@@ -400,6 +400,39 @@ async def test_the_cpu_check_counts_the_slivers_of_stages_reserving_none(
             pytest.fail("the pipeline must not open")
 
 
+async def _until_free_cpus_at_most(cpus: float) -> None:
+    """Wait until Ray counts at most ``cpus`` CPUs free (it learns of reservations late)."""
+    import ray
+
+    while ray.available_resources().get("CPU", 0.0) > cpus + 1e-6:  # type: ignore[no-untyped-call]  # noqa: ASYNC110
+        await trio.sleep(0.05)
+
+
+async def test_the_default_cpu_share_divides_the_cpus_left_free(ray_cluster: Any) -> None:
+    """Beside a pipeline holding 6 of the cluster's 8 CPUs, a pipeline's stages share the 2
+    left; beside one holding all 8, it is refused at once, saying they are taken."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(3), ProbeModels(), environ=NO_ENV, placement=RayPlacement(num_cpus=2)
+        ):
+            await _until_free_cpus_at_most(2)
+            async with open_pipeline(
+                stage_configs(4), ProbeModels(), environ=NO_ENV, placement=RayPlacement()
+            ) as second:
+                assert second._stages._cpu_share == 0.5  # type: ignore[attr-defined]
+                result = await second.prefill(prompt(300), session_id="s")
+                assert counts(result) == [(0, 300)] * 4
+                await _until_free_cpus_at_most(0)
+                with (
+                    trio.fail_after(10),
+                    pytest.raises(ConfigError, match=r"0 free \(8 of its 8 are taken\)"),
+                ):
+                    async with open_pipeline(
+                        stage_configs(2), ProbeModels(), environ=NO_ENV, placement=RayPlacement()
+                    ):
+                        pytest.fail("the pipeline must not open")
+
+
 async def test_stages_spread_over_distinct_nodes(ray_cluster: Any) -> None:
     """A STRICT_SPREAD placement group puts each stage on its own node."""
     placement = RayPlacement(num_cpus=0.5, strategy="STRICT_SPREAD")
