@@ -12,12 +12,15 @@ Failure and cancellation, per request (the local contract of :mod:`stage_runtime
   exactly as a local stage does, so every stage's cache stays consistent.
 - **A stage process that dies** (SIGKILL, an out-of-memory kill, a lost node) fails every prefill
   in flight on it with :class:`~stage_runtime.errors.StageFailedError` naming the stage, as soon
-  as Ray reports the death (an idle pipeline notices it by its health check). Under
+  as Ray reports the death or the health check sees it, including prefills still in the stages
+  before it (their remote work is cancelled). Under
   ``RayPlacement.restart`` the stage is then recreated, with an empty cache (logged as
   ``stage_restarted``, counted in :attr:`StageStats.restarts
   <stage_runtime.stage.StageStats.restarts>`); new prefills wait for it. Without a policy, or
   past its limit, the pipeline stops: the ``async with`` raises the ``StageFailedError`` in an
   exception group, as a local stage crash does.
+- **Leaving the block** otherwise (an exception, ^C) fails the prefills still in flight with
+  :class:`~stage_runtime.errors.PipelineStoppedError` before the stage processes are killed.
 """
 
 from __future__ import annotations
