@@ -12,12 +12,15 @@ Failure and cancellation, per request (the local contract of :mod:`stage_runtime
   exactly as a local stage does, so every stage's cache stays consistent.
 - **A stage process that dies** (SIGKILL, an out-of-memory kill, a lost node) fails every prefill
   in flight on it with :class:`~stage_runtime.errors.StageFailedError` naming the stage, as soon
-  as Ray reports the death (an idle pipeline notices it by its health check). Under
+  as Ray reports the death or the health check sees it, including prefills still in the stages
+  before it (their remote work is cancelled). Under
   ``RayPlacement.restart`` the stage is then recreated, with an empty cache (logged as
   ``stage_restarted``, counted in :attr:`StageStats.restarts
   <stage_runtime.stage.StageStats.restarts>`); new prefills wait for it. Without a policy, or
   past its limit, the pipeline stops: the ``async with`` raises the ``StageFailedError`` in an
   exception group, as a local stage crash does.
+- **Leaving the block** otherwise (an exception, ^C) fails the prefills still in flight with
+  :class:`~stage_runtime.errors.PipelineStoppedError` before the stage processes are killed.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ EXIT_TIMEOUT_S: Final = 10.0
 CLOSE_TIMEOUT_S: Final = 30.0
 """How long closing waits for a stage process to drain (its queue is empty by then: the
 pipeline waited for every prefill) before it is killed anyway."""
+
+FREE_WAIT_S: Final = 2.0
+"""How long opening waits for CPUs that the cluster has but does not count free (yet)."""
 
 PING_TIMEOUT_S: Final = 10.0
 """A health check that gets no answer in this long is not a death; only Ray's word is."""
@@ -127,6 +133,17 @@ class _StageProcess:
 
 
 @attrs.define(eq=False)
+class _Flight:
+    """One prefill in flight: its calls, and why it failed when a stage it is on died or the
+    pipeline stopped (its wait is cancelled then)."""
+
+    request_id: str
+    calls: list[tuple[_StageProcess, int, Any]]
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    error: Exception | None = None
+
+
+@attrs.define(eq=False)
 class RayStages:
     """The running stage processes of a Ray-placed pipeline (see :func:`open_ray_stages`)."""
 
@@ -146,6 +163,7 @@ class RayStages:
     _fatal_event: trio.Event = attrs.field(factory=trio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _final: tuple[StageStats, ...] | None = attrs.field(default=None, init=False)
+    _flights: set[_Flight] = attrs.field(factory=set, init=False)
     _log_setup: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -247,6 +265,15 @@ class RayStages:
         process.available = trio.Event()
         stage_id = process.config.stage_id
         log.warning("stage_process_died", stage=stage_id, pid=process.pid, error=str(exc))
+        # Every prefill with a call on the dead process fails now, naming it, instead of when
+        # Ray gets to its call (only once the stages before it finish their part).
+        for flight in self._flights:
+            if flight.error is None and any(
+                p is process and g == generation for p, g, _ in flight.calls
+            ):
+                flight.error = _stage_error(stage_id, exc)
+                flight.error.__cause__ = exc
+                flight.scope.cancel()
         policy = self._placement.restart
         now = trio.current_time()
         if policy is not None:
@@ -325,6 +352,9 @@ class RayStages:
             for process in self._processes:
                 await process.available.wait()
             self._check_running()  # (a stage that could not come back stopped the pipeline)
+            if self._closing:
+                msg = f"pipeline stopped before request {request.request_id!r} finished"
+                raise PipelineStoppedError(msg)
             await self._run(request)
 
     async def _run(self, request: PrefillRequest) -> None:
@@ -342,71 +372,150 @@ class RayStages:
                 key, request.request_id, request.session_id, request.cache_salt, tokens, frame
             )
             calls.append((process, process.generation, report))
+        flight = _Flight(request_id=request.request_id, calls=calls)
+        self._flights.add(flight)
+        succeeded = False
         try:
-            # The last stage's report comes once every stage has answered (each waits for the
-            # frame its predecessor returned with its report) or one has failed: awaited alone,
-            # then each report is read at once, in order, so the first failure names its stage.
-            with suppress(RayActorError, RayTaskError):
-                await await_ref(calls[-1][2])
-            for process, generation, report in calls:
-                try:
-                    outcome, logits = await _settled(report)
-                    request.reports.append(outcome)
-                    if logits is not None:
-                        request.logits = logits
-                except RayActorError as exc:
-                    self._declare_dead(process, generation, exc)
-                    error = _stage_error(process.config.stage_id, exc)
-                    error.__cause__ = exc
-                    request.fail(error)
-                    return
-                except RayTaskError as exc:
-                    cause = _cause(exc)
-                    if isinstance(cause, StageFailedError):  # the stage crashed inside
-                        self._declare_dead(process, generation, exc)
-                    request.fail(cause if isinstance(cause, Exception) else exc)
-                    return
-            try:
-                request.frame = await _settled(frame)
-            except (RayActorError, RayTaskError) as exc:
-                process = calls[-1][0]
-                error = _stage_error(process.config.stage_id, exc)
-                error.__cause__ = exc
+            with flight.scope:  # cancelled when a stage it is on dies, or the pipeline stops
+                error = await self._outcome(request, calls, frame)
+            if flight.error is not None:
+                request.fail(flight.error)
+            elif error is not None:
                 request.fail(error)
-                return
-            request.succeed()
+            else:
+                request.succeed()
+                succeeded = True
         finally:
-            if not request.done.is_set():
-                # Cancelled (or failed part-way): stop every stage's work on it.
+            self._flights.discard(flight)
+            if not succeeded:
+                # Cancelled or failed: stop every stage's work on it (a stage upstream of a
+                # dead one would otherwise finish it for nothing).
                 for _process, _generation, report in calls:
                     try:
                         ray.cancel(report)
                     except Exception as exc:
                         log.debug("prefill_cancel_failed", error=str(exc))
 
+    async def _outcome(
+        self, request: PrefillRequest, calls: list[tuple[_StageProcess, int, Any]], frame: Any
+    ) -> Exception | None:
+        """Wait for ``request``'s calls: fill in its reports, logits and frame, or return the
+        error to fail it with."""
+        # The last stage's report comes once every stage has answered (each waits for the frame
+        # its predecessor returned with its report) or one has failed: awaited alone, then each
+        # report is read in order, so that the first failure names its stage.
+        failed = False
+        try:
+            await await_ref(calls[-1][2])
+        except (RayActorError, RayTaskError):
+            failed = True
+        for process, generation, report in calls:
+            try:
+                if failed:
+                    # A report not ready yet is of a stage still working, upstream of the
+                    # failure: not its cause (its work is cancelled once this fails).
+                    outcome, logits = ray.get(report, timeout=0)
+                else:
+                    outcome, logits = await _settled(report)
+                request.reports.append(outcome)
+                if logits is not None:
+                    request.logits = logits
+            except GetTimeoutError:
+                continue
+            except RayActorError as exc:
+                self._declare_dead(process, generation, exc)
+                error = _stage_error(process.config.stage_id, exc)
+                error.__cause__ = exc
+                return error
+            except RayTaskError as exc:
+                cause = _cause(exc)
+                if isinstance(cause, StageFailedError):  # the stage crashed inside
+                    self._declare_dead(process, generation, exc)
+                return cause if isinstance(cause, Exception) else exc
+        try:
+            request.frame = await _settled(frame)
+        except (RayActorError, RayTaskError) as exc:
+            error = _stage_error(calls[-1][0].config.stage_id, exc)
+            error.__cause__ = exc
+            return error
+        return None
+
+    def abort_flights(self) -> None:
+        """Fail every prefill in flight with :class:`PipelineStoppedError` (the pipeline is
+        stopping: its stage processes are about to be killed), as a local pipeline does."""
+        for flight in self._flights:
+            if flight.error is None:
+                msg = f"pipeline stopped before request {flight.request_id!r} finished"
+                flight.error = PipelineStoppedError(msg)
+                flight.scope.cancel()
+
+    def _check_open(self, what: str) -> None:
+        """Raise :class:`PipelineStoppedError` when the stage processes are gone (the pipeline
+        closed or stopped): ``what`` could not be done."""
+        if self._fatal is not None:
+            msg = f"pipeline has stopped ({self._fatal}): {what}"
+            raise PipelineStoppedError(msg)
+        if self._closing or any(process.actor is None for process in self._processes):
+            msg = f"pipeline has stopped: {what}"
+            raise PipelineStoppedError(msg)
+
+    async def _ask(self, process: _StageProcess, method: str) -> Any:
+        """Call ``method`` of ``process``'s stage, waiting for the stage to come back when it is
+        being recreated (as a prefill does; bounded by the restart's start timeout).
+
+        Raises:
+            PipelineStoppedError: the pipeline stopped, or stops while waiting.
+        """
+        stage_id = process.config.stage_id
+        while True:
+            await process.available.wait()
+            self._check_open(f"stage {stage_id!r} is gone")
+            generation = process.generation
+            try:
+                return await await_ref(getattr(process.actor, method).remote())
+            except RayActorError as exc:
+                self._declare_dead(process, generation, exc)
+            except RayTaskError as exc:
+                if not isinstance(_cause(exc), StageFailedError):
+                    msg = f"stage {stage_id!r} is unavailable: {exc}"
+                    raise PipelineStoppedError(msg) from None
+                self._declare_dead(process, generation, exc)  # the stage crashed inside
+            if process.generation == generation:  # (a death seen while closing)
+                self._check_open(f"stage {stage_id!r} is gone")
+                msg = f"stage {stage_id!r} is unavailable"
+                raise PipelineStoppedError(msg)
+
     async def stage_statistics(self) -> tuple[StageStats, ...]:
-        """Each stage's statistics, asked of its process (the final ones once closed)."""
+        """Each stage's statistics, asked of its process (the final ones once closed); a stage
+        being recreated is waited for.
+
+        Raises:
+            PipelineStoppedError: the pipeline stopped without final statistics.
+        """
         if self._final is not None:
             return self._final
+        self._check_open("no final statistics")
         stats = []
         for process in self._processes:
-            try:
-                stage: StageStats = await await_ref(process.actor.statistics.remote())
-            except (RayActorError, RayTaskError) as exc:
-                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
-                raise PipelineStoppedError(msg) from None
+            stage: StageStats = await self._ask(process, "statistics")
             stats.append(attrs.evolve(stage, restarts=process.restarts))
         return tuple(stats)
 
     async def clear_caches(self) -> tuple[tuple[EvictedEntry, ...], ...]:
-        """Empty every stage's cache; per stage, the entries evicted."""
-        evicted = []
+        """Empty every stage's cache; per stage, the entries evicted. Waits for stages being
+        recreated before clearing any, so that a stopped pipeline clears none; a stage that
+        dies meanwhile comes back empty (its entries are lost, not evicted).
+
+        Raises:
+            PipelineStoppedError: the pipeline has closed or stopped (no cache to clear).
+        """
+        self._check_open("no cache to clear")
         for process in self._processes:
-            try:
-                evicted.append(await await_ref(process.actor.clear_cache.remote()))
-            except (RayActorError, RayTaskError) as exc:
-                msg = f"stage {process.config.stage_id!r} is unavailable: {exc}"
-                raise PipelineStoppedError(msg) from None
+            await process.available.wait()
+        self._check_open("no cache to clear")
+        evicted: list[tuple[EvictedEntry, ...]] = []
+        for process in self._processes:
+            evicted.append(await self._ask(process, "clear_cache"))
         return tuple(evicted)
 
     async def close(self) -> None:
@@ -459,17 +568,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _cluster_cpus() -> float:
-    """Logical CPUs of the Ray cluster this process is connected to."""
-    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    return float(resources.get("CPU", 0.0))
+def _cluster_cpus() -> tuple[float, float]:
+    """Logical CPUs of the Ray cluster this process is connected to: free now, and in all."""
+    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    free = ray.available_resources()  # type: ignore[no-untyped-call]
+    return float(free.get("CPU", 0.0)), float(total.get("CPU", 0.0))
 
 
-def _cpu_share(stages: int) -> float:
-    """An equal share of the cluster's CPUs per stage, at most one (two decimals, rounded down,
-    so that the shares always fit)."""
-    total = float(_cluster_cpus())
-    return max(min(1.0, math.floor(100 * total / stages) / 100), 0.01)
+def _cpu_share(stages: int, free: float) -> float:
+    """An equal share of ``free`` CPUs per stage, at most one (two decimals, rounded down, so
+    that the shares always fit)."""
+    return max(min(1.0, math.floor(100 * free / stages) / 100), 0.01)
+
+
+async def _reserve(
+    configs: Sequence[StageConfig], placement: RayPlacement
+) -> tuple[float, list[dict[str, float]]]:
+    """The CPUs a stage reserves when the placement does not say, and each stage's bundle.
+
+    The default share divides the CPUs free now, not the cluster's: another pipeline (or any
+    Ray work) on the same instance holds its own, which the stages would wait for in vain.
+    CPUs released a moment ago may take Ray a moment to count free: a reservation that fits
+    the cluster but not what it has free is retried for up to :data:`FREE_WAIT_S`.
+
+    Raises:
+        ConfigError: the stages reserve more CPUs than the cluster has free.
+    """
+    deadline = trio.current_time() + FREE_WAIT_S
+    while True:
+        free, total = _cluster_cpus()
+        share = _cpu_share(len(configs), free)
+        # A placement group's bundle must hold some resource: a stage that reserves nothing
+        # gets a sliver of a CPU in its bundle (counted below).
+        bundles = [
+            {
+                "CPU": placement.stage_cpus(c.stage_id, share),
+                "GPU": placement.stage_gpus(c.stage_id),
+                **placement.stage_resources(c.stage_id),
+            }
+            for c in configs
+        ]
+        bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
+        wanted = (
+            sum(b.get("CPU", 0.0) for b in bundles)
+            if placement.strategy is not None
+            else sum(placement.stage_cpus(c.stage_id, share) for c in configs)
+        )
+        if wanted <= free + 1e-9:
+            return share, bundles
+        if wanted > total + 1e-9 or trio.current_time() >= deadline:
+            break
+        await trio.sleep(0.1)
+    taken = f" ({total - free:g} of its {total:g} are taken)" if free < total else ""
+    msg = (
+        f"the stages reserve {wanted:g} CPUs (RayPlacement.num_cpus and resources) but the Ray "
+        f"cluster has {free:g} free{taken}: reserve fractions of a CPU per stage, close what "
+        "holds them, or add nodes"
+    )
+    raise ConfigError(msg)
 
 
 def _check_picklable(name: str, value: object) -> None:
@@ -513,31 +669,7 @@ async def open_ray_stages(
     await trio.to_thread.run_sync(session.__enter__)
     group: PlacementGroup | None = None
     try:
-        share = _cpu_share(len(configs))
-        # A placement group's bundle must hold some resource: a stage that reserves nothing
-        # gets a sliver of a CPU in its bundle (counted below).
-        bundles = [
-            {
-                "CPU": placement.stage_cpus(c.stage_id, share),
-                "GPU": placement.stage_gpus(c.stage_id),
-                **placement.stage_resources(c.stage_id),
-            }
-            for c in configs
-        ]
-        bundles = [{k: v for k, v in b.items() if v} or {"CPU": _SLIVER} for b in bundles]
-        wanted = (
-            sum(b.get("CPU", 0.0) for b in bundles)
-            if placement.strategy is not None
-            else sum(placement.stage_cpus(c.stage_id, share) for c in configs)
-        )
-        total = float(_cluster_cpus())
-        if wanted > total:
-            msg = (
-                f"the stages reserve {wanted:g} CPUs (RayPlacement.num_cpus and resources) but "
-                f"the Ray cluster has {total:g}: reserve fractions of a CPU per stage, or add "
-                "nodes"
-            )
-            raise ConfigError(msg)
+        share, bundles = await _reserve(configs, placement)
         if placement.strategy is not None:
             group = placement_group(bundles, strategy=placement.strategy)
             with trio.move_on_after(START_TIMEOUT_S) as waited:
@@ -566,6 +698,7 @@ async def open_ray_stages(
                 yield stages
             finally:
                 stages._closing = True
+                stages.abort_flights()
                 with trio.CancelScope(shield=True):
                     await stages.kill_all()
                 nursery.cancel_scope.cancel()

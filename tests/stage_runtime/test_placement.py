@@ -211,6 +211,8 @@ async def test_stats_and_clear_caches_reach_every_stage(placement: Placement) ->
             assert counts(again) == [(0, 300), (0, 300)]
         final = await pipeline.statistics()
         assert all(s.cache is not None and s.cache.entries == 2 for s in final.stages)
+        with pytest.raises(PipelineStoppedError, match="no cache to clear"):
+            await pipeline.clear_caches()
 
 
 async def test_leaving_the_block_drains_prefills_in_flight(placement: Placement) -> None:
@@ -398,6 +400,39 @@ async def test_the_cpu_check_counts_the_slivers_of_stages_reserving_none(
             pytest.fail("the pipeline must not open")
 
 
+async def _until_free_cpus_at_most(cpus: float) -> None:
+    """Wait until Ray counts at most ``cpus`` CPUs free (it learns of reservations late)."""
+    import ray
+
+    while ray.available_resources().get("CPU", 0.0) > cpus + 1e-6:  # type: ignore[no-untyped-call]  # noqa: ASYNC110
+        await trio.sleep(0.05)
+
+
+async def test_the_default_cpu_share_divides_the_cpus_left_free(ray_cluster: Any) -> None:
+    """Beside a pipeline holding 6 of the cluster's 8 CPUs, a pipeline's stages share the 2
+    left; beside one holding all 8, it is refused at once, saying they are taken."""
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(3), ProbeModels(), environ=NO_ENV, placement=RayPlacement(num_cpus=2)
+        ):
+            await _until_free_cpus_at_most(2)
+            async with open_pipeline(
+                stage_configs(4), ProbeModels(), environ=NO_ENV, placement=RayPlacement()
+            ) as second:
+                assert second._stages._cpu_share == 0.5  # type: ignore[attr-defined]
+                result = await second.prefill(prompt(300), session_id="s")
+                assert counts(result) == [(0, 300)] * 4
+                await _until_free_cpus_at_most(0)
+                with (
+                    trio.fail_after(10),
+                    pytest.raises(ConfigError, match=r"0 free \(8 of its 8 are taken\)"),
+                ):
+                    async with open_pipeline(
+                        stage_configs(2), ProbeModels(), environ=NO_ENV, placement=RayPlacement()
+                    ):
+                        pytest.fail("the pipeline must not open")
+
+
 async def test_stages_spread_over_distinct_nodes(ray_cluster: Any) -> None:
     """A STRICT_SPREAD placement group puts each stage on its own node."""
     placement = RayPlacement(num_cpus=0.5, strategy="STRICT_SPREAD")
@@ -476,6 +511,10 @@ async def test_sigkill_fails_prefills_in_flight_and_stops_the_pipeline(
     assert "stage-1" in pipeline.failure
     with pytest.raises(PipelineStoppedError):
         await pipeline.prefill(prompt(300), session_id="s")
+    with pytest.raises(PipelineStoppedError, match="stage-1"):
+        await pipeline.statistics()
+    with pytest.raises(PipelineStoppedError, match="no cache to clear"):
+        await pipeline.clear_caches()
     assert _gone(victim)
 
 
@@ -512,6 +551,148 @@ async def test_sigkill_under_a_restart_policy_recreates_the_stage_empty(
         ("stage-1", 1, True)
     ]
     assert pipeline.failure is None
+
+
+async def test_statistics_and_clearing_wait_for_a_stage_being_recreated(
+    ray_cluster: Any,
+) -> None:
+    """While a killed stage is recreated, statistics and clear_caches wait for it (as prefills
+    do) instead of failing, and clearing empties every stage, not only those before it."""
+    placement = RayPlacement(
+        num_cpus=0.25,
+        restart=RestartPolicy(max_restarts=2, within_s=60, backoff_s=1),
+        health_check_s=0.1,
+    )
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+        ) as pipeline:
+            await pipeline.prefill(prompt(300), session_id="s")
+            stage_1 = pipeline._stages._processes[1]  # type: ignore[attr-defined]
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            # Until the health check sees the death (the driver's own state: no event says it).
+            while stage_1.available.is_set():  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            stats = await pipeline.statistics()
+            assert [s.restarts for s in stats.stages] == [0, 1]
+            assert [s.cache.entries if s.cache else 0 for s in stats.stages] == [2, 0]
+            await pipeline.prefill(prompt(300), session_id="s")
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            while stage_1.available.is_set():  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            cleared = await pipeline.clear_caches()
+            assert [len(evicted) for evicted in cleared] == [2, 0]
+            again = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(again) == [(0, 300), (0, 300)]
+
+
+async def test_a_dead_stage_fails_the_prefills_waiting_before_it_at_once(
+    ray_cluster: Any,
+) -> None:
+    """Prefills held up in the stages before a stage that dies fail within 10 s naming it
+    (not once those stages finish them), and their work there is cancelled."""
+    placement = RayPlacement(
+        num_cpus=0.25, restart=RestartPolicy(max_restarts=1, within_s=60), health_check_s=0.2
+    )
+    errors: list[StageFailedError] = []
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(3),
+            ProbeModels(slow_stage=0, delay_s=3600),
+            environ=NO_ENV,
+            placement=placement,
+        ) as pipeline:
+
+            async def slow(n: int) -> None:
+                with pytest.raises(StageFailedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            victim = pipeline.stage_processes()[2].pid
+            async with trio.open_nursery() as nursery:
+                for n in range(4):
+                    nursery.start_soon(slow, n)
+                await trio.testing.wait_all_tasks_blocked()
+                os.kill(victim, signal.SIGKILL)
+                with trio.fail_after(10):
+                    while len(errors) < 4:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+            assert [e.stage_id for e in errors] == ["stage-2"] * 4
+            assert all("its process died" in str(e) for e in errors)
+            # Stage 0 gave up the slow prompts: it serves the next one at once.
+            with trio.fail_after(10):
+                result = await pipeline.prefill(prompt(300), session_id="s")
+            assert counts(result) == [(0, 300)] * 3
+
+
+class _Interrupted(Exception):
+    pass
+
+
+async def test_callers_outside_the_block_see_the_pipeline_stop(placement: Placement) -> None:
+    """An exception leaving the pipeline's block fails the prefills that callers in other tasks
+    have in flight with PipelineStoppedError, under either placement (no stage failed)."""
+    errors: list[BaseException] = []
+    with trio.fail_after(WAIT_S), pytest.RaisesGroup(_Interrupted, flatten_subgroups=True):
+        async with (
+            trio.open_nursery() as callers,
+            open_pipeline(
+                stage_configs(3),
+                ProbeModels(slow_stage=1, delay_s=3600),
+                environ=NO_ENV,
+                placement=placement,
+            ) as pipeline,
+        ):
+
+            async def slow(n: int) -> None:
+                with pytest.raises(PipelineStoppedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            for n in range(4):
+                callers.start_soon(slow, n)
+            await trio.testing.wait_all_tasks_blocked()
+            raise _Interrupted
+    assert len(errors) == 4
+    assert all("pipeline stopped before request" in str(e) for e in errors)
+
+
+async def test_a_stage_death_stopping_the_pipeline_fails_outside_callers_naming_it(
+    ray_cluster: Any,
+) -> None:
+    """Callers in other tasks whose prefills wait before a stage that dies (no restart) are
+    failed naming that stage, not the stages the pipeline kills as it stops."""
+    errors: list[StageFailedError] = []
+    placement = RayPlacement(num_cpus=0.25, health_check_s=0.2)
+    with (
+        trio.fail_after(WAIT_S),
+        pytest.RaisesGroup(
+            pytest.RaisesExc(StageFailedError, match="stage 'stage-1' failed"),
+            flatten_subgroups=True,
+        ),
+    ):
+        async with (
+            trio.open_nursery() as callers,
+            open_pipeline(
+                stage_configs(2),
+                ProbeModels(slow_stage=0, delay_s=3600),
+                environ=NO_ENV,
+                placement=placement,
+            ) as pipeline,
+        ):
+
+            async def slow(n: int) -> None:
+                with pytest.raises(StageFailedError) as info:
+                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+                errors.append(info.value)
+
+            for n in range(6):
+                callers.start_soon(slow, n)
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                await trio.sleep_forever()  # until the pipeline stops and cancels this
+    assert [e.stage_id for e in errors] == ["stage-1"] * 6
 
 
 async def test_cancelled_prefill_interrupts_the_remote_stage(ray_cluster: Any) -> None:
