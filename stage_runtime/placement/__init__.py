@@ -164,8 +164,9 @@ class RayPlacement:
 
     num_cpus: float | None = attrs.field(default=None, validator=_optional_cpus)
     """Logical CPUs each stage's actor reserves (fractions let several stages share a core).
-    ``None``: an equal share of the cluster's CPUs when the pipeline opens, at most one per
-    stage (four stages on a two-core machine reserve half a CPU each)."""
+    ``None``: an equal share of the CPUs the cluster has free when the pipeline opens, at most
+    one per stage (four stages on a two-core machine reserve half a CPU each; beside another
+    pipeline holding some, a share of the rest)."""
 
     resources: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict, converter=_resources)
     """Per stage id, extra resources its actor needs (``{"stage-1": {"GPU": 1}}``); a ``CPU``
