@@ -367,11 +367,13 @@ class RayStages:
             tokens = ray.put(tokens)
         frame = None
         calls: list[tuple[_StageProcess, int, Any]] = []
+        refs: list[Any] = []
         for process in self._processes:
             frame, report = process.actor.prefill.options(num_returns=2).remote(
                 key, request.request_id, request.session_id, request.cache_salt, tokens, frame
             )
             calls.append((process, process.generation, report))
+            refs += (frame, report)
         flight = _Flight(request_id=request.request_id, calls=calls)
         self._flights.add(flight)
         succeeded = False
@@ -395,6 +397,7 @@ class RayStages:
                         ray.cancel(report)
                     except Exception as exc:
                         log.debug("prefill_cancel_failed", error=str(exc))
+                _read_errors(refs)
 
     async def _outcome(
         self, request: PrefillRequest, calls: list[tuple[_StageProcess, int, Any]], frame: Any
@@ -566,6 +569,17 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _read_errors(refs: list[Any]) -> None:
+    """Read each of a failed request's results that is in (none is waited for). Ray writes an
+    error that nobody read to the driver's stderr, with its traceback ("Unhandled error"), when
+    its ref goes: the frames of a stage that raised and of those after it. The caller has the
+    error already, and the program's logging says what else to show."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in ready:
+        with suppress(Exception):
+            ray.get(ref, timeout=0)
 
 
 def _cluster_cpus() -> tuple[float, float]:
