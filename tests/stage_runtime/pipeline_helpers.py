@@ -60,8 +60,8 @@ def prompt(n: int, start: int = 0) -> npt.NDArray[np.int32]:
 
 
 @attrs.define(eq=False)
-class WrappedModel:
-    """A model that does what ``inner`` does; test doubles override the part they change."""
+class ForwardingModel:
+    """The width and ``forward`` of ``inner``, and no embedding (a later stage's model)."""
 
     inner: StageModel
 
@@ -70,15 +70,20 @@ class WrappedModel:
         """Width of the wrapped model."""
         return self.inner.activation_width
 
-    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
-        """Embed with the wrapped model."""
-        return self.inner.embed(tokens)
-
     async def forward(
         self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
     ) -> ActivationFrame:
         """Compute with the wrapped model."""
         return await self.inner.forward(inputs, start, restored)
+
+
+@attrs.define(eq=False)
+class WrappedModel(ForwardingModel):
+    """A model that does what ``inner`` does; test doubles override the part they change."""
+
+    def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
+        """Embed with the wrapped model."""
+        return self.inner.embed(tokens)
 
 
 @attrs.define(eq=False)

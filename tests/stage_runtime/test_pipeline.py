@@ -30,6 +30,7 @@ from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import StageModel, reference_model_factory, virtual_model_factory
 from stage_runtime.pipeline import PrefillResult, load_topology, open_pipeline
 from tests.stage_runtime.pipeline_helpers import (
+    ForwardingModel,
     ModelRegistry,
     WrappedModel,
     mix_factory,
@@ -941,23 +942,7 @@ async def test_a_stage_that_only_records_stays_one_record_ahead_of_its_actor(
 
 
 @attrs.define(eq=False)
-class _ForwardOnly:
-    """The wrapped model's width and forward, and no embedding."""
-
-    inner: StageModel
-
-    @property
-    def activation_width(self) -> int:
-        return self.inner.activation_width
-
-    async def forward(
-        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
-    ) -> ActivationFrame:
-        return await self.inner.forward(inputs, start, restored)
-
-
-@attrs.define(eq=False)
-class _AsyncEmbedOnly(_ForwardOnly):
+class _AsyncEmbedOnly(ForwardingModel):
     """The wrapped model, embedding through embed_async only."""
 
     async def embed_async(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
@@ -965,7 +950,7 @@ class _AsyncEmbedOnly(_ForwardOnly):
 
 
 @pytest.mark.parametrize(
-    ("stage_index", "wrapper"), [(0, _AsyncEmbedOnly), (1, _ForwardOnly)], ids=["first", "later"]
+    ("stage_index", "wrapper"), [(0, _AsyncEmbedOnly), (1, ForwardingModel)], ids=["first", "later"]
 )
 async def test_a_stage_needs_only_what_it_calls(stage_index: int, wrapper: type[Any]) -> None:
     """Stage 0 embeds with embed_async when its model has one (no embed needed then); a later
