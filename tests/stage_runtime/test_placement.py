@@ -16,7 +16,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -643,6 +643,28 @@ class _Interrupted(Exception):
     pass
 
 
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _start_failing_callers(
+    nursery: trio.Nursery,
+    pipeline: Any,
+    count: int,
+    error_type: type[_E],
+    errors: list[_E],
+) -> None:
+    """Start ``count`` callers of slow prefills in ``nursery`` (outside the pipeline's block),
+    each expecting its prefill to fail with ``error_type``, which it appends to ``errors``."""
+
+    async def slow(n: int) -> None:
+        with pytest.raises(error_type) as info:
+            await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
+        errors.append(info.value)
+
+    for n in range(count):
+        nursery.start_soon(slow, n)
+
+
 async def test_callers_outside_the_block_see_the_pipeline_stop(placement: Placement) -> None:
     """An exception leaving the pipeline's block fails the prefills that callers in other tasks
     have in flight with PipelineStoppedError, under either placement (no stage failed)."""
@@ -657,14 +679,7 @@ async def test_callers_outside_the_block_see_the_pipeline_stop(placement: Placem
                 placement=placement,
             ) as pipeline,
         ):
-
-            async def slow(n: int) -> None:
-                with pytest.raises(PipelineStoppedError) as info:
-                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
-                errors.append(info.value)
-
-            for n in range(4):
-                callers.start_soon(slow, n)
+            _start_failing_callers(callers, pipeline, 4, PipelineStoppedError, errors)
             await trio.testing.wait_all_tasks_blocked()
             raise _Interrupted
     assert len(errors) == 4
@@ -694,14 +709,7 @@ async def test_a_stage_death_stopping_the_pipeline_fails_outside_callers_naming_
                 placement=placement,
             ) as pipeline,
         ):
-
-            async def slow(n: int) -> None:
-                with pytest.raises(StageFailedError) as info:
-                    await pipeline.prefill(prompt(SLOW_LENGTH), session_id=f"s{n}")
-                errors.append(info.value)
-
-            for n in range(6):
-                callers.start_soon(slow, n)
+            _start_failing_callers(callers, pipeline, 6, StageFailedError, errors)
             await trio.testing.wait_all_tasks_blocked()
             os.kill(pipeline.stage_processes()[1].pid, signal.SIGKILL)
             with trio.fail_after(10):
