@@ -198,18 +198,18 @@ def _record_interrupted_at_its_third_page(
     monkeypatch: pytest.MonkeyPatch, index: PagedActivationIndex, tokens: list[int]
 ) -> None:
     """Record ``tokens`` (one-token pages), interrupted as its third new page is stored."""
-    segment = index_module._shared_segment  # type: ignore[attr-defined]
+    entry = index_module._Entry  # type: ignore[attr-defined]
     calls = 0
 
-    def interrupted(*args: Any) -> Any:  # (each new page cuts its token bytes first)
+    def interrupted(*args: Any) -> Any:  # (each new page is made an entry first)
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return segment(*args)
+        return entry(*args)
 
     with monkeypatch.context() as patched:
-        patched.setattr(index_module, "_shared_segment", interrupted)
+        patched.setattr(index_module, "_Entry", interrupted)
         with pytest.raises(KeyboardInterrupt):
             record(index, tokens)
 
@@ -258,7 +258,7 @@ def test_a_record_interrupted_before_its_first_new_page_leaves_its_chain_evictab
     def interrupted(*args: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(index_module, "_shared_segment", interrupted)
+    monkeypatch.setattr(index_module, "_Entry", interrupted)
     with pytest.raises(KeyboardInterrupt):
         record(index, [1, 2, 3])
     monkeypatch.undo()

@@ -16,34 +16,55 @@ _SHARED_PROMPTS = 16
 """Prompts :func:`_shared_segment` remembers the segments of: the stages of a pipeline record the
 same prompt (the same read-only array, handed to every stage) one after the other, so a short
 memory lets them all keep one copy of each segment."""
-_recent_prompts: OrderedDict[int, tuple[weakref.ref[TokenArray], dict[tuple[int, int], bytes]]] = (
-    OrderedDict()
-)
-"""``id(tokens)`` -> the array (weakly: an id is reused once its array is gone) and the bytes of
-its segments made so far, by ``(start, stop)``. Keyed by the array, not by the bytes: hashing
-every 2 KiB segment to find an equal one cost a stored page more than the rest of its
-footprint; and an ordered dict, whose oldest item goes in O(1)."""
 
 
-def _segments_of(tokens: TokenArray) -> dict[tuple[int, int], bytes]:
-    """The bytes of ``tokens``' segments made lately, by ``(start, stop)`` (see
-    :func:`_shared_segment`)."""
+class _Segments:
+    """The token bytes cut lately from one prompt array (see :func:`_segments_of`)."""
+
+    __slots__ = ("cut", "pages", "tokens")
+
+    def __init__(self, tokens: TokenArray) -> None:
+        self.tokens = weakref.ref(tokens)
+        """The array, weakly: its id is reused once it is gone."""
+        self.cut: dict[tuple[int, int], bytes] = {}
+        """Segments cut one by one, by ``(start, stop)`` (tails and exact entries)."""
+        self.pages: dict[int, list[bytes]] = {}
+        """The bytes of every full page, by page size: cut all at once the first time a page
+        is stored, one bytes slice each (cheaper than a numpy slice per page, and most of a
+        prompt's pages are new to some stage of the pipeline)."""
+
+    def page_rows(self, tokens: TokenArray, page_tokens: int) -> list[bytes]:
+        """The bytes of each full page of ``tokens`` (the array this memo is of)."""
+        rows = self.pages.get(page_tokens)
+        if rows is None:
+            raw = tokens.tobytes()
+            width = 4 * page_tokens
+            end = int(tokens.size) // page_tokens * width
+            rows = self.pages[page_tokens] = [raw[i : i + width] for i in range(0, end, width)]
+        return rows
+
+
+_recent_prompts: OrderedDict[int, _Segments] = OrderedDict()
+"""``id(tokens)`` -> the segments of the array made so far. Keyed by the array, not by the
+bytes: hashing every 2 KiB segment to find an equal one cost a stored page more than the rest
+of its footprint; and an ordered dict, whose oldest item goes in O(1)."""
+
+
+def _segments_of(tokens: TokenArray) -> _Segments:
+    """The segments of ``tokens`` made lately (see :func:`_shared_segment`)."""
     slot = _recent_prompts.get(id(tokens))
-    if slot is None or slot[0]() is not tokens:
-        slot = (weakref.ref(tokens), {})
+    if slot is None or slot.tokens() is not tokens:
+        slot = _Segments(tokens)
         _recent_prompts[id(tokens)] = slot
         if len(_recent_prompts) > _SHARED_PROMPTS:
             _recent_prompts.popitem(last=False)
-    return slot[1]
+    return slot
 
 
-def _shared_segment(
-    tokens: TokenArray, start: int, stop: int, made: dict[tuple[int, int], bytes] | None = None
-) -> bytes:
+def _shared_segment(tokens: TokenArray, start: int, stop: int) -> bytes:
     """``tokens[start:stop]`` as bytes: the same bytes object another stage made lately from the
-    same tokens array (one copy for all the stages), else a new one. ``made``: the array's
-    :func:`_segments_of`, when the caller cuts several segments of it."""
-    segments = _segments_of(tokens) if made is None else made
+    same tokens array (one copy for all the stages), else a new one."""
+    segments = _segments_of(tokens).cut
     data = segments.get((start, stop))
     if data is None:
         data = segments[start, stop] = tokens[start:stop].tobytes()
@@ -80,63 +101,101 @@ def _stored(segment: Payload) -> Payload:
     return owned
 
 
+class _Shape:
+    """What every entry of one kind stored by one record shares: its rows, size, description
+    and name parts. Made by :func:`_shape`, which hands out one object for equal shapes, so that
+    comparing two entries' rows is mostly an identity test, and an entry holds one reference
+    for all of them (the garbage collector's full passes visit each reference of every resident
+    entry)."""
+
+    __slots__ = ("bytes_per_token", "kind", "label", "meta", "nbytes", "root", "token_count")
+
+    def __init__(
+        self,
+        label: str,
+        kind: EntryKind,
+        root: bytes,
+        token_count: int,
+        nbytes: int,
+        bytes_per_token: int,
+        meta: Hashable,
+    ) -> None:
+        self.label = label
+        """The recording chain's label (the first part of an entry's name)."""
+        self.kind: EntryKind = kind
+        self.root = root
+        """The root key of the recording chain's namespace (the group of its first entry)."""
+        self.token_count = token_count
+        self.nbytes = nbytes
+        """The payload's size."""
+        self.bytes_per_token = bytes_per_token
+        """Bytes of one token row (0: an exact entry that is not rows)."""
+        self.meta = meta
+
+
+_SHAPES = 4096
+"""Distinct shapes :func:`_shape` remembers (a pipeline's stages use a handful each); past
+that it starts again, and entries of equal shapes are then told alike field by field."""
+_shapes: dict[tuple[str, EntryKind, bytes, int, int, int, Hashable], _Shape] = {}
+
+
+def _shape(
+    label: str,
+    kind: EntryKind,
+    root: bytes,
+    token_count: int,
+    nbytes: int,
+    bytes_per_token: int,
+    meta: Hashable,
+) -> _Shape:
+    """The one :class:`_Shape` of these fields (one object while it is remembered)."""
+    fields = (label, kind, root, token_count, nbytes, bytes_per_token, meta)
+    shape = _shapes.get(fields)
+    if shape is None:
+        if len(_shapes) >= _SHAPES:
+            _shapes.clear()
+        shape = _shapes[fields] = _Shape(*fields)
+    return shape
+
+
 class _Entry:
-    """One resident entry (a plain slotted class: the index sets its fields on every use)."""
+    """One resident entry (a plain slotted class: the index sets its fields on every use; what
+    the entries of a record share is one :class:`_Shape`)."""
 
     __slots__ = (
-        "bytes_per_token",
         "children",
         "footprint",
-        "group",
         "hits",
         "key",
-        "kind",
-        "label",
         "last_used",
-        "meta",
-        "nbytes",
         "parent",
         "payload",
         "priority",
+        "shape",
         "tier",
-        "token_count",
         "token_start",
     )
 
     def __init__(
         self,
         key: bytes,
-        label: str,
-        kind: EntryKind,
         parent: _Entry | None,
-        group: bytes,
         token_start: int,
-        token_count: int,
         payload: Payload,
-        nbytes: int,
-        bytes_per_token: int,
-        meta: Hashable,
+        shape: _Shape,
         last_used: int,
     ) -> None:
         self.key = key
-        self.label = label
-        """The recording chain's label (the first part of :attr:`name`)."""
-        self.kind = kind
         self.parent = parent
-        self.group = group
-        """Key of the parent entry or of the namespace root."""
         self.token_start = token_start
-        self.token_count = token_count
         self.payload = payload
-        self.nbytes = nbytes
-        """``payload.size``."""
-        self.bytes_per_token = bytes_per_token
-        self.meta = meta
+        self.shape = shape
+        """Its rows, size, description and name parts (:attr:`nbytes` is ``payload.size``)."""
         self.last_used = last_used
         self.children = 0
         """Cached entries whose parent this is (kept under ``reuse`` only, for its leaf heap)."""
         self.hits = 0
-        """Restores that used this entry."""
+        """Restores that used this entry (counted by the policies that read it: not ``lru``)."""
         self.priority = 0.0
         """Eviction priority under the ``reuse`` policy (lowest goes first); 0 under ``lru``."""
         self.tier = -1
@@ -147,9 +206,40 @@ class _Entry:
         """Its token segments while not yet added to the index's footprint."""
 
     @property
+    def label(self) -> str:
+        return self.shape.label
+
+    @property
+    def kind(self) -> EntryKind:
+        return self.shape.kind
+
+    @property
+    def token_count(self) -> int:
+        return self.shape.token_count
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.shape.bytes_per_token
+
+    @property
+    def meta(self) -> Hashable:
+        return self.shape.meta
+
+    @property
+    def group(self) -> bytes:
+        """Key of the parent entry or of the namespace root."""
+        parent = self.parent
+        return self.shape.root if parent is None else parent.key
+
+    @property
     def name(self) -> str:
         """Printable name (made on demand: most entries are never named)."""
-        return _entry_name(self.label, self.kind, self.token_start, self.token_count, self.key)
+        shape = self.shape
+        return _entry_name(shape.label, shape.kind, self.token_start, shape.token_count, self.key)
 
 
 def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:

@@ -226,7 +226,7 @@ class LruEviction:
                 break
             victims.append((victim, reason))
             count -= 1
-            resident -= victim.nbytes
+            resident -= victim.shape.nbytes
         ok = not (count > limit or (max_bytes and resident + size > max_bytes))
         return victims, ok, count, resident
 
@@ -837,7 +837,7 @@ class AdaptiveEviction(ReuseEviction):
                 chosen.add(id(victim))
                 victims.append((victim, reason))
                 entries -= 1
-                resident -= victim.nbytes
+                resident -= victim.shape.nbytes
                 parent = victim.parent
                 if parent is not None:
                     parent.children -= 1

@@ -13,8 +13,11 @@ and back.
 
 from __future__ import annotations
 
+import collections
+import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import cast
 
 import attrs
 import numpy as np
@@ -33,7 +36,7 @@ from stage_runtime.cache.paged.entries import (
     _Entry,
     _footprint_segments,
     _segments_of,
-    _shared_segment,
+    _shape,
     _stored,
 )
 from stage_runtime.cache.paged.eviction import EvictionStrategy, LruEviction, eviction_for
@@ -54,6 +57,14 @@ from stage_runtime.errors import ConfigError, FrameError
 from stage_runtime.limits import U64_MAX
 
 __all__ = ["PagedActivationIndex"]
+
+_key_of = operator.attrgetter("key")
+_shape_of = operator.attrgetter("shape")
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run an iterator of calls through, at C speed (their results are dropped)."""
+    collections.deque(calls, maxlen=0)
 
 
 def _to_eviction(value: object) -> PageEviction:
@@ -301,15 +312,17 @@ class PagedActivationIndex:
         lru = type(self._eviction) is LruEviction  # (its touch: a move to the newest end)
         touched = entries.move_to_end if lru else self._eviction.touched
         size = p * bpt
+        same = _shape(chain.label, "page", chain.root_key, p, size, bpt, meta)
         parent: _Entry | None = None
         for i, key in enumerate(keys):
             existing = entries.get(key)
             if existing is None:
                 return parent, i
-            if (
-                existing.nbytes == size
-                and existing.bytes_per_token == bpt
-                and (existing.meta is meta or existing.meta == meta)
+            shape = existing.shape
+            if shape is same or (
+                shape.nbytes == size
+                and shape.bytes_per_token == bpt
+                and (shape.meta is meta or shape.meta == meta)
             ):
                 if touch:  # _put of a cached page with the same rows, inline: _touch
                     self._clock += 1
@@ -381,9 +394,10 @@ class PagedActivationIndex:
             self._resident_bytes += grow
             op.stored_bytes += int(segment.size)
             existing.payload = _stored(segment)
-            existing.nbytes = int(segment.size)
-            existing.meta = meta
-            existing.bytes_per_token = bpt
+            was = existing.shape
+            existing.shape = _shape(
+                was.label, was.kind, was.root, was.token_count, int(segment.size), bpt, meta
+            )
             self._uncount_footprint(key)
             existing.footprint = _footprint_segments(op.chain, existing)
             self._unfootprinted[key] = existing
@@ -408,20 +422,10 @@ class PagedActivationIndex:
         self._clock += 1
         size = int(payload.size)
         chain = op.chain
-        entry = _Entry(
-            key,
-            chain.label,
-            kind,
-            parent,
-            chain.root_key if parent is None else parent.key,
-            token_start,
-            token_count,
-            payload,
-            size,
-            op.bytes_per_token,
-            op.meta,
-            self._clock,
+        shape = _shape(
+            chain.label, kind, chain.root_key, token_count, size, op.bytes_per_token, op.meta
         )
+        entry = _Entry(key, parent, token_start, payload, shape, self._clock)
         self._entries[key] = entry
         self._kinds[kind] += 1
         self._resident_bytes += size
@@ -451,16 +455,15 @@ class PagedActivationIndex:
         # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored), and
         # every page-sized slice of it is the same view: one is cut and shared by all the pages.
         shared = payload[:size] if size > 1 and payload.strides[0] == 0 else None
-        # Each page's footprint segment (_footprint_segments), from one lookup of the prompt's.
+        # Each page's footprint segment (_footprint_segments), cut with the prompt's others.
         tokens = chain.tokens
-        made = _segments_of(tokens)
+        page_rows = _segments_of(tokens).page_rows(tokens, p)
         # _store_new of each page, inline (a long prompt stores hundreds of pages per stage):
         # the counters nothing reads meanwhile are added once, after the loop.
         entries = self._entries
         unfootprinted = self._unfootprinted
         stored = None if type(eviction) is LruEviction else eviction.stored  # (LRU: no-op)
-        label, bpt, meta = chain.label, op.bytes_per_token, op.meta
-        group = chain.root_key if parent is None else parent.key
+        shape = _shape(chain.label, "page", chain.root_key, p, size, op.bytes_per_token, op.meta)
         # With all the room made at once, the new pages' tombstones go in one call after the
         # loop; a strategy that makes room page by page buries other keys between pages, and
         # each page's tombstone must go before (a full tracker then drops the same ones).
@@ -476,21 +479,17 @@ class PagedActivationIndex:
                 segment = (
                     shared if shared is not None else _stored(payload[i * size : (i + 1) * size])
                 )
-                start = i * p
-                rows = _shared_segment(tokens, start, start + p, made)
                 key = keys[i]
                 self._clock = clock = self._clock + 1
-                entry = _Entry(
-                    key, label, "page", parent, group, start, p, segment, size, bpt, meta, clock
-                )
-                entry.footprint = rows
+                entry = _Entry(key, parent, i * p, segment, shape, clock)
+                entry.footprint = page_rows[i]
                 entries[key] = entry
                 unfootprinted[key] = entry
                 self._resident_bytes += size
                 done = i + 1
                 if stored is not None:
                     stored(entry, parent)
-                parent, group = entry, key
+                parent = entry
         finally:  # (also when interrupted: the counters cover every page stored)
             pages = done - first
             self._kinds["page"] += pages
@@ -537,9 +536,10 @@ class PagedActivationIndex:
             for entry, reason in victims:
                 key = entry.key
                 del entries[key]
-                kind = entry.kind
+                shape = entry.shape
+                kind = shape.kind
                 kinds[kind] -= 1
-                size = entry.nbytes
+                size = shape.nbytes
                 resident -= size
                 self._resident_bytes = resident
                 if hook is not None:
@@ -551,10 +551,10 @@ class PagedActivationIndex:
                     gone += size
                 evicted.append(
                     (
-                        entry.label,
+                        shape.label,
                         kind,
                         entry.token_start,
-                        entry.token_count,
+                        shape.token_count,
                         key,
                         size,
                         reason,
@@ -581,42 +581,33 @@ class PagedActivationIndex:
         """
         self._lookups += 1
         n = chain.token_count
-        used: list[_Entry] = []
-        reason: MissReason | None = None
-        covered = 0
         entries = self._entries
         p = chain.page_tokens
-        first: _Entry | None = None
-        # The first page's rows, which every later page must match (set with it).
-        row_bytes, page_bytes, meta = -1, -1, None
-        for key in chain.page_keys:
-            entry = entries.get(key)
-            # _probe's test, inline for the usual case: a page like the first one used (an
-            # entry's nbytes is its payload's size).
-            if (
-                entry is not None
-                and entry.bytes_per_token == row_bytes
-                and entry.token_count == p
-                and entry.nbytes == page_bytes
-                and (entry.meta is meta or entry.meta == meta)
+        keys = chain.page_keys
+        reason: MissReason | None = None
+        # The cached run, found at C speed: every page's entry (None past the run's end), and
+        # then whether every one of them has the first one's rows (one shape object, usually).
+        found: list[_Entry | None] = list(map(entries.get, keys))
+        found.append(None)
+        run = found.index(None)
+        used = cast("list[_Entry]", found[:run])
+        if run:
+            shape = used[0].shape
+            if not (
+                shape.token_count == p
+                and shape.bytes_per_token > 0
+                and shape.nbytes == p * shape.bytes_per_token
+                and list(map(_shape_of, used)).count(shape) == run
             ):
+                run = self._valid_run(used, p)
+                del used[run:]
+        if run < len(keys):
+            reason = self._probe(keys[run], p, used[0] if used else None)[1]
+        elif chain.tail_key is not None:
+            entry, reason = self._probe(chain.tail_key, n - run * p, used[0] if used else None)
+            if entry is not None:
                 used.append(entry)
-                covered += p
-                continue
-            entry, reason = self._probe(key, p, first)
-            if entry is None:
-                break
-            if first is None:
-                first = entry
-                row_bytes, page_bytes, meta = entry.bytes_per_token, entry.nbytes, entry.meta
-            used.append(entry)
-            covered += p
-        else:
-            if chain.tail_key is not None:
-                entry, reason = self._probe(chain.tail_key, n - covered, used[0] if used else None)
-                if entry is not None:
-                    used.append(entry)
-                    covered = n
+        covered = n if len(used) > run else run * p
         if covered < n and self._kinds["exact"]:  # (the key is computed when first read)
             exact = self._entries.get(chain.exact_key)
             if exact is not None:
@@ -631,16 +622,19 @@ class PagedActivationIndex:
             final: MissReason = reason if reason is not None else "never_seen"
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
-        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages. (LRU's
-        # touch is a move to the newest end: made here directly, without a call per page.)
+        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages. LRU reads
+        # neither an entry's last use nor its hits: its touch is only a move to the newest end
+        # (deepest first, as its touch_order), made for every page in one C loop.
         eviction = self._eviction
-        lru = type(eviction) is LruEviction
-        touched = self._entries.move_to_end if lru else eviction.touched
-        for entry in eviction.touch_order(used):
-            self._clock = clock = self._clock + 1
-            entry.last_used = clock
-            entry.hits += 1
-            touched(entry.key if lru else entry)  # type: ignore[arg-type]
+        if type(eviction) is LruEviction:
+            _consume(map(entries.move_to_end, map(_key_of, reversed(used))))
+        else:
+            touched = eviction.touched
+            for entry in eviction.touch_order(used):
+                self._clock = clock = self._clock + 1
+                entry.last_used = clock
+                entry.hits += 1
+                touched(entry)
         self._hits += 1
         self._restored_tokens += covered
         first, last = used[0], used[-1]
@@ -662,6 +656,27 @@ class PagedActivationIndex:
             ),
             miss_reason=None,
         )
+
+    @staticmethod
+    def _valid_run(found: list[_Entry], page_tokens: int) -> int:
+        """How many of ``found`` (the cached entries of a chain's first pages, in order) a
+        restore may use: the first must hold whole rows of one page, and each after it rows
+        like the first's (size and ``meta``); the run ends at the first that does not."""
+        p = page_tokens
+        first = found[0].shape
+        bpt, meta = first.bytes_per_token, first.meta
+        if not (first.token_count == p and bpt > 0 and found[0].payload.size == p * bpt):
+            return 0
+        for i, entry in enumerate(found):
+            shape = entry.shape
+            if shape is not first and not (
+                shape.token_count == p
+                and shape.bytes_per_token == bpt
+                and entry.payload.size == p * bpt
+                and (shape.meta is meta or shape.meta == meta)
+            ):
+                return i
+        return len(found)
 
     def _probe(
         self, key: bytes, token_count: int, first: _Entry | None
