@@ -36,6 +36,7 @@ from stage_runtime.cache.paged.entries import (
     _Entry,
     _footprint_segments,
     _segments_of,
+    _Shape,
     _shape,
     _stored,
 )
@@ -84,6 +85,7 @@ class _Recording:
         "chain",
         "evicted",
         "meta",
+        "page_shape",
         "reused_entries",
         "stored_bytes",
         "stored_entries",
@@ -93,6 +95,8 @@ class _Recording:
         self.chain = chain
         self.bytes_per_token = bytes_per_token
         self.meta = meta
+        self.page_shape: _Shape | None = None
+        """The :class:`_Shape` of the record's full pages (once it pages the frame)."""
         self.evicted: list[_Eviction] = []
         self.stored_entries = 0
         self.stored_bytes = 0
@@ -272,6 +276,7 @@ class PagedActivationIndex:
         # them; every page after the first missing one is new (_put_new_pages). Under LRU, when
         # nothing can be evicted before the record ends, whose end (record_ended) makes the
         # whole chain the newest, a refresh need not touch each page.
+        op.page_shape = _shape(chain.label, "page", chain.root_key, p, p * bpt, bpt, meta)
         touch = type(self._eviction) is not LruEviction or not self._fits_without_eviction(
             len(keys), n * bpt
         )
@@ -312,7 +317,7 @@ class PagedActivationIndex:
         lru = type(self._eviction) is LruEviction  # (its touch: a move to the newest end)
         touched = entries.move_to_end if lru else self._eviction.touched
         size = p * bpt
-        same = _shape(chain.label, "page", chain.root_key, p, size, bpt, meta)
+        same = op.page_shape
         parent: _Entry | None = None
         for i, key in enumerate(keys):
             existing = entries.get(key)
@@ -463,7 +468,8 @@ class PagedActivationIndex:
         entries = self._entries
         unfootprinted = self._unfootprinted
         stored = None if type(eviction) is LruEviction else eviction.stored  # (LRU: no-op)
-        shape = _shape(chain.label, "page", chain.root_key, p, size, op.bytes_per_token, op.meta)
+        shape = op.page_shape
+        assert shape is not None
         # With all the room made at once, the new pages' tombstones go in one call after the
         # loop; a strategy that makes room page by page buries other keys between pages, and
         # each page's tombstone must go before (a full tracker then drops the same ones).
