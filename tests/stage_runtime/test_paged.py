@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stage_runtime.cache.paged import PagedActivationIndex, chains, page_chain
+from stage_runtime.cache.paged import entries as entries_module
 from stage_runtime.cache.paged.results import PagedRestore
 from stage_runtime.errors import ConfigError, FrameError
 
@@ -525,6 +526,41 @@ def test_nothing_past_a_rejected_page_is_used() -> None:
     assert lookup.restore.token_count == 2
     assert lookup.restore.meta == "f16"
     assert len(index) == 3  # pages 1 and 2 are still cached, just not usable after the gap
+
+
+def test_the_pages_of_like_records_share_one_shape() -> None:
+    """What pages of one row format have in common is one object, whichever record stored
+    them (an entry holds a reference to it, not seven fields of its own)."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4, 5, 6])
+    record(index, [7, 8, 9, 10, 11])
+    pages = [entry for entry in index._entries.values() if entry.kind == "page"]
+    assert len(pages) == 5
+    assert len({id(entry.shape) for entry in pages}) == 1
+    (tail,) = [entry for entry in index._entries.values() if entry.kind == "tail"]
+    assert tail.shape is not pages[0].shape
+    assert (tail.token_count, tail.nbytes, tail.group) == (
+        1,
+        BPT,
+        index.chain(b"ns", [7, 8, 9, 10]).page_keys[1],
+    )
+
+
+def test_pages_alike_but_of_shapes_made_apart_restore_as_one_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pages are told alike by their fields, not by sharing a shape object: when the shapes'
+    memo has started again between two records (past its bound), a chain of both still
+    restores whole."""
+    index = PagedActivationIndex(page_tokens=2, max_entries=100)
+    record(index, [1, 2, 3, 4])
+    monkeypatch.setattr(entries_module, "_shapes", {})
+    record(index, [1, 2, 3, 4, 5, 6])
+    first, _, third = (
+        index._entries[key] for key in index.chain(b"ns", [1, 2, 3, 4, 5, 6]).page_keys
+    )
+    assert first.shape is not third.shape
+    assert restored(index, [1, 2, 3, 4, 5, 6]) == 6
 
 
 def test_miss_reasons_never_seen_evicted_rejected() -> None:
