@@ -19,7 +19,13 @@ from stage_runtime.errors import ConfigError, FrameError, StageFailedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import CausalMixModel, StageModel
 from stage_runtime.stage import PrefillRequest, Stage
-from tests.stage_runtime.pipeline_helpers import WrappedModel, mix_factory, prompt, stage_configs
+from tests.stage_runtime.pipeline_helpers import (
+    CountingModel,
+    WrappedModel,
+    mix_factory,
+    prompt,
+    stage_configs,
+)
 
 NO_ENV: dict[str, str] = {}
 
@@ -165,6 +171,88 @@ async def test_abandoned_request_is_skipped() -> None:
     stats = await stage.statistics()
     assert stats.cache is not None
     assert stats.cache.records == 2
+
+
+@attrs.define(eq=False)
+class AbandoningModel(WrappedModel):
+    """Abandons ``victim`` as its forward returns (after its last schedule point), once."""
+
+    victim: PrefillRequest | None = None
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        output = await self.inner.forward(inputs, start, restored)
+        if self.victim is not None:
+            self.victim.abandon()
+            self.victim = None
+        return output
+
+
+def _stage_counts(logs: list[LogEvent]) -> tuple[int, int, int]:
+    (stopped,) = events_named(logs, "stage_stopped")
+    return stopped["completed"], stopped["skipped"], stopped["failed"]
+
+
+async def test_a_request_abandoned_mid_compute_is_interrupted_and_the_next_is_computed(
+    logs: list[LogEvent], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Abandoning the request a stage computes interrupts its model; the requests after it
+    are computed as usual (one cancel scope serves many requests, and a new one is made after
+    it interrupted one)."""
+    config = stage_configs(1, min_tokens=8)[0]
+    model = CountingModel(inner=CausalMixModel.for_stage(config, width=8), gate=trio.Event())
+    send, receive = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
+    first, second = request(10), request(12)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await send.send(first)
+            await trio.testing.wait_all_tasks_blocked()
+            assert model.calls == [(0, 10)]  # waiting at its gate
+            first.abandon()
+            await trio.testing.wait_all_tasks_blocked()
+            model.gate.set()
+            await send.send(second)
+            await second.done.wait()
+            await send.aclose()
+    assert not first.done.is_set()
+    assert second.error is None
+    assert second.frame is not None
+    assert second.frame.token_count == 12
+    assert model.calls == [(0, 10), (0, 12)]
+    assert _stage_counts(logs) == (1, 1, 0)
+
+
+async def test_a_request_abandoned_after_its_last_schedule_point_leaves_the_next_alone(
+    logs: list[LogEvent], autojump_clock: trio.testing.MockClock
+) -> None:
+    """Abandoned as its model returns, with no schedule point left to interrupt: the stage
+    skips it (no record, nothing settled), and the next request is not interrupted by the
+    cancellation meant for it."""
+    config = stage_configs(1, min_tokens=8)[0]
+    model = AbandoningModel(inner=CausalMixModel.for_stage(config, width=8))
+    send, receive = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
+    first, second = request(10), request(12)
+    model.victim = first
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await send.send(first)
+            await send.send(second)
+            await second.done.wait()
+            await send.aclose()
+    assert not first.done.is_set()
+    assert first.reports == []
+    assert second.error is None
+    assert second.frame is not None
+    assert second.frame.token_count == 12
+    assert _stage_counts(logs) == (1, 1, 0)
+    stats = await stage.statistics()
+    assert stats.cache is not None
+    assert stats.cache.records == 2  # the second request's ladder only
 
 
 @pytest.mark.parametrize(
