@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 
@@ -240,6 +242,14 @@ class _Entry:
         """Printable name (made on demand: most entries are never named)."""
         shape = self.shape
         return _entry_name(shape.label, shape.kind, self.token_start, shape.token_count, self.key)
+
+
+_key_of = operator.attrgetter("key")
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run an iterator of calls through, at C speed (their results are dropped)."""
+    collections.deque(calls, maxlen=0)
 
 
 def _leaf_item(entry: _Entry) -> tuple[float, int, int, _Entry]:

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
-from stage_runtime.cache.paged.entries import _Entry, _leaf_item
+from stage_runtime.cache.paged.entries import _consume, _Entry, _key_of, _leaf_item
 from stage_runtime.cache.paged.results import _Eviction
 from stage_runtime.cache.resident import EvictionReason
 from stage_runtime.config import PageEviction
@@ -77,8 +77,10 @@ class EvictionStrategy(Protocol):
     def touched(self, entry: _Entry) -> None:
         """``entry`` was used now (its ``last_used`` and ``hits`` are updated)."""
 
-    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
-        """The order a restore touches the entries it used (given in token order)."""
+    def restored(self, used: Sequence[_Entry]) -> None:
+        """A restore used ``used`` (in token order, none of them new): each is used now (the
+        index's clock moves on one per entry, for the policies that read an entry's last use,
+        which also count its ``hits``)."""
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         """``entry`` left the index."""
@@ -151,9 +153,10 @@ class LruEviction:
         # To the newest end at once: a record must not evict what it already touched.
         self._index._entries.move_to_end(entry.key)
 
-    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
-        # Deepest first leaves the chain in the order record_ended gives.
-        return used[::-1]
+    def restored(self, used: Sequence[_Entry]) -> None:
+        # LRU reads neither an entry's last use nor its hits: a restore only moves the pages to
+        # the newest end, deepest first (the order record_ended gives), in one C loop.
+        _consume(map(self._index._entries.move_to_end, map(_key_of, reversed(used))))
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         pass
@@ -274,8 +277,16 @@ class ReuseEviction:
             if len(self._leaves) > 2 * len(self._index._entries) + 64:
                 self._compact()
 
-    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
-        return used
+    def restored(self, used: Sequence[_Entry]) -> None:
+        index = self._index
+        clock = index._clock
+        touched = self.touched
+        for entry in used:
+            clock += 1
+            entry.last_used = clock
+            entry.hits += 1
+            touched(entry)
+        index._clock = clock
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         parent = entry.parent
@@ -628,8 +639,20 @@ class AdaptiveEviction(ReuseEviction):
         entry = item[2]
         return entry.tier == kind and entry.children == 0 and entry.last_used == item[0]
 
-    def touch_order(self, used: Sequence[_Entry]) -> Sequence[_Entry]:
-        return used
+    def restored(self, used: Sequence[_Entry]) -> None:
+        if self._recording:  # (never: a record ends before anything else runs)
+            super().restored(used)
+            return
+        # touched() of each outside a record, inline: the recency of every page, and a leaf
+        # back on its class's heap. (Adaptive reads no entry's hits.)
+        index = self._index
+        clock = index._clock
+        for entry in used:
+            clock += 1
+            entry.last_used = clock
+            if entry.children == 0 and entry.tier >= 0:
+                self._push(entry.tier, entry)
+        index._clock = clock
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         entry.tier = -1

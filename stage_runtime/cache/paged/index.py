@@ -13,10 +13,9 @@ and back.
 
 from __future__ import annotations
 
-import collections
 import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import cast
 
 import attrs
@@ -59,13 +58,7 @@ from stage_runtime.limits import U64_MAX
 
 __all__ = ["PagedActivationIndex"]
 
-_key_of = operator.attrgetter("key")
 _shape_of = operator.attrgetter("shape")
-
-
-def _consume(calls: Iterable[object]) -> None:
-    """Run an iterator of calls through, at C speed (their results are dropped)."""
-    collections.deque(calls, maxlen=0)
 
 
 def _to_eviction(value: object) -> PageEviction:
@@ -628,19 +621,7 @@ class PagedActivationIndex:
             final: MissReason = reason if reason is not None else "never_seen"
             self._miss_counts[final] += 1
             return PagedLookup(restore=None, miss_reason=final)
-        # _touch(entry, hit=True) of each, inline: a restore touches some 40 pages. LRU reads
-        # neither an entry's last use nor its hits: its touch is only a move to the newest end
-        # (deepest first, as its touch_order), made for every page in one C loop.
-        eviction = self._eviction
-        if type(eviction) is LruEviction:
-            _consume(map(entries.move_to_end, map(_key_of, reversed(used))))
-        else:
-            touched = eviction.touched
-            for entry in eviction.touch_order(used):
-                self._clock = clock = self._clock + 1
-                entry.last_used = clock
-                entry.hits += 1
-                touched(entry)
+        self._eviction.restored(used)  # (a restore touches some 40 pages: one call for all)
         self._hits += 1
         self._restored_tokens += covered
         first, last = used[0], used[-1]
