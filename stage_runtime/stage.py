@@ -502,8 +502,10 @@ class Stage:
             if not isinstance(rest, ExceptionGroup):
                 raise  # only Cancelled, or something that is not an Exception (^C...)
             failed = self._model_failed(request, work, sole_exception(rest))
-            if cancelled is not None:
+            if cancelled is not None and being_cancelled():
                 raise cancelled from None
+            # (Else the Cancelled was kept from an earlier cancellation: a bug of the model's,
+            # like a stray one alone. The request has its error; the stray goes no further.)
         request._scope = None
         if output is None or not request.live:
             if not failed and (output is not None or work.cancel_called):

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from actors import ActorStoppedError
@@ -253,6 +254,54 @@ async def test_a_request_abandoned_after_its_last_schedule_point_leaves_the_next
     stats = await stage.statistics()
     assert stats.cache is not None
     assert stats.cache.records == 2  # the second request's ladder only
+
+
+@attrs.define(eq=False)
+class StrayGroupModel(WrappedModel):
+    """Raises its error grouped with a Cancelled kept from an earlier cancellation, once."""
+
+    stray: trio.Cancelled | None = None
+
+    async def forward(
+        self, inputs: ActivationFrame, start: int, restored: ActivationFrame | None
+    ) -> ActivationFrame:
+        stray, self.stray = self.stray, None
+        if stray is not None:
+            raise BaseExceptionGroup("model", [ValueError("bad rows"), stray])
+        return await self.inner.forward(inputs, start, restored)
+
+
+async def test_a_model_error_grouped_with_a_stray_cancelled_fails_only_its_request(
+    logs: list[LogEvent], autojump_clock: trio.testing.MockClock
+) -> None:
+    """A model error raised in a group with a Cancelled kept from an earlier cancellation,
+    while nothing is cancelled, fails that request with the error; the stray Cancelled does
+    not end the stage (it used to, and the next request never completed)."""
+    stray: trio.Cancelled | None = None
+    with trio.CancelScope() as earlier:
+        earlier.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as cancelled:
+            stray = cancelled
+    assert stray is not None
+    config = stage_configs(1, min_tokens=8)[0]
+    model = StrayGroupModel(inner=CausalMixModel.for_stage(config, width=8), stray=stray)
+    send, receive = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
+    first, second = request(10), request(12)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await send.send(first)
+            await send.send(second)
+            await second.done.wait()
+            await send.aclose()
+    assert isinstance(first.error, ValueError)
+    assert second.error is None
+    assert second.frame is not None
+    assert second.frame.token_count == 12
+    assert _stage_counts(logs) == (1, 0, 1)
 
 
 @pytest.mark.parametrize(
