@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stage_runtime.cache.paged import PagedActivationIndex, chains, page_chain
-from stage_runtime.cache.paged import entries as entries_module
 from stage_runtime.cache.paged.results import PagedRestore
 from stage_runtime.errors import ConfigError, FrameError
 
@@ -546,21 +545,32 @@ def test_the_pages_of_like_records_share_one_shape() -> None:
     )
 
 
-def test_pages_alike_but_of_shapes_made_apart_restore_as_one_run(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_pages_alike_but_of_shapes_made_apart_restore_as_one_run() -> None:
     """Pages are told alike by their fields, not by sharing a shape object: when the shapes'
     memo has started again between two records (past its bound), a chain of both still
     restores whole."""
     index = PagedActivationIndex(page_tokens=2, max_entries=100)
     record(index, [1, 2, 3, 4])
-    monkeypatch.setattr(entries_module, "_shapes", {})
+    index._shapes.forget()
     record(index, [1, 2, 3, 4, 5, 6])
     first, _, third = (
         index._entries[key] for key in index.chain(b"ns", [1, 2, 3, 4, 5, 6]).page_keys
     )
     assert first.shape is not third.shape
     assert restored(index, [1, 2, 3, 4, 5, 6]) == 6
+
+
+def test_a_restore_returns_the_meta_its_own_index_recorded() -> None:
+    """Two indexes recording the same chain with equal ``meta`` values of two types each hand
+    back their own (shapes are not shared across indexes, nor across types)."""
+    first = PagedActivationIndex(page_tokens=2, max_entries=10)
+    second = PagedActivationIndex(page_tokens=2, max_entries=10)
+    for index, meta in ((first, 1), (second, True)):
+        index.record(index.chain(b"ns", [1, 2, 3, 4]), rows(b"ns", [1, 2, 3, 4]), meta=meta)
+    for index, meta in ((first, 1), (second, True)):
+        found = index.restore(index.chain(b"ns", [1, 2, 3, 4])).restore
+        assert found is not None
+        assert found.meta is meta
 
 
 def test_miss_reasons_never_seen_evicted_rejected() -> None:

@@ -105,7 +105,7 @@ def _stored(segment: Payload) -> Payload:
 
 class _Shape:
     """What every entry of one kind stored by one record shares: its rows, size, description
-    and name parts. Made by :func:`_shape`, which hands out one object for equal shapes, so that
+    and name parts. Made by :class:`_Shapes`, which hands out one object for equal shapes, so that
     comparing two entries' rows is mostly an identity test, and an entry holds one reference
     for all of them (the garbage collector's full passes visit each reference of every resident
     entry)."""
@@ -136,28 +136,50 @@ class _Shape:
 
 
 _SHAPES = 4096
-"""Distinct shapes :func:`_shape` remembers (a pipeline's stages use a handful each); past
-that it starts again, and entries of equal shapes are then told alike field by field."""
-_shapes: dict[tuple[str, EntryKind, bytes, int, int, int, Hashable], _Shape] = {}
+"""Distinct shapes a :class:`_Shapes` remembers of each kind (an index's pages have a handful);
+past that it starts again, and entries of equal shapes are then told alike field by field."""
 
 
-def _shape(
-    label: str,
-    kind: EntryKind,
-    root: bytes,
-    token_count: int,
-    nbytes: int,
-    bytes_per_token: int,
-    meta: Hashable,
-) -> _Shape:
-    """The one :class:`_Shape` of these fields (one object while it is remembered)."""
-    fields = (label, kind, root, token_count, nbytes, bytes_per_token, meta)
-    shape = _shapes.get(fields)
-    if shape is None:
-        if len(_shapes) >= _SHAPES:
-            _shapes.clear()
-        shape = _shapes[fields] = _Shape(*fields)
-    return shape
+class _Shapes:
+    """One index's :class:`_Shape` objects: one per distinct shape while remembered.
+
+    Per index, so that an entry only ever holds a ``meta`` its own index recorded; keyed by the
+    ``meta``'s type too, since equal values of two types (``1`` and ``True``) are not the same
+    description. Pages apart from tails and exact entries: those come in as many shapes as
+    there are prompt lengths, and must not push the pages' few out."""
+
+    __slots__ = ("_others", "_pages")
+
+    def __init__(self) -> None:
+        self._pages: dict[tuple[object, ...], _Shape] = {}
+        self._others: dict[tuple[object, ...], _Shape] = {}
+
+    def get(
+        self,
+        label: str,
+        kind: EntryKind,
+        root: bytes,
+        token_count: int,
+        nbytes: int,
+        bytes_per_token: int,
+        meta: Hashable,
+    ) -> _Shape:
+        """The shape of these fields (the same object as the last call's for equal ones)."""
+        memo = self._pages if kind == "page" else self._others
+        fields = (label, kind, root, token_count, nbytes, bytes_per_token, type(meta), meta)
+        shape = memo.get(fields)
+        if shape is None:
+            if len(memo) >= _SHAPES:
+                memo.clear()
+            shape = _Shape(label, kind, root, token_count, nbytes, bytes_per_token, meta)
+            memo[fields] = shape
+        return shape
+
+    def forget(self) -> None:
+        """Start again (entries keep their shapes; equal new ones are told alike field by
+        field)."""
+        self._pages.clear()
+        self._others.clear()
 
 
 class _Entry:

@@ -36,7 +36,7 @@ from stage_runtime.cache.paged.entries import (
     _footprint_segments,
     _segments_of,
     _Shape,
-    _shape,
+    _Shapes,
     _stored,
 )
 from stage_runtime.cache.paged.eviction import EvictionStrategy, LruEviction, eviction_for
@@ -135,6 +135,8 @@ class PagedActivationIndex:
     only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it.
     (The entries themselves, not a tuple each: what the garbage collector traverses on every
     full collection is counted in hundreds of thousands here.)"""
+    _shapes: _Shapes = attrs.field(factory=_Shapes, init=False)
+    """What the entries of a record share, one object per distinct shape."""
     _recent_chains: RecentChains = attrs.field(factory=RecentChains, init=False)
     """Chains :meth:`chain` computed lately, by first page key, oldest first."""
     _lookups: int = attrs.field(default=0, init=False)
@@ -269,7 +271,7 @@ class PagedActivationIndex:
         # them; every page after the first missing one is new (_put_new_pages). Under LRU, when
         # nothing can be evicted before the record ends, whose end (record_ended) makes the
         # whole chain the newest, a refresh need not touch each page.
-        op.page_shape = _shape(chain.label, "page", chain.root_key, p, p * bpt, bpt, meta)
+        op.page_shape = self._shapes.get(chain.label, "page", chain.root_key, p, p * bpt, bpt, meta)
         touch = type(self._eviction) is not LruEviction or not self._fits_without_eviction(
             len(keys), n * bpt
         )
@@ -393,7 +395,7 @@ class PagedActivationIndex:
             op.stored_bytes += int(segment.size)
             existing.payload = _stored(segment)
             was = existing.shape
-            existing.shape = _shape(
+            existing.shape = self._shapes.get(
                 was.label, was.kind, was.root, was.token_count, int(segment.size), bpt, meta
             )
             self._uncount_footprint(key)
@@ -420,7 +422,7 @@ class PagedActivationIndex:
         self._clock += 1
         size = int(payload.size)
         chain = op.chain
-        shape = _shape(
+        shape = self._shapes.get(
             chain.label, kind, chain.root_key, token_count, size, op.bytes_per_token, op.meta
         )
         entry = _Entry(key, parent, token_start, payload, shape, self._clock)
