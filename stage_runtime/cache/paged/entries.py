@@ -83,14 +83,21 @@ def _footprint_segments(chain: PageChain, entry: _Entry) -> Footprint:
     the prompt: a view would keep the whole prompt alive as long as the entry. (Kept compact:
     one is held per resident entry until the footprint is read.)"""
     tokens = chain.tokens
-    if entry.kind == "exact":
-        # As chain.segments(n): each page of the first n tokens, then the rest.
-        p, n = chain.page_tokens, entry.token_count
-        return [
-            (chain.parent_key(i), _shared_segment(tokens, i * p, min((i + 1) * p, n)))
-            for i in range(-(-n // p))
-        ]
+    p = chain.page_tokens
+    kind = entry.kind
+    if kind == "exact":
+        # As chain.segments(n): each page of the first n tokens (the bytes the pages of the
+        # same prompt hold), then the rest.
+        n = entry.token_count
+        pages = _segments_of(tokens).page_rows(tokens, p)
+        whole = n // p
+        out = [(chain.parent_key(i), pages[i]) for i in range(whole)]
+        if n % p:
+            out.append((chain.parent_key(whole), _shared_segment(tokens, whole * p, n)))
+        return out
     start = entry.token_start
+    if kind == "page":
+        return _segments_of(tokens).page_rows(tokens, p)[start // p]
     return _shared_segment(tokens, start, start + entry.token_count)
 
 
