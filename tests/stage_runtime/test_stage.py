@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -15,7 +15,7 @@ import trio.testing
 from actors import ActorStoppedError
 from actors.testing import LogEvent, capture_actor_logs, events_named
 from stage_runtime.cache_actor import CacheActor, RecordActivation
-from stage_runtime.config import MessageBase
+from stage_runtime.config import MessageBase, StageConfig
 from stage_runtime.errors import ConfigError, FrameError, StageFailedError
 from stage_runtime.frames import ActivationFrame
 from stage_runtime.models import CausalMixModel, StageModel
@@ -195,33 +195,54 @@ def _stage_counts(logs: list[LogEvent]) -> tuple[int, int, int]:
     return stopped["completed"], stopped["skipped"], stopped["failed"]
 
 
+def _one_stage() -> StageConfig:
+    return stage_configs(1, min_tokens=8)[0]
+
+
+async def _first_then_second(
+    model: StageModel,
+    *,
+    while_first_is_in: Callable[[PrefillRequest], Awaitable[None]] | None = None,
+) -> tuple[Stage, PrefillRequest, PrefillRequest]:
+    """Send a stage of ``model`` (:func:`_one_stage`) a 10-token request, then (after
+    ``while_first_is_in`` ran, given the first) a 12-token one; check that the second was
+    computed, and stop the stage."""
+    send, receive = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=_one_stage(), model_factory=lambda _: model, inbox=receive, outbox=None)
+    first, second = request(10), request(12)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await send.send(first)
+            if while_first_is_in is not None:
+                await while_first_is_in(first)
+            await send.send(second)
+            await second.done.wait()
+            await send.aclose()
+    assert second.error is None
+    assert second.frame is not None
+    assert second.frame.token_count == 12
+    return stage, first, second
+
+
 async def test_a_request_abandoned_mid_compute_is_interrupted_and_the_next_is_computed(
     logs: list[LogEvent], autojump_clock: trio.testing.MockClock
 ) -> None:
     """Abandoning the request a stage computes interrupts its model; the requests after it
     are computed as usual (one cancel scope serves many requests, and a new one is made after
     it interrupted one)."""
-    config = stage_configs(1, min_tokens=8)[0]
-    model = CountingModel(inner=CausalMixModel.for_stage(config, width=8), gate=trio.Event())
-    send, receive = trio.open_memory_channel[PrefillRequest](2)
-    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
-    first, second = request(10), request(12)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(stage.run)
-            await send.send(first)
-            await trio.testing.wait_all_tasks_blocked()
-            assert model.calls == [(0, 10)]  # waiting at its gate
-            first.abandon()
-            await trio.testing.wait_all_tasks_blocked()
-            model.gate.set()
-            await send.send(second)
-            await second.done.wait()
-            await send.aclose()
+    gate = trio.Event()
+    model = CountingModel(inner=CausalMixModel.for_stage(_one_stage(), width=8), gate=gate)
+
+    async def abandon_at_the_gate(first: PrefillRequest) -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        assert model.calls == [(0, 10)]  # waiting at its gate
+        first.abandon()
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+
+    _, first, _ = await _first_then_second(model, while_first_is_in=abandon_at_the_gate)
     assert not first.done.is_set()
-    assert second.error is None
-    assert second.frame is not None
-    assert second.frame.token_count == 12
     assert model.calls == [(0, 10), (0, 12)]
     assert _stage_counts(logs) == (1, 1, 0)
 
@@ -232,24 +253,14 @@ async def test_a_request_abandoned_after_its_last_schedule_point_leaves_the_next
     """Abandoned as its model returns, with no schedule point left to interrupt: the stage
     skips it (no record, nothing settled), and the next request is not interrupted by the
     cancellation meant for it."""
-    config = stage_configs(1, min_tokens=8)[0]
-    model = AbandoningModel(inner=CausalMixModel.for_stage(config, width=8))
-    send, receive = trio.open_memory_channel[PrefillRequest](2)
-    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
-    first, second = request(10), request(12)
-    model.victim = first
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(stage.run)
-            await send.send(first)
-            await send.send(second)
-            await second.done.wait()
-            await send.aclose()
+    model = AbandoningModel(inner=CausalMixModel.for_stage(_one_stage(), width=8))
+
+    async def abandoned_by_the_model(first: PrefillRequest) -> None:
+        model.victim = first
+
+    stage, first, _ = await _first_then_second(model, while_first_is_in=abandoned_by_the_model)
     assert not first.done.is_set()
     assert first.reports == []
-    assert second.error is None
-    assert second.frame is not None
-    assert second.frame.token_count == 12
     assert _stage_counts(logs) == (1, 1, 0)
     stats = await stage.statistics()
     assert stats.cache is not None
@@ -285,22 +296,9 @@ async def test_a_model_error_grouped_with_a_stray_cancelled_fails_only_its_reque
         except trio.Cancelled as cancelled:
             stray = cancelled
     assert stray is not None
-    config = stage_configs(1, min_tokens=8)[0]
-    model = StrayGroupModel(inner=CausalMixModel.for_stage(config, width=8), stray=stray)
-    send, receive = trio.open_memory_channel[PrefillRequest](2)
-    stage = Stage(config=config, model_factory=lambda _: model, inbox=receive, outbox=None)
-    first, second = request(10), request(12)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(stage.run)
-            await send.send(first)
-            await send.send(second)
-            await second.done.wait()
-            await send.aclose()
+    model = StrayGroupModel(inner=CausalMixModel.for_stage(_one_stage(), width=8), stray=stray)
+    _, first, _ = await _first_then_second(model)
     assert isinstance(first.error, ValueError)
-    assert second.error is None
-    assert second.frame is not None
-    assert second.frame.token_count == 12
     assert _stage_counts(logs) == (1, 0, 1)
 
 
