@@ -71,6 +71,20 @@ def test_grid_fingerprints_follow_their_definition(
             assert grid.by_print[grid.prints[index]] == count
 
 
+@pytest.mark.parametrize("stride", [1, 64])
+def test_a_long_prompts_fingerprints_follow_their_definition(stride: int) -> None:
+    """Past a few dozen blocks the rolling hash is computed in numpy (mod 2**64 by the
+    multiplier's inverse): the same fingerprints, negative tokens and one-token blocks too."""
+    rng = np.random.default_rng(7)
+    array = rng.integers(-(2**31), 2**31, 20_000, dtype=np.int32)
+    policy = CandidatePolicy(min_tokens=stride, stride_tokens=stride, page_size_tokens=stride)
+    grid = GridFingerprints(array, policy)
+    assert len(grid.counts) > 200
+    for index in (0, 1, 2, len(grid.counts) // 2, len(grid.counts) - 2, len(grid.counts) - 1):
+        count = grid.counts[index]
+        assert grid.prints[index] == _definition(array, count, stride)
+
+
 def test_equal_prefixes_have_equal_fingerprints_across_prompts() -> None:
     """Two prompts sharing their first 300 tokens agree on every grid length within them and
     (almost surely) differ past it: the filter never hides a resident prefix."""
