@@ -281,12 +281,14 @@ class ReuseEviction:
         index = self._index
         clock = index._clock
         touched = self.touched
-        for entry in used:
-            clock += 1
-            entry.last_used = clock
-            entry.hits += 1
-            touched(entry)
-        index._clock = clock
+        try:
+            for entry in used:
+                clock += 1
+                entry.last_used = clock
+                entry.hits += 1
+                touched(entry)
+        finally:  # (interrupted too: no later use may take a time an entry already has)
+            index._clock = clock
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         parent = entry.parent
@@ -647,12 +649,14 @@ class AdaptiveEviction(ReuseEviction):
         # back on its class's heap. (Adaptive reads no entry's hits.)
         index = self._index
         clock = index._clock
-        for entry in used:
-            clock += 1
-            entry.last_used = clock
-            if entry.children == 0 and entry.tier >= 0:
-                self._push(entry.tier, entry)
-        index._clock = clock
+        try:
+            for entry in used:
+                clock += 1
+                entry.last_used = clock
+                if entry.children == 0 and entry.tier >= 0:
+                    self._push(entry.tier, entry)
+        finally:  # (as ReuseEviction.restored)
+            index._clock = clock
 
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         entry.tier = -1
