@@ -142,6 +142,10 @@ class _Shape:
         self.meta = meta
 
 
+ShapeFields = tuple[str, EntryKind, bytes, int, int, int, Hashable]
+"""A :class:`_Shape`'s fields, in its constructor's order: label, kind, root, token count,
+payload bytes, bytes per token, meta."""
+
 _SHAPES = 4096
 """Distinct shapes a :class:`_Shapes` remembers of each kind (an index's pages have a handful);
 past that it starts again, and entries of equal shapes are then told alike field by field."""
@@ -161,25 +165,15 @@ class _Shapes:
         self._pages: dict[tuple[object, ...], _Shape] = {}
         self._others: dict[tuple[object, ...], _Shape] = {}
 
-    def get(
-        self,
-        label: str,
-        kind: EntryKind,
-        root: bytes,
-        token_count: int,
-        nbytes: int,
-        bytes_per_token: int,
-        meta: Hashable,
-    ) -> _Shape:
-        """The shape of these fields (the same object as the last call's for equal ones)."""
-        memo = self._pages if kind == "page" else self._others
-        fields = (label, kind, root, token_count, nbytes, bytes_per_token, type(meta), meta)
-        shape = memo.get(fields)
+    def get(self, fields: ShapeFields) -> _Shape:
+        """The shape of ``fields`` (the same object as the last call's for equal ones)."""
+        memo = self._pages if fields[1] == "page" else self._others
+        key = (*fields, type(fields[6]))
+        shape = memo.get(key)
         if shape is None:
             if len(memo) >= _SHAPES:
                 memo.clear()
-            shape = _Shape(label, kind, root, token_count, nbytes, bytes_per_token, meta)
-            memo[fields] = shape
+            shape = memo[key] = _Shape(*fields)
         return shape
 
     def forget(self) -> None:

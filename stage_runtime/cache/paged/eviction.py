@@ -641,23 +641,6 @@ class AdaptiveEviction(ReuseEviction):
         entry = item[2]
         return entry.tier == kind and entry.children == 0 and entry.last_used == item[0]
 
-    def restored(self, used: Sequence[_Entry]) -> None:
-        if self._recording:  # (never: a record ends before anything else runs)
-            super().restored(used)
-            return
-        # touched() of each outside a record, inline: the recency of every page, and a leaf
-        # back on its class's heap. (Adaptive reads no entry's hits.)
-        index = self._index
-        clock = index._clock
-        try:
-            for entry in used:
-                clock += 1
-                entry.last_used = clock
-                if entry.children == 0 and entry.tier >= 0:
-                    self._push(entry.tier, entry)
-        finally:  # (as ReuseEviction.restored)
-            index._clock = clock
-
     def evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         entry.tier = -1
         parent = entry.parent

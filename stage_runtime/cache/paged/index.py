@@ -271,7 +271,9 @@ class PagedActivationIndex:
         # them; every page after the first missing one is new (_put_new_pages). Under LRU, when
         # nothing can be evicted before the record ends, whose end (record_ended) makes the
         # whole chain the newest, a refresh need not touch each page.
-        op.page_shape = self._shapes.get(chain.label, "page", chain.root_key, p, p * bpt, bpt, meta)
+        op.page_shape = self._shapes.get(
+            (chain.label, "page", chain.root_key, p, p * bpt, bpt, meta)
+        )
         touch = type(self._eviction) is not LruEviction or not self._fits_without_eviction(
             len(keys), n * bpt
         )
@@ -396,7 +398,7 @@ class PagedActivationIndex:
             existing.payload = _stored(segment)
             was = existing.shape
             existing.shape = self._shapes.get(
-                was.label, was.kind, was.root, was.token_count, int(segment.size), bpt, meta
+                (was.label, was.kind, was.root, was.token_count, int(segment.size), bpt, meta)
             )
             self._uncount_footprint(key)
             existing.footprint = _footprint_segments(op.chain, existing)
@@ -423,7 +425,7 @@ class PagedActivationIndex:
         size = int(payload.size)
         chain = op.chain
         shape = self._shapes.get(
-            chain.label, kind, chain.root_key, token_count, size, op.bytes_per_token, op.meta
+            (chain.label, kind, chain.root_key, token_count, size, op.bytes_per_token, op.meta)
         )
         entry = _Entry(key, parent, token_start, payload, shape, self._clock)
         self._entries[key] = entry
