@@ -413,6 +413,8 @@ class ActivationFrame:
         single-sequence frame of a known dtype; None otherwise. A virtual frame's width is
         nominal (a simulation sets its bytes per token freely). Not a whole number when the
         rows are not whole elements."""
+        if _is_zero_stride(self.payload):  # (virtual: first, as a simulation's frames are)
+            return None
         desc = self.desc
         element = _NUMPY_DTYPE.get(desc.dtype)
         if (
@@ -421,7 +423,6 @@ class ActivationFrame:
             or desc.flags
             or desc.sequence_count != 1
             or desc.token_count == 0
-            or self.is_virtual
         ):
             return None
         return self.bytes_per_token / element.itemsize

@@ -54,6 +54,8 @@ from stage_runtime.cache_actor import (
     ClearCache,
     RecordActivation,
     RestoreActivationPages,
+    _StageRecord,
+    _StageRestore,
 )
 from stage_runtime.config import SCHEMA_VERSION, MessageBase, StageConfig, check_name
 from stage_runtime.errors import (
@@ -204,10 +206,12 @@ class StageStats:
 
 # A stage's envelope and messages to its cache, built from every field in order, unchecked:
 # the envelope's fields were checked by the stage's config and the request; the messages' one
-# converter keeps a read-only array that owns its data as it is, and the actor checks the rest.
+# converter keeps a read-only array that owns its data as it is; the model's width and output
+# are checked by the stage, so the actor takes these messages as they are.
 _unchecked_message_base = unchecked_constructor(MessageBase)
-_unchecked_restore = unchecked_constructor(RestoreActivationPages)
-_unchecked_record = unchecked_constructor(RecordActivation)
+_unchecked_restore = unchecked_constructor(_StageRestore)
+_unchecked_record = unchecked_constructor(_StageRecord)
+_INT32: Final = np.dtype(np.int32)
 
 
 def _optional_name(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -462,9 +466,16 @@ class Stage:
         width = model.activation_width
         # Only the cache needs request metadata; an uncached stage skips building it.
         base = self._message_base(request) if self._lookup or self._record else None
-        # A read-only array that owns its data (what the pipeline hands every stage) is what a
-        # message would keep of the tokens anyway: its messages are then built unchecked.
-        frozen = type(tokens) is np.ndarray and _frozen(tokens)
+        # A read-only 1-D int32 array that owns its data (what the pipeline hands every stage)
+        # is what a message would keep of the tokens anyway: its messages are then built
+        # unchecked, and the actor takes them as they are. (Anything else, only a caller
+        # building requests itself can send: checked messages, which the actor checks.)
+        frozen = (
+            type(tokens) is np.ndarray
+            and tokens.dtype is _INT32
+            and tokens.ndim == 1
+            and _frozen(tokens)
+        )
         restored: ActivationFrame | None = None
         output: ActivationFrame | None = None
         failed = False
@@ -472,6 +483,7 @@ class Stage:
         # Cancelled from here on ends the request, which _serve then counts as skipped.
         request._scope = work
         if base is not None and self._lookup:
+            restore: RestoreActivationPages
             if frozen:
                 restore = _unchecked_restore(base, tokens, width, 0)
             else:
@@ -515,6 +527,7 @@ class Stage:
         if base is not None and self._record:
             if self.borrowed_inputs and request.frame is not None:
                 output = _owned(output, request.frame)
+            record: RecordActivation
             if frozen:
                 record = _unchecked_record(base, tokens, width, output, 0)
             else:

@@ -752,11 +752,11 @@ async def test_leaving_the_context_drains_in_flight_requests(
 async def test_stage_crash_fails_the_pipeline_with_stage_failed_error() -> None:
     """A cache that raises (a bug) crashes its stage: StageFailedError chained to the cause."""
 
-    def broken(self: CacheActor, message: Any) -> Any:
+    def broken(self: CacheActor, *fields: Any) -> Any:
         raise RuntimeError("cache bug")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CacheActor, "_record", broken)
+        patch.setattr(CacheActor, "_store", broken)
         with pytest.RaisesGroup(
             pytest.RaisesExc(StageFailedError, match="stage 'stage-0' failed")
         ) as group:
@@ -773,7 +773,7 @@ async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
     """Callers waiting in other tasks get a PipelineStoppedError instead of hanging."""
     outcome: list[BaseException] = []
 
-    def broken(self: CacheActor, message: Any) -> Any:
+    def broken(self: CacheActor, *fields: Any) -> Any:
         raise RuntimeError("cache bug")
 
     async def caller(pipeline: Any, task_status: trio.TaskStatus[None]) -> None:
@@ -784,7 +784,7 @@ async def test_stage_crash_fails_callers_outside_the_pipeline_block() -> None:
             outcome.append(exc)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CacheActor, "_record", broken)
+        patch.setattr(CacheActor, "_store", broken)
         async with trio.open_nursery() as callers:
             with pytest.RaisesGroup(StageFailedError):
                 async with open_pipeline(stage_configs(2), mix_factory(), environ=NO_ENV) as pipe:
@@ -900,11 +900,11 @@ async def test_a_bug_filing_a_records_report_crashes_the_stage_not_hangs(
     filing it (here a record that is not one) crashes the stage, as a failed record does: the
     caller's prefill is not left waiting."""
 
-    def malformed(self: CacheActor, message: Any) -> Any:
+    def malformed(self: CacheActor, *fields: Any) -> Any:
         return [object()]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CacheActor, "_record", malformed)
+        patch.setattr(CacheActor, "_store", malformed)
         with trio.fail_after(60):  # virtual seconds: a hang fails here at once
             with pytest.RaisesGroup(
                 pytest.RaisesExc(StageFailedError, match="stage 'stage-0' failed")

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import pytest
 import trio
 import trio.lowlevel
@@ -341,3 +342,59 @@ def test_a_stages_envelope_equals_a_checked_one() -> None:
     built = stage._message_base(req)
     assert built == checked
     assert repr(built) == repr(checked)
+
+
+def _read_only(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    array.flags.writeable = False
+    return array
+
+
+@pytest.mark.parametrize(
+    ("tokens", "trusted"),
+    [
+        pytest.param(_read_only(prompt(20)), True, id="the-pipelines-own-read-only-int32"),
+        pytest.param(prompt(20), False, id="writable-int32"),
+        pytest.param(_read_only(prompt(20).astype(np.int64)), False, id="read-only-int64"),
+        pytest.param(_read_only(prompt(40)[::2]), False, id="read-only-strided-view"),
+    ],
+)
+async def test_only_tokens_a_stage_checked_go_to_its_actor_unchecked(
+    tokens: npt.NDArray[Any], trusted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage's actor takes the stage's messages as they are only for the tokens the pipeline
+    hands it (a read-only 1-D int32 array owning its data); other tokens go in checked
+    messages, which the actor checks and converts. Either way, the same prompt twice records,
+    then restores, alike."""
+    seen: list[type[object]] = []
+    handle = CacheActor.handle
+
+    def spy(actor: CacheActor, message: Any) -> Any:
+        seen.append(type(message))
+        return handle(actor, message)
+
+    monkeypatch.setattr(CacheActor, "handle", spy)
+    config = stage_configs(1, min_tokens=8)[0]
+    send, inbox = trio.open_memory_channel[PrefillRequest](2)
+    stage = Stage(config=config, model_factory=mix_factory(), inbox=inbox, outbox=None)
+    first, again = (
+        PrefillRequest(request_id=f"r{i}", session_id="s", tokens=tokens) for i in range(2)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for req in (first, again):
+            await send.send(req)
+            await req.done.wait()
+        await send.aclose()
+    reports = [req.reports[0] for req in (first, again)]
+    assert [(r.restored_tokens, r.computed_tokens) for r in reports] == [(0, 20), (20, 0)]
+    assert [r.token_count for r in reports[0].records] == [20, 16]
+    assert first.frame is not None
+    assert again.frame is not None
+    assert first.frame.payload.tobytes() == again.frame.payload.tobytes()
+    names = [kind.__name__ for kind in seen if kind.__name__ != "CacheStatsRequest"]
+    expected = (
+        ["_StageRestore", "_StageRecord"]
+        if trusted
+        else ["RestoreActivationPages", "RecordActivation"]
+    )
+    assert names == expected * 2
