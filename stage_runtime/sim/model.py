@@ -89,12 +89,14 @@ class SimulatedStageModel:
 
     async def _spend(self, computed_tokens: int, restored_bytes: int) -> None:
         """Sleep what computing and restoring cost this stage (when the model sleeps)."""
+        if not self.sleep:  # (the caller adds the costs up: nothing to work out here)
+            return
         delay = self.cost.stage_cost(
             computed_tokens=computed_tokens,
             restored_bytes=restored_bytes,
             stage_index=self.stage_index,
         )
-        if self.sleep and delay > 0:
+        if delay > 0:
             await trio.sleep(delay)
 
     def frame(self, token_count: int) -> ActivationFrame:
