@@ -588,7 +588,10 @@ class ActorRef(Generic[MessageT, ReplyT]):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             msg = f"timeout must be a number of seconds or None, got {timeout!r}"
             raise TypeError(msg)
-        if not timeout >= 0:  # also refuses NaN
+        if math.isnan(timeout):
+            msg = "timeout must be a number of seconds >= 0, got nan"
+            raise ValueError(msg)
+        if timeout < 0:
             msg = f"timeout must be >= 0 seconds, got {timeout!r}"
             raise ValueError(msg)
         with trio.fail_after(timeout):

@@ -28,7 +28,10 @@ def _seconds(attribute: attrs.Attribute[Any], value: float) -> None:
 
 def _window(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     _seconds(attribute, value)
-    if not value > 0:  # also refuses NaN; inf means "ever"
+    if math.isnan(value):
+        msg = f"{attribute.name} must be a number of seconds > 0, got nan"
+        raise ValueError(msg)
+    if value <= 0:  # (inf means "ever")
         msg = f"{attribute.name} must be > 0, got {value!r}"
         raise ValueError(msg)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 
@@ -18,7 +19,10 @@ def _non_negative_float(instance: object, attribute: attrs.Attribute[float], val
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         msg = f"{attribute.name} must be a number of seconds, got {shown(value)}"
         raise ConfigError(msg)
-    if not value >= 0:  # also refuses NaN
+    if math.isnan(value):
+        msg = f"{attribute.name} must be a number of seconds >= 0, got nan"
+        raise ConfigError(msg)
+    if value < 0:
         msg = f"{attribute.name} must be >= 0, got {value}"
         raise ConfigError(msg)
     if value > MAX_COST_S:

@@ -427,7 +427,7 @@ async def test_ask_timeout_leaves_actor_running(autojump_clock: trio.testing.Moc
     ("bad_timeout", "error", "match"),
     [
         (-1, ValueError, "timeout must be >= 0 seconds, got -1"),
-        (float("nan"), ValueError, "timeout must be >= 0 seconds, got nan"),
+        (float("nan"), ValueError, "timeout must be a number of seconds >= 0, got nan"),
         ("1", TypeError, "timeout must be a number of seconds or None, got '1'"),
         (True, TypeError, "timeout must be a number of seconds or None, got True"),
     ],

@@ -326,7 +326,11 @@ async def _open_instance_with_policy() -> None:
             "max_restarts must be an integer, got True",
         ),
         ({"max_restarts": 1, "within_s": 0}, ValueError, "within_s must be > 0, got 0"),
-        ({"max_restarts": 1, "within_s": math.nan}, ValueError, "within_s must be > 0, got nan"),
+        (
+            {"max_restarts": 1, "within_s": math.nan},
+            ValueError,
+            "within_s must be a number of seconds > 0, got nan",
+        ),
         ({"max_restarts": 1, "within_s": "9"}, TypeError, "within_s must be a number of seconds"),
         (
             {"max_restarts": 1, "within_s": 1, "backoff_s": -0.5},

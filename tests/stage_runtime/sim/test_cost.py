@@ -26,7 +26,7 @@ def test_negative_costs_are_refused(field: str) -> None:
     with pytest.raises(ConfigError, match=f"{field} must be >= 0, got -1"):
         CostModel(**negative)
     nan: dict[str, Any] = {field: float("nan")}
-    with pytest.raises(ConfigError, match=f"{field} must be >= 0, got nan"):
+    with pytest.raises(ConfigError, match=f"{field} must be a number of seconds >= 0, got nan"):
         CostModel(**nan)
     huge: dict[str, Any] = {field: 1e308}  # would overflow the virtual clock
     with pytest.raises(ConfigError, match=f"{field} must be <= 3600 s, got 1e\\+308"):
