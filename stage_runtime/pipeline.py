@@ -214,9 +214,9 @@ class Pipeline:
             msg = "pipeline is draining; prefill refused"
             raise trio.ClosedResourceError(msg)
         token_array = _entry_tokens(tokens)
-        if token_array.size > self.max_prompt_tokens:
+        if token_array.size > (limit := self.max_prompt_tokens):
             msg = (
-                f"tokens must be at most the stages' context ({self.max_prompt_tokens:,} "
+                f"tokens must be at most the stages' context ({limit:,} "
                 f"tokens, the smallest ctx_size), got {token_array.size:,}"
             )
             raise ConfigError(msg)

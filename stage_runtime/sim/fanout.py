@@ -317,10 +317,12 @@ def fan_out(
             stderr_json_logging, driver_log_level(), driver_pid=os.getpid()
         )
     stages = config.stages
-    # Larger caches hold more pages, so their units take longer: they go first, and the
-    # shortest fill the last gaps (the results do not depend on the order).
+    # Smaller caches evict more pages per request, so their units take longer: they go
+    # first, and the unbounded ones, the shortest, fill the last gaps (the paged synthetic
+    # trace's 4-stage units at 1M, 3M, 10M tokens and unbounded: 2.75, 2.68, 2.58, 2.50 s).
+    # The results do not depend on the order.
     by_size = sorted(
-        range(len(capacities)), key=lambda run: (capacities[run] != 0, -capacities[run])
+        range(len(capacities)), key=lambda run: (capacities[run] == 0, capacities[run])
     )
     groups = stage_groups(stages, len(capacities), parallelism)
     units = [(run, group) for run in by_size for group in groups]

@@ -177,8 +177,8 @@ def test_run_replay_and_run_sweep_take_an_executor() -> None:
     executor = Inline()
     sweep = run_sweep(HAND_TRACE, SMALL, [32, 0], executor=executor)
     _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), sweep)
-    # The largest caches first (their units take longest), unbounded largest of all.
-    expected = [((0,), 0), ((1,), 0), ((0,), 32), ((1,), 32)]
+    # The smallest caches first (they evict most: their units take longest), unbounded last.
+    expected = [((0,), 32), ((1,), 32), ((0,), 0), ((1,), 0)]
     assert [call[2:4] for call in executor.calls] == expected
     assert len({id(call[0]) for call in executor.calls}) == 1  # Ray ships it once
 
@@ -245,7 +245,7 @@ def test_a_known_parallelism_groups_the_stages_with_the_same_results() -> None:
     executor = Inline()
     results = fan_out(HAND_TRACE, SMALL, [32, 0], executor, parallelism=1)
     _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), results)
-    assert [call[2:4] for call in executor.calls] == [((0, 1), 0), ((0, 1), 32)]
+    assert [call[2:4] for call in executor.calls] == [((0, 1), 32), ((0, 1), 0)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         _same(run_sweep(HAND_TRACE, SMALL, [32, 0]), fan_out(HAND_TRACE, SMALL, [32, 0], pool))
     for bad in (0, True, 1.5):
