@@ -19,6 +19,8 @@ from typing import TextIO
 
 import structlog
 
+from stage_runtime.placement.worker_logging import JSON_TRACEBACKS
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """Level names accepted by :func:`configure_logging`, lowest first."""
 
@@ -42,7 +44,7 @@ def configure_logging(*, level: str = "info", log_format: str = "auto") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if use_json:
-        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        processors += [JSON_TRACEBACKS, structlog.processors.JSONRenderer()]
     else:
         # Without locals: rendering the locals of every trio frame of one traceback took 11 s
         # (the event loop stalls meanwhile), against 0.08 s for the traceback alone.

@@ -475,3 +475,29 @@ def test_console_tracebacks_leave_out_local_variables(monkeypatch: pytest.Monkey
     text = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
     assert "RuntimeError: handler bug" in text
     assert "xxxxxxxxxx" not in text
+
+
+def test_json_tracebacks_leave_out_local_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In JSON lines (a server under a supervisor) an error's traceback is structured but
+    without each frame's locals: with them, one failed request's line was 0.4 to 1.4 MB and
+    held the request's fields."""
+    stream = _Stream(tty=False)
+    monkeypatch.setattr(sys, "stderr", stream)
+    saved = structlog.get_config()
+    try:
+        configure_logging(level="info", log_format="json")
+        secret_local = "x" * 40  # noqa: F841 - a local the traceback must not print
+        try:
+            raise RuntimeError("handler bug")
+        except RuntimeError:
+            structlog.get_logger("test").error("request_failed", exc_info=True)
+    finally:
+        structlog.reset_defaults()
+        structlog.configure(**saved)
+    [line] = stream.getvalue().splitlines()
+    event = json.loads(line)
+    [error] = event["exception"]
+    assert (error["exc_type"], error["exc_value"]) == ("RuntimeError", "handler bug")
+    assert error["frames"]
+    assert all("locals" not in frame or not frame["locals"] for frame in error["frames"])
+    assert "xxxxxxxxxx" not in line

@@ -43,3 +43,25 @@ def test_ray_never_merges_two_stages_lines() -> None:
         lines.append(out.getvalue().strip())
     assert [json.loads(line)["stage"] for line in lines] == ["stage-0", "stage-1"]
     assert [ray_logging._canonicalise_log_line(line) for line in lines] == ["", ""]
+
+
+def test_a_workers_tracebacks_leave_out_local_variables() -> None:
+    """A stage process's error lines carry the traceback without each frame's locals (they
+    held whole pipelines and requests)."""
+    out = io.StringIO()
+    saved = structlog.get_config()
+    try:
+        stderr_json_logging(20)
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(out))
+        secret_local = "x" * 40  # noqa: F841 - a local the traceback must not print
+        try:
+            raise RuntimeError("stage bug")
+        except RuntimeError:
+            structlog.get_logger().error("stage_failed", exc_info=True)
+    finally:
+        structlog.reset_defaults()
+        structlog.configure(**saved)
+    line = out.getvalue().strip()
+    [error] = json.loads(line)["exception"]
+    assert error["exc_value"] == "stage bug"
+    assert "xxxxxxxxxx" not in line
