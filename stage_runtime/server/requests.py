@@ -185,7 +185,8 @@ def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.in
 
 def _check_length(field: str, count: int, max_tokens: int | None) -> None:
     if max_tokens is not None and count > max_tokens:
-        msg = f"{field} must encode to at most {max_tokens} tokens, got {count}"
+        must = "must encode to" if field == "text" else "must hold"
+        msg = f"{field} {must} at most {max_tokens} tokens, got {count}"
         _invalid(field, msg)
 
 
@@ -284,6 +285,8 @@ def parse_prefill_request(
             tokens = (tokenizer or ByteTokenizer()).encode(text)
         except ConfigError as exc:
             raise InvalidRequestError(str(exc), field="text", error="invalid_field") from exc
+        if not tokens.size:  # (whitespace, say, to a tokenizer that drops it)
+            _invalid("text", f"text must encode to at least one token, got none for {text!r}")
         _check_length("text", int(tokens.size), max_tokens)
         source = "text"
     else:

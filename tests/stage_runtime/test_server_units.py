@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import structlog
 from hypothesis import given, settings
@@ -229,12 +230,35 @@ def test_parse_takes_an_optional_cache_salt() -> None:
 def test_parse_enforces_max_tokens_for_tokens_and_text() -> None:
     """Prompts longer than the pipeline's context are refused, counting text in bytes."""
     assert parse_prefill_request(_body(tokens=[1] * 4, session_id="s"), max_tokens=4)
-    with pytest.raises(InvalidRequestError, match="at most 4 tokens, got 5") as caught:
+    with pytest.raises(
+        InvalidRequestError, match=r"^tokens must hold at most 4 tokens, got 5$"
+    ) as caught:
         parse_prefill_request(_body(tokens=[1] * 5, session_id="s"), max_tokens=4)
     assert caught.value.field == "tokens"
-    with pytest.raises(InvalidRequestError, match="got 6") as caught:
+    with pytest.raises(
+        InvalidRequestError, match=r"^text must encode to at most 4 tokens, got 6$"
+    ) as caught:
         parse_prefill_request(_body(text="ééé", session_id="s"), max_tokens=4)
     assert caught.value.field == "text"
+
+
+class _DropsSpaces:
+    """A tokenizer with no token for whitespace (as a model's may have)."""
+
+    def encode(self, text: str) -> npt.NDArray[np.int32]:
+        return np.array([ord(c) for c in text if not c.isspace()], dtype=np.int32)
+
+
+def test_parse_refuses_text_that_encodes_to_no_token() -> None:
+    """A text the tokenizer turns into no token is the client's error (400, naming the text),
+    not a prefill that fails later on an empty prompt."""
+    body = _body(text="   ", session_id="s")
+    with pytest.raises(
+        InvalidRequestError, match=r"^text must encode to at least one token, got none for '   '$"
+    ) as caught:
+        parse_prefill_request(body, tokenizer=_DropsSpaces())
+    assert (caught.value.field, caught.value.error) == ("text", "invalid_field")
+    assert parse_prefill_request(_body(text=" a ", session_id="s"), tokenizer=_DropsSpaces())
 
 
 @settings(max_examples=50, deadline=None)
