@@ -337,10 +337,27 @@ async def open_server(
         async with open_pipeline(stages, reference_model_factory()) as pipeline:
             async with open_server(create_app(pipeline), bind="127.0.0.1:0") as server:
                 ...  # talk to server.url
+
+    Raises:
+        ConfigError: ``bind`` is malformed, or hypercorn is not installed.
+        OSError: the address cannot be bound.
+
+    A failure to start is raised as itself, as :func:`open_pipeline
+    <stage_runtime.pipeline.open_pipeline>` raises its own: not inside the exception groups of
+    the nurseries it happened in, where ``except OSError`` would miss it.
     """
-    async with trio.open_nursery() as nursery:
-        server: RunningServer = await nursery.start(partial(serve, app, bind=bind))
-        try:
-            yield server
-        finally:
-            server.shutdown()
+    _parse_bind(bind)
+    started = False
+    try:
+        async with trio.open_nursery() as nursery:
+            server: RunningServer = await nursery.start(partial(serve, app, bind=bind))
+            started = True
+            try:
+                yield server
+            finally:
+                server.shutdown()
+    except BaseExceptionGroup as group:
+        failure = sole_exception(group)
+        if started or isinstance(failure, BaseExceptionGroup):
+            raise
+        raise failure from None

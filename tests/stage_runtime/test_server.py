@@ -1978,3 +1978,25 @@ async def test_http_server_example_run_as_a_program_serves_until_sigint() -> Non
     assert [answer.status_code for answer in answers] == [200, 200]
     assert all(stage["restored_tokens"] > 0 for stage in answers[1].json()["stages"])
     assert status == 0
+
+
+async def test_open_server_raises_a_failure_to_start_as_itself() -> None:
+    """A malformed bind is a ConfigError and a busy address an OSError, each raised as itself
+    (``except OSError`` catches it), not inside the nurseries' exception groups; the pipeline
+    goes on serving."""
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as pipe:
+        app = create_app(pipe)
+        with pytest.raises(ConfigError, match="bind must be HOST:PORT"):
+            async with open_server(app, bind="nonsense"):
+                pytest.fail("served on a malformed bind")
+        busy = trio.socket.socket()
+        with busy:
+            await busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(OSError, match="in use") as caught:
+                async with open_server(app, bind=f"127.0.0.1:{port}"):
+                    pytest.fail("served on a busy address")
+            assert not isinstance(caught.value, BaseExceptionGroup)
+        result = await pipe.prefill(prompt(4), session_id="s")
+        assert result.tokens == 4

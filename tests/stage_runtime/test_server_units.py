@@ -245,6 +245,8 @@ def test_parse_enforces_max_tokens_for_tokens_and_text() -> None:
 class _DropsSpaces:
     """A tokenizer with no token for whitespace (as a model's may have)."""
 
+    tokenizer_id = "drops-spaces"
+
     def encode(self, text: str) -> npt.NDArray[np.int32]:
         return np.array([ord(c) for c in text if not c.isspace()], dtype=np.int32)
 
