@@ -274,6 +274,9 @@ def _parse_checked(
             raise _fail(path, line, "", rule) from exc
     if line == 1 and text.startswith("\ufeff"):
         text = text[1:]  # a byte-order mark some editors write at the start of a file
+    # Without its line break: parsed with it, a line cut off mid-write was said to break at
+    # column 1 (of the next line), or to hold a control character to escape in its last string.
+    text = text.rstrip("\r\n")
     try:
         record = json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKeyError as exc:

@@ -63,6 +63,16 @@ def test_block_layout_cuts_the_last_block() -> None:
             "",
             "is not valid JSON (the string opened at column 51 is not closed on this line)",
         ),
+        (  # cut off mid-write, read with its line break: where it stops, not on the next line
+            '{"timestamp": 1, "input_length": 1000\n',
+            "",
+            "is not valid JSON (expecting ',' delimiter at column 38)",
+        ),
+        (  # the same in a string: not closed, not a line break to escape
+            '{"timestamp": 1, "hash_ids": "abc\r\n',
+            "",
+            "is not valid JSON (the string opened at column 30 is not closed on this line)",
+        ),
         ("[1, 2]", "", "must be a JSON object, got list (a trace is JSON lines: one request"),
         # what json.loads raises besides JSONDecodeError
         (
