@@ -657,7 +657,7 @@ def _run_simulation(args: argparse.Namespace) -> int:
                         msg = "cannot read trace -: standard input is closed"
                         raise _FileError(msg)
                     trace = sim.read_trace_lines(
-                        sys.stdin.buffer,
+                        sim.trace_file_lines(sys.stdin.buffer, path="<stdin>"),
                         path="<stdin>",
                         block_size=config.block_size,
                         skip_bad_lines=args.skip_bad_lines,

@@ -27,6 +27,12 @@ MAX_BLOCK_SIZE: Final = 1 << 20
 512). Token blocks are generated at this size, so an absurd value would exhaust memory, not
 fail."""
 
+MAX_TRACE_LINE_BYTES: Final = 64 << 20
+"""Longest trace line read (64 MiB; a line of the synthetic trace is under 1 KB, and a
+262,144-token prompt in 4-token blocks of 20-digit ids about 1.4 MB): a file with no line
+breaks (``/dev/zero``, a binary file) is refused at its first line instead of read whole into
+memory."""
+
 MAX_STAGES: Final = 256
 """Most pipeline stages in a simulation (each is a trio task with its own cache actor)."""
 

@@ -77,6 +77,7 @@ from stage_runtime.sim.trace import (
     read_trace,
     read_trace_lines,
     total_prompt_tokens,
+    trace_file_lines,
 )
 from stage_runtime.sim.workloads import WorkloadSpec, synthetic_workload
 
@@ -118,6 +119,7 @@ __all__ = [
     "read_demo_trace",
     "read_trace",
     "read_trace_lines",
+    "trace_file_lines",
     "render_report",
     "render_sweep",
     "sweep_order",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import IO, AnyStr
 
 import attrs
 import msgspec
@@ -19,7 +20,7 @@ import msgspec
 from stage_runtime._validators import check_int, is_int
 from stage_runtime.config import _DuplicateKeyError, _unique_keys
 from stage_runtime.errors import TraceFormatError, json_error_detail, shown
-from stage_runtime.limits import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, U64_MAX
+from stage_runtime.limits import MAX_BLOCK_SIZE, MAX_TRACE_LINE_BYTES, MIN_BLOCK_SIZE, U64_MAX
 
 __all__ = [
     "SimRequest",
@@ -348,6 +349,28 @@ def _parse_checked(
     )
 
 
+def trace_file_lines(handle: IO[AnyStr], *, path: str = "<trace>") -> Iterator[AnyStr]:
+    """The lines of an open trace file (binary or text), for :func:`read_trace_lines`, each
+    read only when it holds at most :data:`~stage_runtime.limits.MAX_TRACE_LINE_BYTES`.
+
+    Raises:
+        TraceFormatError: a line is longer (``path`` and its number named), even where bad
+            lines are skipped: such a file is no trace (``/dev/zero``, a binary file), and
+            reading on would hold the line whole in memory.
+    """
+    limit = MAX_TRACE_LINE_BYTES
+    number = 0
+    while line := handle.readline(limit + 1):
+        number += 1
+        if len(line) > limit:
+            rule = (
+                f"is longer than {limit:,} bytes: a trace line holds one request "
+                "(is this a JSON lines file?)"
+            )
+            raise _fail(path, number, "", rule)
+        yield line
+
+
 def read_trace_lines(
     lines: Iterable[str | bytes],
     *,
@@ -442,7 +465,7 @@ def read_trace(
     # Binary: each line is decoded on its own, so one bad byte costs one line, not the file.
     with Path(path).open("rb") as handle:
         return read_trace_lines(
-            handle,
+            trace_file_lines(handle, path=name),
             path=name,
             block_size=block_size,
             skip_bad_lines=skip_bad_lines,

@@ -855,3 +855,16 @@ def test_prompts_longer_than_the_stages_context_are_bad_lines(
     assert main(["replay", str(trace), "--skip-bad-lines", "--json", "-"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert (document["requests"], document["skipped_lines"]) == (1, 1)
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_a_file_without_line_breaks_is_refused_at_its_first_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/dev/zero (or a binary file) is no trace: one line naming the file, line 1 and the
+    limit, exit 1, after reading no more than the limit (not the file until memory runs out)."""
+    assert main(["replay", "/dev/zero"]) == 1
+    assert capsys.readouterr().err == (
+        "stage-runtime replay: error: /dev/zero:1: is longer than 67,108,864 bytes: a trace "
+        "line holds one request (is this a JSON lines file?)\n"
+    )

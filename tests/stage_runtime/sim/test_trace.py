@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import re
@@ -13,7 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stage_runtime import ConfigError, TraceFormatError
-from stage_runtime.sim import SimRequest, parse_trace_line, read_demo_trace, read_trace
+from stage_runtime.sim import (
+    SimRequest,
+    parse_trace_line,
+    read_demo_trace,
+    read_trace,
+    trace_file_lines,
+)
+from stage_runtime.sim import trace as trace_module
 
 
 def _line(**fields: object) -> str:
@@ -361,3 +369,26 @@ def test_a_repeated_key_is_refused_with_its_line_although_msgspec_keeps_the_last
     with pytest.raises(TraceFormatError, match=f"^t.jsonl:7: {field} appears twice") as caught:
         parse_trace_line(text, path="t.jsonl", line=7)
     assert (caught.value.line, caught.value.field) == (7, field)
+
+
+@pytest.mark.parametrize("skip_bad_lines", [False, True])
+def test_a_line_over_the_limit_is_refused_as_it_is_read(
+    skip_bad_lines: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line longer than MAX_TRACE_LINE_BYTES stops the read at that line, named, even when
+    bad lines are skipped; the lines before it are read as usual."""
+    monkeypatch.setattr(trace_module, "MAX_TRACE_LINE_BYTES", 200)
+    path = tmp_path / "t.jsonl"
+    path.write_text(_line() + "\n" + "[" + "1," * 150 + "1]\n" + _line() + "\n")
+    assert len(_line()) <= 200
+    with pytest.raises(TraceFormatError) as caught:
+        read_trace(path, skip_bad_lines=skip_bad_lines)
+    assert str(caught.value) == (
+        f"{path}:2: is longer than 200 bytes: a trace line holds one request "
+        "(is this a JSON lines file?)"
+    )
+    assert (caught.value.line, caught.value.field) == (2, "")
+    lines = trace_file_lines(io.BytesIO(b"a\nbb\n" + b"c" * 300), path="x")
+    assert [next(lines), next(lines)] == [b"a\n", b"bb\n"]
+    with pytest.raises(TraceFormatError, match=r"^x:3: is longer than 200 bytes"):
+        next(lines)
