@@ -50,7 +50,15 @@ RAY_EXTRA_HINT: Final = "install the ray extra: pip install 'stage-runtime[ray]'
 
 def ray_available() -> bool:
     """Whether Ray can be imported here (the ``stage-runtime[ray]`` extra is installed)."""
-    return importlib.util.find_spec("ray") is not None
+    return _installed("ray")
+
+
+def _installed(name: str) -> bool:
+    """Whether ``name`` is a module or regular package that can be imported, without importing
+    it (Ray takes a second): not a mere directory of that name on the path, which Python would
+    import as an empty namespace package (Ray itself leaves a ``ray`` directory in ``/tmp``)."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
 
 
 @attrs.frozen(kw_only=True)

@@ -31,7 +31,13 @@ from stage_runtime.errors import ConfigError, PipelineStoppedError, StageFailedE
 from stage_runtime.llama import llama_model_factory, write_random_llama
 from stage_runtime.models import virtual_model_factory
 from stage_runtime.pipeline import PrefillResult, load_placement, load_topology, open_pipeline
-from stage_runtime.placement import LocalPlacement, Placement, RayPlacement, choose_placement
+from stage_runtime.placement import (
+    LocalPlacement,
+    Placement,
+    RayPlacement,
+    _installed,
+    choose_placement,
+)
 from tests.stage_runtime.pipeline_helpers import prompt, stage_configs, uncached
 from tests.stage_runtime.ray_helpers import (
     FAIL_TOKEN,
@@ -820,6 +826,20 @@ def test_ray_placement_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("stage_runtime.placement.ray_available", lambda: False)
     with pytest.raises(ConfigError, match=r"stage-runtime\[ray\]"):
         RayPlacement()
+
+
+def test_a_directory_named_like_ray_is_not_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python imports a bare directory as an empty namespace package: one named ``ray`` on the
+    path (Ray leaves one in /tmp) is not Ray installed, while a real package is."""
+    (tmp_path / "stray_ray_like").mkdir()
+    (tmp_path / "real_ray_like").mkdir()
+    (tmp_path / "real_ray_like" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not _installed("stray_ray_like")
+    assert _installed("real_ray_like")
+    assert not _installed("no_such_module_here")
 
 
 @pytest.mark.parametrize(
