@@ -735,16 +735,24 @@ def validate_requests(
             raise ConfigError(msg)
     if requests and concurrency > 1:
         arrivals = [float(request.arrival_s) for request in requests]
-        span = max(arrivals) - min(arrivals)
+        first, last = arrivals.index(min(arrivals)), arrivals.index(max(arrivals))
+        span = arrivals[last] - arrivals[first]
         if span > MAX_ARRIVAL_SPAN_S:
             # Virtual time counts from the first arrival; this far from it a float clock
             # cannot tell microseconds apart, and stage costs would round away. One request
             # at a time, arrivals are not used: the replay takes them in file order.
             msg = (
-                f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years), "
-                f"got {span:.3g} s"
+                f"arrivals must span at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31 years) at "
+                f"concurrency > 1, got {span:.3g} s, from {_named(requests[first])} to "
+                f"{_named(requests[last])}"
             )
             raise ConfigError(msg)
+
+
+def _named(request: SimRequest) -> str:
+    """``request 3 (line 4)``: a request as an error names it (its trace line when read from
+    one)."""
+    return f"request {request.index}" + (f" (line {request.line})" if request.line else "")
 
 
 _INT_TYPE: Final = {int}

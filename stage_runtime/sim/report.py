@@ -480,7 +480,8 @@ def render_sweep(console: Console, results: Sequence[ReplayResult], *, title: st
     console.print(
         f"TTFT without cache: p50 {_seconds(first.ttft_uncached.p50)}, p99 "
         f"{_seconds(first.ttft_uncached.p99)}; wall time "
-        f"{_seconds(sum(result.wall_s for result in results))} for {len(results)} replays"
+        f"{_seconds(sum(result.wall_s for result in results))} for {len(results)} "
+        f"{'replay' if len(results) == 1 else 'replays'}"
     )
     ceilings = [
         f"{result.capacity_tokens:,}: {result.clairvoyant.ratio:.1%}"
@@ -632,6 +633,7 @@ def plot_figure(results: Sequence[ReplayResult]) -> Figure:
             linewidth=[_OUTLINE_PT if tokens else 0.0 for tokens in restored],
         )
         axes.set_xlabel("request")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # (no request 2.5)
         axes.set_ylabel("prompt tokens (stage 0)")
         # Whole tokens, written as the report writes them (175,000).
         axes.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -368,7 +368,10 @@ def test_arrivals_spanning_more_than_1e9_s_replay_one_at_a_time_only(
     captured = capsys.readouterr()
     assert status == 2
     assert captured.out == ""
-    assert "arrivals must span at most 1e+09 s (about 31 years), got 2e+09 s" in captured.err
+    assert captured.err.endswith(
+        "arrivals must span at most 1e+09 s (about 31 years) at concurrency > 1, got 2e+09 s, "
+        "from request 0 (line 1) to request 1 (line 2)\n"
+    )
 
 
 def test_bad_trace_line_exits_1_naming_file_line_and_field(tmp_path: Path) -> None:

@@ -219,6 +219,10 @@ def test_sweep_report_has_a_row_per_capacity() -> None:
     assert f"cache per stage: {CONFIG.max_entries} entries, capacity swept (below)" in text
     uncached = results[0].ttft_uncached
     assert f"TTFT without cache: p50 {uncached.p50 * 1000:.1f} ms" in text
+    assert " for 2 replays\n" in text
+    console = Console(record=True, width=200)
+    render_sweep(console, results[:1], title="one capacity")
+    assert " for 1 replay\n" in console.export_text()
 
 
 def test_sweep_report_sorts_capacities_and_lists_evictions_stage_by_stage() -> None:
@@ -260,6 +264,7 @@ def test_single_run_plot_counts_tokens_with_thousands_separators(result: ReplayR
     axes = plot_figure([result]).axes[0]
     assert axes.yaxis.get_major_formatter()(175_000, 0) == "175,000"
     assert all(float(tick).is_integer() for tick in axes.get_yticks())  # whole tokens
+    assert all(float(tick).is_integer() for tick in axes.get_xticks())  # whole requests
     bars = [patch.get_height() for patch in axes.patches if isinstance(patch, Rectangle)]
     assert bars[: len(result.outcomes)] == [
         o.input_length - o.restored_tokens[0] for o in result.outcomes
