@@ -8,7 +8,8 @@ lengths that can hit are hashed: those whose grid fingerprint
 (:class:`~stage_runtime.cache.prompt.GridFingerprints`) is the fingerprint of a resident entry
 recorded here. The fingerprints of evicted entries are kept with their tombstones, so a miss
 looks up the tombstones of only the lengths that may have one, to say whether it is
-``never_seen`` or ``evicted``.
+``never_seen`` or ``evicted``. One count per fingerprint of each kind, side by side, so a restore
+intersects the grid with one dict and an eviction moves a count from one side to the other.
 
 Entries written into the store behind the index's back (the seed-parity API allows it) have no
 fingerprint: from the first one on, the index probes and checks every grid length, as the spec
@@ -45,6 +46,10 @@ _Group = tuple[int, int, str | None, str | None]
 _Print = tuple[_Group, int] | None
 """Where an entry's key lives (its prompt's group) and its grid fingerprint; None when the entry
 was written behind the index's back."""
+
+RESIDENT: Final = 0
+BURIED: Final = 1
+"""The two counts of a fingerprint (see ``LadderIndex._print_counts``)."""
 
 
 class _PendingPrompt:
@@ -98,14 +103,14 @@ class LadderIndex:
         self._page_tokens = cache_config.effective_page_tokens
         self._prints: dict[str, _Print] = {}
         """Fingerprint of each resident entry recorded here."""
-        self._resident_prints: dict[_Group, dict[int, int]] = {}
-        """Per group, how many resident entries recorded here have each fingerprint."""
+        self._print_counts: dict[_Group, dict[int, list[int]]] = {}
+        """Per group and fingerprint, how many resident entries recorded here have it, and how
+        many tombstones (``[resident, buried]``; dropped when both are 0)."""
         self._records = 0
         """Entries this index stored: the store's count differs once someone else stores."""
         self._foreign = False
         """Whether the store has ever held an entry recorded behind the index's back."""
         self._tombstones: OrderedDict[str, _Print] = OrderedDict()
-        self._tombstone_prints: dict[_Group, dict[int, int]] = {}
         self._lookups = 0
         self._hits = 0
         self._restored_tokens = 0
@@ -149,21 +154,24 @@ class LadderIndex:
             return self._restore_probing(prompt, grid)
         # The usual case, as _restore_probing would do it (a third of a stage's cache work).
         by_print = grid.by_print
-        group = prompt.group
-        resident = self._resident_prints.get(group)
-        found = by_print.keys() & resident.keys() if resident else None
-        buried = self._tombstone_prints.get(group)
-        suspected = by_print.keys() & buried.keys() if buried else None
-        if found:
-            return self._probe(
-                prompt,
-                grid,
-                sorted([by_print[f] for f in found], reverse=True),
-                [by_print[f] for f in suspected] if suspected else [],
-            )
-        self._missed_unprobed(
-            prompt, len(grid.counts), [by_print[f] for f in suspected] if suspected else []
-        )
+        known = self._print_counts.get(prompt.group)
+        matched = by_print.keys() & known.keys() if known is not None else None
+        if not matched:
+            self._missed_unprobed(prompt, len(grid.counts), [])
+            return None
+        assert known is not None
+        probes: list[int] = []
+        suspects: list[int] = []
+        for f in matched:
+            resident, buried = known[f]
+            if resident:
+                probes.append(by_print[f])
+            if buried:
+                suspects.append(by_print[f])
+        if probes:
+            probes.sort(reverse=True)
+            return self._probe(prompt, grid, probes, suspects)
+        self._missed_unprobed(prompt, len(grid.counts), suspects)
         return None
 
     def _restore_probing(self, prompt: Prompt, grid: GridFingerprints) -> ActivationRestore | None:
@@ -179,16 +187,15 @@ class LadderIndex:
         )
         if slow:
             self._foreign = True
+        known = self._print_counts.get(prompt.group)
         if slow or self.probe_all:
             probes = counts
         else:
-            resident = self._resident_prints.get(prompt.group)
-            probes = grid.among(resident) if resident else []
+            probes = _among(grid, known, RESIDENT) if known else []
         if slow:
             suspects = counts if self._tombstones else []
         else:
-            buried = self._tombstone_prints.get(prompt.group)
-            suspects = grid.among(buried) if buried else []
+            suspects = _among(grid, known, BURIED) if known else []
         if not probes:
             self._missed_unprobed(prompt, total, suspects)
             return None
@@ -323,6 +330,7 @@ class LadderIndex:
         group = prompt.group
         fingerprints = self._prints
         tombstones = self._tombstones
+        print_counts = self._print_counts
         # Every length below n cuts the frame the same way (its layout, flags and rows), so
         # one check answers for all of them; each entry is cut when first looked up.
         cuttable = len(counts) == 1 or frame.prefix_error(counts[-1]) is None
@@ -359,11 +367,15 @@ class LadderIndex:
                 # (grid.position(count): n is first, the other lengths are grid lines)
                 fingerprint = prints[0 if count == n else grid.position(count)]
                 fingerprints[key] = (group, fingerprint)
-                inner = self._resident_prints.get(group)
-                if inner is None:
-                    self._resident_prints[group] = {fingerprint: 1}
+                known = print_counts.get(group)
+                if known is None:
+                    print_counts[group] = {fingerprint: [1, 0]}
                 else:
-                    inner[fingerprint] = inner.get(fingerprint, 0) + 1
+                    both = known.get(fingerprint)
+                    if both is None:
+                        known[fingerprint] = [1, 0]
+                    else:
+                        both[RESIDENT] += 1
             if key in tombstones:
                 self._unbury(key)
             if pending is None:
@@ -398,36 +410,35 @@ class LadderIndex:
         tombstones = self._tombstones
         pending = self._pending
         prints = self._prints
+        print_counts = self._print_counts
         for entry in entries:
             key = entry.key
             if pending.pop(key, None) is None:
                 self._footprint.remove(key)
             where = prints.pop(key, None)
-            if where is not None:
-                _uncount_in(self._resident_prints, *where)
             if entry.reason == "cleared":
+                if where is not None:
+                    _uncount(print_counts, where, RESIDENT)
                 continue
             if key in tombstones:
                 self._unbury(key)
             tombstones[key] = where
             if where is not None:
-                group, fingerprint = where
-                inner = self._tombstone_prints.get(group)
-                if inner is None:
-                    self._tombstone_prints[group] = {fingerprint: 1}
-                else:
-                    inner[fingerprint] = inner.get(fingerprint, 0) + 1
+                # Resident to buried: the count pair stays (its resident count was > 0).
+                both = print_counts[where[0]][where[1]]
+                both[RESIDENT] -= 1
+                both[BURIED] += 1
             while len(tombstones) > TOMBSTONES:
                 _, oldest = tombstones.popitem(last=False)
                 if oldest is not None:
-                    _uncount_in(self._tombstone_prints, *oldest)
+                    _uncount(print_counts, oldest, BURIED)
 
     def _unbury(self, key: str) -> None:
         """``key`` is resident again: forget its tombstone."""
         if key in self._tombstones:
             where = self._tombstones.pop(key)
             if where is not None:
-                _uncount_in(self._tombstone_prints, *where)
+                _uncount(self._print_counts, where, BURIED)
 
     # -------------------------------------------------------------------------- housekeeping
 
@@ -511,12 +522,31 @@ class _KeyMaker:
         return f"{self.head}{count}{self.middle}{prefix_hash[7:23]}{self.tail}"
 
 
-def _uncount_in(counts: dict[_Group, dict[int, int]], group: _Group, fingerprint: int) -> None:
-    inner = counts[group]
-    left = inner[fingerprint] - 1
-    if left:
-        inner[fingerprint] = left
-    else:
-        del inner[fingerprint]
-        if not inner:
+def _uncount(
+    counts: dict[_Group, dict[int, list[int]]], where: tuple[_Group, int], side: int
+) -> None:
+    """One count less on ``side`` (:data:`RESIDENT` or :data:`BURIED`) of the fingerprint
+    ``where`` names; the pair goes when both are 0, the group when it has none left."""
+    group, fingerprint = where
+    known = counts[group]
+    both = known[fingerprint]
+    both[side] -= 1
+    if not (both[RESIDENT] or both[BURIED]):
+        del known[fingerprint]
+        if not known:
             del counts[group]
+
+
+def _among(grid: GridFingerprints, known: dict[int, list[int]], side: int) -> list[int]:
+    """The candidate lengths of ``grid`` whose fingerprint has a count on ``side`` of
+    ``known``, longest first."""
+    if grid.shared_prints:
+        return [
+            c
+            for f, c in zip(grid.prints, grid.counts, strict=True)
+            if f in known and known[f][side]
+        ]
+    by_print = grid.by_print
+    found = [by_print[f] for f in by_print.keys() & known.keys() if known[f][side]]
+    found.sort(reverse=True)
+    return found
