@@ -331,6 +331,7 @@ class LadderIndex:
         fingerprints = self._prints
         tombstones = self._tombstones
         print_counts = self._print_counts
+        queued = self._pending
         # Every length below n cuts the frame the same way (its layout, flags and rows), so
         # one check answers for all of them; each entry is cut when first looked up.
         cuttable = len(counts) == 1 or frame.prefix_error(counts[-1]) is None
@@ -350,19 +351,48 @@ class LadderIndex:
             key = f"{head}{count}{middle}{hashes[count][7:23]}{tail}"  # (the key maker's call)
             evicted = store._store(key, count, size, frame, cut)
             if evicted is None:  # refused
-                records.append(_record(key, count, size, (), store))
-                continue
-            self._records += 1
-            # The bookkeeping: what left, then the entry that came in.
-            if evicted:
-                self._evicted(evicted)
-                records.append(_record(key, count, size, evicted, store))
-            else:
                 records.append(
                     _resident_record(
                         key, count, size, 0, 0, len(entries), store._resident_bytes, ()
                     )
                 )
+                continue
+            self._records += 1
+            # The bookkeeping: what left, then the entry that came in.
+            if not evicted:
+                gone = 0
+            elif len(evicted) == 1:
+                # The usual eviction (one entry, by a bound), booked as _evicted books it.
+                victim = evicted[0]
+                gone = victim.payload_bytes
+                victim_key = victim.key
+                if queued.pop(victim_key, None) is None:
+                    self._footprint.remove(victim_key)
+                where = fingerprints.pop(victim_key, None)
+                if victim_key in tombstones:
+                    self._unbury(victim_key)
+                tombstones[victim_key] = where
+                if where is not None:
+                    both = print_counts[where[0]][where[1]]
+                    both[RESIDENT] -= 1
+                    both[BURIED] += 1
+                if len(tombstones) > TOMBSTONES:
+                    self._forget_oldest()
+            else:
+                self._evicted(evicted)
+                gone = sum(entry.payload_bytes for entry in evicted)
+            records.append(
+                _resident_record(
+                    key,
+                    count,
+                    size,
+                    len(evicted),
+                    gone,
+                    len(entries),
+                    store._resident_bytes,
+                    evicted,
+                )
+            )
             if key not in fingerprints:
                 # (grid.position(count): n is first, the other lengths are grid lines)
                 fingerprint = prints[0 if count == n else grid.position(count)]
@@ -371,11 +401,11 @@ class LadderIndex:
                 if known is None:
                     print_counts[group] = {fingerprint: [1, 0]}
                 else:
-                    both = known.get(fingerprint)
-                    if both is None:
+                    pair = known.get(fingerprint)
+                    if pair is None:
                         known[fingerprint] = [1, 0]
                     else:
-                        both[RESIDENT] += 1
+                        pair[RESIDENT] += 1
             if key in tombstones:
                 self._unbury(key)
             if pending is None:
@@ -388,8 +418,8 @@ class LadderIndex:
                     self._eager_footprint = True
             if self._eager_footprint:
                 self._footprint.add(key, pending.chain().segments(count), bpt)
-            elif key not in self._pending:
-                self._pending[key] = (pending, count, bpt)
+            elif key not in queued:
+                queued[key] = (pending, count, bpt)
         return records
 
     def _namespace(self, prompt: Prompt) -> bytes:
@@ -428,10 +458,16 @@ class LadderIndex:
                 both = print_counts[where[0]][where[1]]
                 both[RESIDENT] -= 1
                 both[BURIED] += 1
-            while len(tombstones) > TOMBSTONES:
-                _, oldest = tombstones.popitem(last=False)
-                if oldest is not None:
-                    _uncount(print_counts, oldest, BURIED)
+            if len(tombstones) > TOMBSTONES:
+                self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest tombstones beyond :data:`TOMBSTONES`."""
+        tombstones = self._tombstones
+        while len(tombstones) > TOMBSTONES:
+            _, oldest = tombstones.popitem(last=False)
+            if oldest is not None:
+                _uncount(self._print_counts, oldest, BURIED)
 
     def _unbury(self, key: str) -> None:
         """``key`` is resident again: forget its tombstone."""
@@ -479,25 +515,6 @@ class LadderIndex:
             if key in store:  # (an entry dropped behind the index's back is not)
                 footprint.add(key, prompt.chain().segments(count), bpt)
         self._pending.clear()
-
-
-def _record(
-    key: str,
-    count: int,
-    size: int,
-    evicted: tuple[EvictedEntry, ...],
-    store: ResidentActivationCache,
-) -> ResidentActivationRecord:
-    """The record of one stored (or refused, with no evictions) length."""
-    if not evicted:
-        gone = 0
-    elif len(evicted) == 1:
-        gone = evicted[0].payload_bytes
-    else:
-        gone = sum(entry.payload_bytes for entry in evicted)
-    return _resident_record(
-        key, count, size, len(evicted), gone, len(store._entries), store._resident_bytes, evicted
-    )
 
 
 _resident_record = unchecked_constructor(ResidentActivationRecord)
