@@ -143,14 +143,21 @@ class LadderIndex:
         a use of that entry). The prompt must have tokens.
         """
         store = self.store
-        grid = prompt.grid(self.policy)
+        policy = self.policy
         if (
             self._foreign
             or self.probe_all
-            or grid.shared_prints
             or store._records != self._records
             or len(store._entries) != len(self._prints)
         ):
+            return self._restore_probing(prompt, prompt.grid(policy))
+        if prompt.n < policy.min_tokens:
+            # The grid is the prompt's length alone, and nothing this short was ever stored or
+            # buried here (a record stores min_tokens or more): a miss, with no grid to make.
+            self._missed_unprobed(prompt, 1, [])
+            return None
+        grid = prompt.grid(policy)
+        if grid.shared_prints:
             return self._restore_probing(prompt, grid)
         # The usual case, as _restore_probing would do it (a third of a stage's cache work).
         by_print = grid.by_print
