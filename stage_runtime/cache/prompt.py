@@ -50,6 +50,7 @@ class Prompt:
 
     __slots__ = (
         "_grid",
+        "_grid_policy",
         "_ladder",
         "_ladder_policy",
         "base",
@@ -82,6 +83,9 @@ class Prompt:
         """What besides the tokens tells two prompts' keys apart on one stage."""
         self.hashes: dict[int, str] = {} if hashes is None else hashes
         self._grid: GridFingerprints | None = None
+        self._grid_policy: CandidatePolicy | None = None
+        """The policy :attr:`_grid` was last handed out for: a stage asks with its own every
+        time, so most calls are one identity test."""
         self._ladder: list[int] = []
         self._ladder_policy: CandidatePolicy | None = None
 
@@ -131,11 +135,14 @@ class Prompt:
     def grid(self, policy: CandidatePolicy) -> GridFingerprints:
         """The lookup grid of this prompt under ``policy`` with its fingerprints."""
         grid = self._grid
+        if grid is not None and self._grid_policy is policy:
+            return grid
         if grid is None or (
             grid.policy is not policy
             and grid.grid_key != (policy.min_tokens, policy.effective_stride)
         ):
             grid = self._grid = grid_fingerprints(self.tokens, policy)
+        self._grid_policy = policy
         return grid
 
 
@@ -233,7 +240,12 @@ def _prefix_fingerprints(tokens: TokenArray, counts: list[int], stride: int) -> 
     if not counts:
         return []
     blocks = counts[0] // stride
-    if stride >= SAMPLE_TOKENS:
+    if stride % SAMPLE_TOKENS == 0:
+        # With an even stride, each block's last two tokens are one aligned 64-bit word of
+        # the blocks' bytes: a strided view (two numpy calls, no copy).
+        words = stride // SAMPLE_TOKENS
+        samples = tokens[: blocks * stride].view(np.uint64)[words - 1 :: words]
+    elif stride >= SAMPLE_TOKENS:
         ends = tokens[: blocks * stride].reshape(blocks, stride)[:, stride - SAMPLE_TOKENS :]
         samples = np.ascontiguousarray(ends).view(np.uint64).ravel()
     else:  # (a negative token wraps to the same value mod 2**64)
@@ -325,17 +337,25 @@ _recent: OrderedDict[tuple[int, int, int], GridFingerprints] = OrderedDict()
 replaying at once, as a thread pool's units do, cannot interleave)."""
 
 
+_latest: GridFingerprints | None = None
+"""The grid handed out last: the next stage of the pipeline asks for it."""
+
+
 def grid_fingerprints(tokens: TokenArray, policy: CandidatePolicy) -> GridFingerprints:
     """The grid fingerprints of ``tokens`` (read-only: see :func:`owned_tokens`) under
     ``policy``, shared with whoever asked lately for the same array and the same grid (the
     other stages of the pipeline)."""
+    global _latest
     grid_key = (policy.min_tokens, policy.effective_stride)
+    grid = _latest
+    if grid is not None and grid.tokens is tokens and grid.grid_key == grid_key:
+        return grid
     key = (id(tokens), *grid_key)
     grid = _recent.get(key)
-    if grid is not None and grid.tokens is tokens:
-        return grid
-    grid = GridFingerprints(tokens, policy)
-    _recent[key] = grid
-    if len(_recent) > _RECENT_GRIDS:
-        _recent.popitem(last=False)
+    if grid is None or grid.tokens is not tokens:
+        grid = GridFingerprints(tokens, policy)
+        _recent[key] = grid
+        if len(_recent) > _RECENT_GRIDS:
+            _recent.popitem(last=False)
+    _latest = grid
     return grid
