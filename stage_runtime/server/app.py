@@ -47,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from stage_runtime.errors import PipelineStoppedError
+from stage_runtime.errors import PipelineStoppedError, shown
 from stage_runtime.pipeline import context_tokens
 from stage_runtime.server.metrics import MetricFamily, MetricsExporter, MetricType, Sample
 from stage_runtime.server.requests import (
@@ -374,9 +374,9 @@ class PipelineApp:
                 405, "method_not_allowed", message, headers={"allow": ", ".join(allowed)}
             )
         elif exc.status_code == 404:
-            shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path):,} characters)"
+            quoted = path if len(path) <= 200 else f"{path[:200]}... ({len(path):,} characters)"
             answer = _error(
-                404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {shown}"
+                404, "not_found", f"path must be one of {', '.join(_ROUTES)}, got {quoted}"
             )
         else:
             answer = _error(exc.status_code, "http_error", exc.detail)
@@ -457,6 +457,15 @@ class PipelineApp:
         if not self.ready:
             await self._discard_body(receive)
             return self._draining_response()
+        encoding = http_request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            # A compressed body read as JSON was refused as "not UTF-8 at byte 1": say why.
+            await self._discard_body(receive)
+            message = (
+                f"Content-Encoding must be identity (send the body uncompressed), "
+                f"got {shown(encoding)}"
+            )
+            return _error(415, "unsupported_content_encoding", message)
         try:
             body = await self._read_body(receive)
             request = parse_prefill_request(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -2000,3 +2001,29 @@ async def test_open_server_raises_a_failure_to_start_as_itself() -> None:
             assert not isinstance(caught.value, BaseExceptionGroup)
         result = await pipe.prefill(prompt(4), session_id="s")
         assert result.tokens == 4
+
+
+async def test_a_compressed_body_is_refused_naming_the_encoding() -> None:
+    """A gzip body is answered 415 saying to send it uncompressed (it used to be read as JSON
+    and refused as 'not UTF-8 at byte 1'); identity is the body as sent, and the server goes
+    on serving."""
+    body = json.dumps({"tokens": [5, 6], "session_id": "s"}).encode()
+    with trio.fail_after(TIMEOUT_S):
+        async with serving() as h:
+            gzipped = await h.client.post(
+                "/v1/prefill",
+                content=gzip.compress(body),
+                headers={"content-encoding": "gzip"},
+            )
+            plain = await h.client.post(
+                "/v1/prefill", content=body, headers={"content-encoding": "Identity"}
+            )
+            stats = (await h.client.get("/v1/stats")).json()
+    assert gzipped.status_code == 415
+    assert gzipped.json() == {
+        "error": "unsupported_content_encoding",
+        "field": None,
+        "message": "Content-Encoding must be identity (send the body uncompressed), got 'gzip'",
+    }
+    assert plain.status_code == 200, plain.text
+    assert stats["server"]["prefills"] == 1
