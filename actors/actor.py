@@ -588,6 +588,12 @@ class ActorRef(Generic[MessageT, ReplyT]):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             msg = f"timeout must be a number of seconds or None, got {timeout!r}"
             raise TypeError(msg)
+        if isinstance(timeout, int) and timeout.bit_length() > 1023:  # (past a float's range)
+            msg = (
+                "timeout must be a number of seconds a float can hold (None: no timeout), "
+                f"got an integer of {timeout.bit_length():,} bits"
+            )
+            raise ValueError(msg)
         if math.isnan(timeout):
             msg = "timeout must be a number of seconds >= 0, got nan"
             raise ValueError(msg)

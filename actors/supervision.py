@@ -24,6 +24,17 @@ def _seconds(attribute: attrs.Attribute[Any], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"{attribute.name} must be a number of seconds, got {value!r}"
         raise TypeError(msg)
+    if isinstance(value, int) and value.bit_length() > _FLOAT_BITS:
+        # Taken from trio's clock (a float), it would overflow at the first restart.
+        msg = (
+            f"{attribute.name} must be a number of seconds a float can hold, got an integer "
+            f"of {value.bit_length():,} bits"
+        )
+        raise ValueError(msg)
+
+
+_FLOAT_BITS = 1023
+"""Bits of the largest integer magnitude a float holds (about 8.99e307 is 2**1023)."""
 
 
 def _window(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:

@@ -465,7 +465,12 @@ class PipelineApp:
                 f"Content-Encoding must be identity (send the body uncompressed), "
                 f"got {shown(encoding)}"
             )
-            return _error(415, "unsupported_content_encoding", message)
+            return _error(
+                415,
+                "unsupported_content_encoding",
+                message,
+                headers={"accept-encoding": "identity"},
+            )
         try:
             body = await self._read_body(receive)
             request = parse_prefill_request(

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stage_runtime.config import _DuplicateKeyError, _unique_keys, check_id
-from stage_runtime.errors import ConfigError, json_error_detail
+from stage_runtime.errors import ConfigError, json_error_detail, shown
 from stage_runtime.limits import I32_MAX, I32_MIN
 from stage_runtime.pipeline import vocabulary_violation
 from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
@@ -176,8 +176,8 @@ def _parse_tokens(value: object, *, max_tokens: int | None) -> npt.NDArray[np.in
             msg = f"tokens[{index}] must be an integer, got {_type_name(token)}"
             _invalid("tokens", msg)
         if not INT32_MIN <= token <= INT32_MAX:
-            shown = _type_name(token) if _digits(token) > MAX_INTEGER_DIGITS else token
-            msg = f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), got {shown}"
+            quoted = _type_name(token) if _digits(token) > MAX_INTEGER_DIGITS else token
+            msg = f"tokens[{index}] must be within int32 ({INT32_MIN}..{INT32_MAX}), got {quoted}"
             _invalid("tokens", msg)
     _check_length("tokens", len(value), max_tokens)
     return np.asarray(value, dtype=np.int32)
@@ -286,7 +286,7 @@ def parse_prefill_request(
         except ConfigError as exc:
             raise InvalidRequestError(str(exc), field="text", error="invalid_field") from exc
         if not tokens.size:  # (whitespace, say, to a tokenizer that drops it)
-            _invalid("text", f"text must encode to at least one token, got none for {text!r}")
+            _invalid("text", f"text must encode to at least one token, got none for {shown(text)}")
         _check_length("text", int(tokens.size), max_tokens)
         source = "text"
     else:

@@ -348,6 +348,7 @@ async def open_server(
     """
     _parse_bind(bind)
     started = False
+    failure: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             server: RunningServer = await nursery.start(partial(serve, app, bind=bind))
@@ -360,4 +361,5 @@ async def open_server(
         failure = sole_exception(group)
         if started or isinstance(failure, BaseExceptionGroup):
             raise
-        raise failure from None
+    if failure is not None:
+        raise failure  # (outside the handler: with its own cause, not the group as context)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 
@@ -19,14 +18,15 @@ def _non_negative_float(instance: object, attribute: attrs.Attribute[float], val
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         msg = f"{attribute.name} must be a number of seconds, got {shown(value)}"
         raise ConfigError(msg)
-    if math.isnan(value):
+    if value != value:  # NaN (math.isnan would overflow on an int past a float's range)
         msg = f"{attribute.name} must be a number of seconds >= 0, got nan"
         raise ConfigError(msg)
     if value < 0:
-        msg = f"{attribute.name} must be >= 0, got {value}"
+        msg = f"{attribute.name} must be >= 0, got {shown(value)}"
         raise ConfigError(msg)
     if value > MAX_COST_S:
-        msg = f"{attribute.name} must be <= {MAX_COST_S:g} s, got {value:g}"
+        got = shown(value) if isinstance(value, int) else f"{value:g}"
+        msg = f"{attribute.name} must be <= {MAX_COST_S:g} s, got {got}"
         raise ConfigError(msg)
 
 

@@ -351,7 +351,8 @@ def _parse_checked(
 
 def trace_file_lines(handle: IO[AnyStr], *, path: str = "<trace>") -> Iterator[AnyStr]:
     """The lines of an open trace file (binary or text), for :func:`read_trace_lines`, each
-    read only when it holds at most :data:`~stage_runtime.limits.MAX_TRACE_LINE_BYTES`.
+    read only when it holds at most :data:`~stage_runtime.limits.MAX_TRACE_LINE_BYTES` bytes
+    (characters, from a text handle) besides its line break.
 
     Raises:
         TraceFormatError: a line is longer (``path`` and its number named), even where bad
@@ -360,15 +361,23 @@ def trace_file_lines(handle: IO[AnyStr], *, path: str = "<trace>") -> Iterator[A
     """
     limit = MAX_TRACE_LINE_BYTES
     number = 0
-    while line := handle.readline(limit + 1):
+    # Up to two more: a line of the limit's length still fits with its break (\r\n at most).
+    while line := handle.readline(limit + 2):
         number += 1
-        if len(line) > limit:
+        if len(line) > limit and _content_length(line) > limit:
             rule = (
                 f"is longer than {limit:,} bytes: a trace line holds one request "
                 "(is this a JSON lines file?)"
             )
             raise _fail(path, number, "", rule)
         yield line
+
+
+def _content_length(line: str | bytes) -> int:
+    """``line``'s length without its line break (all of it when it has none)."""
+    if isinstance(line, bytes):
+        return len(line.rstrip(b"\r\n")) if line.endswith(b"\n") else len(line)
+    return len(line.rstrip("\r\n")) if line.endswith("\n") else len(line)
 
 
 def read_trace_lines(
@@ -407,9 +416,9 @@ def read_trace_lines(
     requests: list[SimRequest] = []
     skipped = 0
     first_error: str | None = None
+    if limit == 0:
+        lines = ()
     for line_number, text in enumerate(lines, start=1):
-        if limit is not None and len(requests) >= limit:
-            break
         if not text.strip() or (line_number == 1 and text.strip() in ("\ufeff", b"\xef\xbb\xbf")):
             continue  # blank (a first line may hold just a byte-order mark)
         try:
@@ -429,6 +438,8 @@ def read_trace_lines(
                 first_error = str(exc)
             continue
         requests.append(request)
+        if limit is not None and len(requests) >= limit:
+            break  # (before reading another line: one past the limit may be unreadable)
     return TraceReadResult(
         path=path, requests=tuple(requests), skipped_lines=skipped, first_error=first_error
     )

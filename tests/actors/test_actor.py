@@ -428,6 +428,12 @@ async def test_ask_timeout_leaves_actor_running(autojump_clock: trio.testing.Moc
     [
         (-1, ValueError, "timeout must be >= 0 seconds, got -1"),
         (float("nan"), ValueError, "timeout must be a number of seconds >= 0, got nan"),
+        (
+            10**400,
+            ValueError,
+            "timeout must be a number of seconds a float can hold \\(None: no timeout\\), "
+            "got an integer of 1,329 bits",
+        ),
         ("1", TypeError, "timeout must be a number of seconds or None, got '1'"),
         (True, TypeError, "timeout must be a number of seconds or None, got True"),
     ],

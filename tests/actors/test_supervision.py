@@ -332,6 +332,16 @@ async def _open_instance_with_policy() -> None:
             "within_s must be a number of seconds > 0, got nan",
         ),
         ({"max_restarts": 1, "within_s": "9"}, TypeError, "within_s must be a number of seconds"),
+        (  # past a float's range: trio's clock minus it would overflow at the first restart
+            {"max_restarts": 1, "within_s": 10**400},
+            ValueError,
+            "within_s must be a number of seconds a float can hold, got an integer of 1,329 bits",
+        ),
+        (
+            {"max_restarts": 1, "within_s": 1, "backoff_s": 10**5000},
+            ValueError,
+            "backoff_s must be a number of seconds a float can hold, got an integer of 16,610 bits",
+        ),
         (
             {"max_restarts": 1, "within_s": 1, "backoff_s": -0.5},
             ValueError,

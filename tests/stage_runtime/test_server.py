@@ -2003,6 +2003,19 @@ async def test_open_server_raises_a_failure_to_start_as_itself() -> None:
         assert result.tokens == 4
 
 
+async def test_open_server_keeps_the_cause_of_a_failure_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unwrapped from its groups, a failure to start keeps its own cause (hypercorn missing:
+    the ConfigError naming the extra, caused by the ModuleNotFoundError)."""
+    monkeypatch.setitem(sys.modules, "hypercorn.trio", None)
+    async with open_pipeline(four_stages(), reference_model_factory(width=16), environ={}) as pipe:
+        with pytest.raises(ConfigError, match="server extra") as caught:
+            async with open_server(create_app(pipe), bind="127.0.0.1:0"):
+                pytest.fail("served without hypercorn")
+    assert isinstance(caught.value.__cause__, ModuleNotFoundError)
+
+
 async def test_a_compressed_body_is_refused_naming_the_encoding() -> None:
     """A gzip body is answered 415 saying to send it uncompressed (it used to be read as JSON
     and refused as 'not UTF-8 at byte 1'); identity is the body as sent, and the server goes
@@ -2020,6 +2033,7 @@ async def test_a_compressed_body_is_refused_naming_the_encoding() -> None:
             )
             stats = (await h.client.get("/v1/stats")).json()
     assert gzipped.status_code == 415
+    assert gzipped.headers["accept-encoding"] == "identity"
     assert gzipped.json() == {
         "error": "unsupported_content_encoding",
         "field": None,

@@ -261,6 +261,9 @@ def test_parse_refuses_text_that_encodes_to_no_token() -> None:
         parse_prefill_request(body, tokenizer=_DropsSpaces())
     assert (caught.value.field, caught.value.error) == ("text", "invalid_field")
     assert parse_prefill_request(_body(text=" a ", session_id="s"), tokenizer=_DropsSpaces())
+    with pytest.raises(InvalidRequestError, match=r"got none for '      .*characters\)$") as caught:
+        parse_prefill_request(_body(text=" " * 100_000, session_id="s"), tokenizer=_DropsSpaces())
+    assert len(str(caught.value)) < 200  # the text quoted cut short, not whole
 
 
 @settings(max_examples=50, deadline=None)

@@ -31,6 +31,9 @@ def test_negative_costs_are_refused(field: str) -> None:
     huge: dict[str, Any] = {field: 1e308}  # would overflow the virtual clock
     with pytest.raises(ConfigError, match=f"{field} must be <= 3600 s, got 1e\\+308"):
         CostModel(**huge)
+    past_floats: dict[str, Any] = {field: 10**400}  # (no float conversion to overflow)
+    with pytest.raises(ConfigError, match=f"{field} must be <= 3600 s, got 1000000000"):
+        CostModel(**past_floats)
 
 
 @pytest.mark.parametrize(

@@ -392,3 +392,33 @@ def test_a_line_over_the_limit_is_refused_as_it_is_read(
     assert [next(lines), next(lines)] == [b"a\n", b"bb\n"]
     with pytest.raises(TraceFormatError, match=r"^x:3: is longer than 200 bytes"):
         next(lines)
+
+
+def test_a_line_of_the_limits_length_fits_with_its_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit counts what a line holds, not its line break (\n or \r\n), from binary and
+    text handles alike."""
+    monkeypatch.setattr(trace_module, "MAX_TRACE_LINE_BYTES", 8)
+    data = b"12345678\n" + b"12345678\r\n" + b"12345678"
+    assert list(trace_file_lines(io.BytesIO(data))) == [b"12345678\n", b"12345678\r\n", b"12345678"]
+    assert list(trace_file_lines(io.StringIO(data.decode()))) == [
+        "12345678\n",
+        "12345678\r\n",
+        "12345678",
+    ]
+    for longer in (b"123456789\n", b"123456789"):
+        with pytest.raises(TraceFormatError, match=r"^<trace>:1: is longer than 8 bytes"):
+            list(trace_file_lines(io.BytesIO(longer)))
+
+
+def test_a_limited_read_stops_before_the_next_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the first N requests reads no further line: one past them too long to read is
+    not this read's concern."""
+    monkeypatch.setattr(trace_module, "MAX_TRACE_LINE_BYTES", 200)
+    path = tmp_path / "t.jsonl"
+    path.write_text(_line() + "\n" + "[" + "1," * 150 + "1]\n")
+    assert len(read_trace(path, limit=1).requests) == 1
+    assert read_trace(path, limit=0).requests == ()
+    with pytest.raises(TraceFormatError, match="is longer than 200 bytes"):
+        read_trace(path, limit=2)
