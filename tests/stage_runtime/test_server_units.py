@@ -485,14 +485,14 @@ def test_request_logs_are_json_lines_unless_stderr_is_a_terminal(
         assert event["timestamp"].endswith("Z")
 
 
-def test_console_tracebacks_leave_out_local_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a terminal an error's traceback is shown without each frame's locals: rendering the
-    locals of a server's trio frames took seconds, with the event loop stalled meanwhile."""
-    stream = _Stream(tty=True)
+def _log_an_error(monkeypatch: pytest.MonkeyPatch, *, tty: bool, log_format: str) -> str:
+    """What the serve command's logging writes for an error logged with its traceback, from a
+    frame holding a local variable of forty x's."""
+    stream = _Stream(tty=tty)
     monkeypatch.setattr(sys, "stderr", stream)
     saved = structlog.get_config()
     try:
-        configure_logging(level="info", log_format="console")
+        configure_logging(level="info", log_format=log_format)
         secret_local = "x" * 40  # noqa: F841 - a local the traceback must not print
         try:
             raise RuntimeError("handler bug")
@@ -501,7 +501,14 @@ def test_console_tracebacks_leave_out_local_variables(monkeypatch: pytest.Monkey
     finally:
         structlog.reset_defaults()
         structlog.configure(**saved)
-    text = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+    return stream.getvalue()
+
+
+def test_console_tracebacks_leave_out_local_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal an error's traceback is shown without each frame's locals: rendering the
+    locals of a server's trio frames took seconds, with the event loop stalled meanwhile."""
+    written = _log_an_error(monkeypatch, tty=True, log_format="console")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", written)
     assert "RuntimeError: handler bug" in text
     assert "xxxxxxxxxx" not in text
 
@@ -510,20 +517,8 @@ def test_json_tracebacks_leave_out_local_variables(monkeypatch: pytest.MonkeyPat
     """In JSON lines (a server under a supervisor) an error's traceback is structured but
     without each frame's locals: with them, one failed request's line was 0.4 to 1.4 MB and
     held the request's fields."""
-    stream = _Stream(tty=False)
-    monkeypatch.setattr(sys, "stderr", stream)
-    saved = structlog.get_config()
-    try:
-        configure_logging(level="info", log_format="json")
-        secret_local = "x" * 40  # noqa: F841 - a local the traceback must not print
-        try:
-            raise RuntimeError("handler bug")
-        except RuntimeError:
-            structlog.get_logger("test").error("request_failed", exc_info=True)
-    finally:
-        structlog.reset_defaults()
-        structlog.configure(**saved)
-    [line] = stream.getvalue().splitlines()
+    written = _log_an_error(monkeypatch, tty=False, log_format="json")
+    [line] = written.splitlines()
     event = json.loads(line)
     [error] = event["exception"]
     assert (error["exc_type"], error["exc_value"]) == ("RuntimeError", "handler bug")
