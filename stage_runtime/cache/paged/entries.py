@@ -189,7 +189,6 @@ class _Entry:
 
     __slots__ = (
         "children",
-        "footprint",
         "hits",
         "key",
         "last_used",
@@ -227,8 +226,6 @@ class _Entry:
         """The ``adaptive`` policy's class of a resident entry (that of the last record that used
         it, :func:`~stage_runtime.cache.paged.eviction.record_class`; while a record runs, its
         class so far); -1 when not resident."""
-        self.footprint: Footprint | None = None
-        """Its token segments while not yet added to the index's footprint."""
 
     @property
     def label(self) -> str:

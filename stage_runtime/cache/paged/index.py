@@ -129,12 +129,12 @@ class PagedActivationIndex:
     )
     _misses: MissTracker = attrs.field(init=False)
     _footprint: PrefixFootprint = attrs.field(factory=PrefixFootprint, init=False)
-    _unfootprinted: dict[bytes, _Entry] = attrs.field(factory=dict, init=False)
-    """Resident entries not yet added to the footprint, in the order they were stored (each
-    holds its token segments, :attr:`_Entry.footprint`): the footprint's token tries are built
-    only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for it.
-    (The entries themselves, not a tuple each: what the garbage collector traverses on every
-    full collection is counted in hundreds of thousands here.)"""
+    _unfootprinted: dict[bytes, Footprint] = attrs.field(factory=dict, init=False)
+    """The token segments (:func:`_footprint_segments`) of the resident entries not yet added
+    to the footprint, by key, in the order they were stored: the footprint's token tries are
+    built only when :meth:`unique_prefix_bytes` is read, so entries evicted before never pay for
+    it. (Their bytes, not the entries: a dict that holds no object the garbage collector tracks
+    is not tracked itself, and its full collections would visit each entry once more.)"""
     _shapes: _Shapes = attrs.field(factory=_Shapes, init=False)
     """What the entries of a record share, one object per distinct shape."""
     _recent_chains: RecentChains = attrs.field(factory=RecentChains, init=False)
@@ -401,8 +401,7 @@ class PagedActivationIndex:
                 (was.label, was.kind, was.root, was.token_count, int(segment.size), bpt, meta)
             )
             self._uncount_footprint(key)
-            existing.footprint = _footprint_segments(op.chain, existing)
-            self._unfootprinted[key] = existing
+            self._unfootprinted[key] = _footprint_segments(op.chain, existing)
         self._touch(existing, hit=False)
         op.reused_entries += 1
         return existing
@@ -433,8 +432,9 @@ class PagedActivationIndex:
         self._resident_bytes += size
         self._eviction.stored(entry, parent)
         self._misses.cached(key)
-        entry.footprint = _footprint_segments(chain, entry) if footprint is None else footprint
-        self._unfootprinted[key] = entry
+        self._unfootprinted[key] = (
+            _footprint_segments(chain, entry) if footprint is None else footprint
+        )
         self._records += 1
         op.stored_entries += 1
         op.stored_bytes += size
@@ -485,9 +485,8 @@ class PagedActivationIndex:
                 key = keys[i]
                 self._clock = clock = self._clock + 1
                 entry = _Entry(key, parent, i * p, segment, shape, clock)
-                entry.footprint = page_rows[i]
                 entries[key] = entry
-                unfootprinted[key] = entry
+                unfootprinted[key] = page_rows[i]
                 self._resident_bytes += size
                 done = i + 1
                 if stored is not None:
@@ -706,10 +705,9 @@ class PagedActivationIndex:
         lazily from what changed since the last call.
         """
         count = self._count_footprint
-        for entry in self._unfootprinted.values():
-            assert entry.footprint is not None
-            count(entry.footprint, entry)
-            entry.footprint = None
+        entries = self._entries
+        for key, footprint in self._unfootprinted.items():
+            count(footprint, entries[key])
         self._unfootprinted.clear()
         return self._footprint.unique_bytes()
 
