@@ -12,8 +12,9 @@ Three pieces, all synchronous and owned by whoever owns the cache:
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Literal, cast
 
 import attrs
@@ -104,6 +105,16 @@ class MissTracker:
         capacity = self.capacity
         while len(tombstones) > capacity:
             tombstones.popitem(last=False)
+
+    def evicted_new(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`evicted_all` of distinct keys none of which has a tombstone (keys cached until
+        now, when caching a key forgets its tombstone), in C loops: they go in as the newest,
+        in order, and the oldest past the capacity go."""
+        tombstones = self._tombstones
+        tombstones.update(zip(keys, repeat(None)))
+        excess = len(tombstones) - self.capacity
+        if excess > 0:
+            deque(map(tombstones.popitem, repeat(False, excess)), maxlen=0)
 
     def cached(self, key: Hashable) -> None:
         """Forget ``key``'s tombstone: it is resident again."""

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
-from stage_runtime.cache.paged.entries import _consume, _Entry, _key_of, _leaf_item
+from stage_runtime.cache.paged.entries import _consume, _Entry, _key_of, _leaf_item, _Shape
 from stage_runtime.cache.paged.results import _Eviction
 from stage_runtime.cache.resident import EvictionReason
 from stage_runtime.config import PageEviction
@@ -46,6 +46,9 @@ __all__ = [
 
 _Victims = list[tuple[_Entry, EvictionReason]]
 
+_Oldest = tuple[list[_Entry], list[bytes], list[_Shape]]
+"""Victims with their keys and shapes (:meth:`LruEviction._oldest`)."""
+
 
 class EvictionHost(Protocol):
     """What a strategy reads and calls of the index it serves
@@ -58,6 +61,15 @@ class EvictionHost(Protocol):
     _resident_bytes: int
 
     def _evict_all(self, victims: _Victims, evicted: list[_Eviction]) -> None: ...
+
+    def _evict_oldest(
+        self,
+        gone: list[_Entry],
+        keys: list[bytes],
+        shapes: list[_Shape],
+        reasons: list[EvictionReason] | EvictionReason,
+        evicted: list[_Eviction],
+    ) -> None: ...
 
 
 class EvictionStrategy(Protocol):
@@ -170,6 +182,11 @@ class LruEviction:
         *,
         new_entry: bool,
     ) -> bool:
+        if also is None:
+            oldest = self._oldest(size, int(new_entry))
+            if oldest is not None:
+                self._index._evict_oldest(*oldest, "max_bytes", evicted)
+                return True
         victims, ok, _, _ = self._victims(size, also, int(new_entry))
         if ok:  # when the room cannot be made, evicting would free it for nothing
             self._index._evict_all(victims, evicted)
@@ -181,6 +198,10 @@ class LruEviction:
         cannot be, the chain ends at the last page that fits. Each victim's reason is the first
         bound the new pages, all together, would still exceed."""
         index = self._index
+        oldest = self._oldest(count * size, count)
+        if oldest is not None:
+            index._evict_oldest(*oldest, "max_bytes", evicted)
+            return count
         victims, ok, remaining, remaining_bytes = self._victims(count * size, None, count)
         fit = count
         if not ok:
@@ -200,6 +221,37 @@ class LruEviction:
     def clear(self, evicted: list[_Eviction]) -> None:
         index = self._index
         index._evict_all([(entry, "cleared") for entry in index._entries.values()], evicted)
+
+    def _oldest(self, size: int, new_entries: int) -> _Oldest | None:
+        """:meth:`_victims` (with no ``also``) when only the byte bound needs room: the oldest
+        entries until the bytes fit, if none of them is the running record's, with their keys
+        and shapes (one pass; no reason each: they are all ``max_bytes``); None when that does
+        not settle it (the entry bound needs room too, or the bytes would need the record's own
+        chain) and :meth:`_victims` must."""
+        index = self._index
+        entries = index._entries
+        if len(entries) + new_entries > index.max_entries:
+            return None
+        max_bytes = index.max_bytes
+        excess = index._resident_bytes + size - max_bytes
+        victims: list[_Entry] = []
+        keys: list[bytes] = []
+        shapes: list[_Shape] = []
+        if not max_bytes or excess <= 0:
+            return victims, keys, shapes
+        op_clock = self._op_clock
+        total = 0
+        for victim in entries.values():  # oldest first
+            if victim.last_used > op_clock:
+                return None
+            shape = victim.shape
+            victims.append(victim)
+            keys.append(victim.key)
+            shapes.append(shape)
+            total += shape.nbytes
+            if total >= excess:
+                return victims, keys, shapes
+        return None
 
     def _victims(
         self, size: int, also: _Entry | None, new_entries: int

@@ -16,6 +16,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from itertools import repeat
 from typing import cast
 
 import attrs
@@ -32,8 +33,10 @@ from stage_runtime.cache.paged.chains import (
 )
 from stage_runtime.cache.paged.entries import (
     Footprint,
+    _consume,
     _Entry,
     _footprint_segments,
+    _key_of,
     _segments_of,
     _Shape,
     _Shapes,
@@ -59,6 +62,8 @@ from stage_runtime.limits import U64_MAX
 __all__ = ["PagedActivationIndex"]
 
 _shape_of = operator.attrgetter("shape")
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
 
 
 def _to_eviction(value: object) -> PageEviction:
@@ -402,7 +407,7 @@ class PagedActivationIndex:
             )
             self._uncount_footprint(key)
             self._unfootprinted[key] = _footprint_segments(op.chain, existing)
-        self._touch(existing, hit=False)
+        self._touch(existing)
         op.reused_entries += 1
         return existing
 
@@ -514,60 +519,115 @@ class PagedActivationIndex:
         else:
             self._footprint.add(entry.key, footprint, bpt)
 
-    def _touch(self, entry: _Entry, *, hit: bool) -> None:
-        """Mark ``entry`` used now (the eviction strategy reorders it)."""
+    def _touch(self, entry: _Entry) -> None:
+        """Mark ``entry`` used now by a record (the eviction strategy reorders it; a restore's
+        uses are :meth:`EvictionStrategy.restored`)."""
         self._clock += 1
         entry.last_used = self._clock
-        if hit:
-            entry.hits += 1
         self._eviction.touched(entry)
 
     def _evict_all(
         self, victims: list[tuple[_Entry, EvictionReason]], evicted: list[_Eviction]
     ) -> None:
-        """Remove ``victims`` in order, appending what each was to ``evicted``."""
-        entries = self._entries
-        kinds = self._kinds
-        unfootprinted = self._unfootprinted
+        """Remove ``victims`` in order, appending what they were to ``evicted``."""
+        if not victims:
+            return
+        gone = list(map(_first, victims))
+        keys = list(map(_key_of, gone))
+        shapes = list(map(_shape_of, gone))
+        reasons: list[EvictionReason] = list(map(_second, victims))
         strategy = self._eviction
-        hook = None if type(strategy) is LruEviction else strategy.evicted  # (LRU: no-op)
-        buried: list[bytes] = []
-        gone = 0
-        resident = self._resident_bytes
+        if type(strategy) is LruEviction:  # (no hook)
+            self._evict_oldest(gone, keys, shapes, reasons, evicted)
+            return
+        entries = self._entries
+        before = len(entries)
+        hook = strategy.evicted
+        done = 0
         try:
+            # Each removed before its hook runs: a parent's hook sees its children gone.
             for entry, reason in victims:
-                key = entry.key
-                del entries[key]
-                shape = entry.shape
-                kind = shape.kind
-                kinds[kind] -= 1
-                size = shape.nbytes
-                resident -= size
-                self._resident_bytes = resident
-                if hook is not None:
-                    hook(entry, reason)
-                if unfootprinted.pop(key, None) is None:
-                    self._footprint.remove(key)
+                del entries[entry.key]
+                done += 1
+                hook(entry, reason)
+        finally:  # (the bookkeeping covers every entry removed, even if interrupted)
+            if done < len(gone):
+                del gone[done:], keys[done:], shapes[done:], reasons[done:]
+            self._removed(gone, keys, shapes, reasons, before, evicted)
+
+    def _evict_oldest(
+        self,
+        gone: list[_Entry],
+        keys: list[bytes],
+        shapes: list[_Shape],
+        reasons: list[EvictionReason] | EvictionReason,
+        evicted: list[_Eviction],
+    ) -> None:
+        """Remove ``gone`` (with their ``keys`` and ``shapes``; ``reasons``: one each, or one
+        for all) under LRU, which hears of no eviction: in one C loop."""
+        if not gone:
+            return
+        before = len(self._entries)
+        try:
+            _consume(map(self._entries.__delitem__, keys))
+        finally:  # (nothing runs between those deletions: all or none are gone)
+            self._removed(gone, keys, shapes, reasons, before, evicted)
+
+    def _removed(
+        self,
+        gone: list[_Entry],
+        keys: list[bytes],
+        shapes: list[_Shape],
+        reasons: list[EvictionReason] | EvictionReason,
+        entries_before: int,
+        evicted: list[_Eviction],
+    ) -> None:
+        """The bookkeeping of ``gone`` (with their ``keys``, ``shapes`` and ``reasons``), just
+        removed from the entries, of which there were ``entries_before``: the counters, the
+        footprint, the tombstones, and a record of them appended to ``evicted`` (made into
+        :class:`EvictedPage` records only when read). Per call where it can be, not per entry
+        (a tight bound evicts some 25 pages per record)."""
+        if not gone:
+            return
+        resident = self._resident_bytes
+        nbytes = 0
+        pages = 0
+        counts = self._kinds
+        for shape in shapes:
+            nbytes += shape.nbytes
+            if shape.kind == "page":
+                pages += 1
+            else:
+                counts[shape.kind] -= 1
+        counts["page"] -= pages
+        self._resident_bytes = resident - nbytes
+        # Entries not yet in the footprint leave only _unfootprinted (usually all of them: the
+        # footprint is read rarely); the others leave the footprint.
+        unfootprinted = self._unfootprinted
+        waiting = len(unfootprinted)
+        held = list(map(unfootprinted.pop, keys, repeat(None)))
+        if waiting - len(unfootprinted) < len(keys):
+            remove = self._footprint.remove
+            for key, segments in zip(keys, held, strict=True):
+                if segments is None:
+                    remove(key)
+        buried = keys
+        buried_bytes = nbytes
+        if reasons == "cleared" or (not isinstance(reasons, str) and "cleared" in reasons):
+            # (Not the bounds' doing: no tombstone, not counted as evictions.)
+            each = [reasons] * len(keys) if isinstance(reasons, str) else reasons
+            buried = []
+            buried_bytes = 0
+            for key, shape, reason in zip(keys, shapes, each, strict=True):
                 if reason != "cleared":
                     buried.append(key)
-                    gone += size
-                evicted.append(
-                    (
-                        shape.label,
-                        kind,
-                        entry.token_start,
-                        shape.token_count,
-                        key,
-                        size,
-                        reason,
-                        len(entries),
-                        resident,
-                    )
-                )
-        finally:  # (the counters and tombstones cover every entry removed, even if interrupted)
-            self._evictions += len(buried)
-            self._evicted_bytes += gone
-            self._misses.evicted_all(buried)
+                    buried_bytes += shape.nbytes
+        self._evictions += len(buried)
+        self._evicted_bytes += buried_bytes
+        if buried:
+            self._misses.evicted_new(buried)
+        starts = [entry.token_start for entry in gone]
+        evicted.append(_Eviction(keys, starts, shapes, reasons, entries_before, resident, nbytes))
 
     # ---------------------------------------------------------------- restore
 

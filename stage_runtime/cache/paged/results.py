@@ -44,9 +44,73 @@ class EvictedPage(EvictedEntry):
     """First token the entry covers."""
 
 
-_Eviction = tuple[str, EntryKind, int, int, bytes, int, EvictionReason, int, int]
-"""The parts of an :class:`EvictedPage`: chain label, kind, token start, token count, key,
-payload bytes, reason, entries after, resident bytes after."""
+class _Shaped(Protocol):
+    """What an evicted entry's record needs of its shape (the entries' ``_Shape``)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def kind(self) -> EntryKind: ...
+
+    @property
+    def token_count(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class _Eviction:
+    """The entries one eviction call removed, in order: what their :class:`EvictedPage` records
+    are made of, when something reads them. Their keys, token starts and shapes, not the
+    entries (which would keep their payloads alive as long as the records); their reasons, and
+    the index's entries and resident bytes before the first went (each record's residency
+    after it follows from those)."""
+
+    __slots__ = ("entries", "keys", "nbytes", "reasons", "resident", "shapes", "starts")
+
+    def __init__(
+        self,
+        keys: list[bytes],
+        starts: list[int],
+        shapes: Sequence[_Shaped],
+        reasons: list[EvictionReason] | EvictionReason,
+        entries: int,
+        resident: int,
+        nbytes: int,
+    ) -> None:
+        self.keys = keys
+        self.starts = starts
+        self.shapes = shapes
+        self.reasons = reasons
+        """One reason per entry, or one for them all."""
+        self.entries = entries
+        """Resident entries before the first went."""
+        self.resident = resident
+        """Resident bytes before the first went."""
+        self.nbytes = nbytes
+        """Payload bytes of them all."""
+
+    def records(self) -> Iterator[EvictedPage]:
+        """Their :class:`EvictedPage` records, in order."""
+        entries, resident = self.entries, self.resident
+        reasons = self.reasons
+        each = [reasons] * len(self.keys) if isinstance(reasons, str) else reasons
+        for key, start, shape, reason in zip(
+            self.keys, self.starts, self.shapes, each, strict=True
+        ):
+            entries -= 1
+            resident -= shape.nbytes
+            yield EvictedPage(
+                key=_entry_name(shape.label, shape.kind, start, shape.token_count, key),
+                kind=shape.kind,
+                token_start=start,
+                token_count=shape.token_count,
+                payload_bytes=shape.nbytes,
+                reason=reason,
+                entries_after=entries,
+                resident_bytes_after=resident,
+            )
 
 
 def _entry_name(label: str, kind: str, token_start: int, token_count: int, key: bytes) -> str:
@@ -63,38 +127,27 @@ class EvictedPages(Sequence[EvictedPage]):
     something reads them. Immutable; equal to any sequence of the same records (a tuple too).
     """
 
-    __slots__ = ("_pages", "_parts")
+    __slots__ = ("_count", "_pages", "_runs")
 
-    def __init__(self, parts: Sequence[_Eviction] = ()) -> None:
-        self._parts = tuple(parts)
+    def __init__(self, runs: Sequence[_Eviction] = ()) -> None:
+        self._runs = tuple(runs)
+        self._count = sum(len(run.keys) for run in self._runs)
         self._pages: tuple[EvictedPage, ...] | None = None
 
     @property
     def pages(self) -> tuple[EvictedPage, ...]:
         """The records as a tuple."""
         if self._pages is None:
-            self._pages = tuple(
-                EvictedPage(
-                    key=_entry_name(label, kind, start, count, key),
-                    kind=kind,
-                    token_start=start,
-                    token_count=count,
-                    payload_bytes=size,
-                    reason=reason,
-                    entries_after=entries,
-                    resident_bytes_after=resident,
-                )
-                for label, kind, start, count, key, size, reason, entries, resident in self._parts
-            )
+            self._pages = tuple(page for run in self._runs for page in run.records())
         return self._pages
 
     @property
     def payload_bytes(self) -> int:
         """Bytes of all the evicted entries."""
-        return sum(part[5] for part in self._parts)
+        return sum(run.nbytes for run in self._runs)
 
     def __len__(self) -> int:
-        return len(self._parts)
+        return self._count
 
     @overload
     def __getitem__(self, index: int) -> EvictedPage: ...
@@ -110,7 +163,7 @@ class EvictedPages(Sequence[EvictedPage]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, EvictedPages):
-            return self._parts == other._parts
+            return self._count == other._count and self.pages == other.pages
         if isinstance(other, Sequence) and not isinstance(other, str | bytes):
             return self.pages == tuple(other)
         return NotImplemented
