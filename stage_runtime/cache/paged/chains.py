@@ -64,9 +64,17 @@ def _private_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> TokenArr
 
 class TokenChain:
     """The token keys of one prompt by one page size (shared by every namespace that pages it;
-    not to be changed)."""
+    not to be changed but for the page keys it remembers, :attr:`tagged`)."""
 
-    __slots__ = ("_exact", "page_keys", "page_tokens", "tail_key", "token_count", "tokens")
+    __slots__ = (
+        "_exact",
+        "page_keys",
+        "page_tokens",
+        "tagged",
+        "tail_key",
+        "token_count",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -84,6 +92,11 @@ class TokenChain:
         """Token key of the partial last page, or None when the prompt ends on a page boundary."""
         self.token_count = int(tokens.size)
         self._exact: bytes | None = None
+        self.tagged: dict[bytes, tuple[bytes, ...]] = {}
+        """The page keys made of these token keys so far, by namespace tag (:func:`_page_chain`):
+        all of them, or the leading ones taken from the earlier chain these started like. (They
+        keep their key objects alive while the chain is remembered, evicted pages' too: some
+        80 bytes a page and namespace.)"""
 
     @property
     def exact_key(self) -> bytes:
@@ -282,17 +295,32 @@ def _page_chain(
     tag = root_key[:TAG_BYTES]
     tokens = _token_chain(ids, page_tokens, recent, shared=shared)
     tail = tokens.tail_key
+    # The keys of the pages shared with the earlier chain are that chain's key objects: not
+    # made again, and an index that stored them finds them by identity, without comparing
+    # their bytes.
+    tagged = tokens.tagged
+    page_keys = tagged.get(tag, ())
+    if len(page_keys) < len(tokens.page_keys):
+        made = len(page_keys)
+        page_keys += tuple([key + tag for key in tokens.page_keys[made:]])
+        if len(tagged) >= _TAGS:
+            tagged.clear()
+        tagged[tag] = page_keys
     return PageChain(
         namespace=namespace,
         label=label,
         page_tokens=page_tokens,
         tokens=ids,
         root_key=root_key,
-        page_keys=tuple([key + tag for key in tokens.page_keys]),
+        page_keys=page_keys,
         tail_key=None if tail is None else tail + tag,
         token_chain=tokens,
     )
 
+
+_TAGS = 16
+"""Namespaces a :class:`TokenChain` keeps the page keys of (a pipeline's stages page one prompt
+array each in its own; past that it starts again)."""
 
 _SHARED_CHAINS = 16
 _shared_chains: OrderedDict[tuple[int, int], TokenChain] = OrderedDict()
@@ -324,6 +352,7 @@ def _token_chain(
     width = 4 * page_tokens
     keys: list[bytes] = []
     parent = _TOKEN_ROOT
+    tagged: dict[bytes, tuple[bytes, ...]] = {}
     n = int(ids.size)
     full = n // page_tokens
     hasher = blake3.blake3
@@ -342,6 +371,7 @@ def _token_chain(
                     keys.extend(like.page_keys[1:same])
                     parent = keys[-1]
                     start = same
+            tagged = {tag: made[:start] for tag, made in like.tagged.items()}
     for i in range(start, full):
         # One call per page over the concatenation (the same digest as three updates).
         parent = hasher(b"".join((_PAGE_DOMAIN, parent, raw[i * width : (i + 1) * width]))).digest()
@@ -353,6 +383,7 @@ def _token_chain(
         h.update(raw[full * width :])
         tail_key = h.digest()
     chain = TokenChain(ids, page_tokens, tuple(keys), tail_key)
+    chain.tagged = tagged
     if recent is not None and keys:
         recent.remember(chain)
     if shared:
