@@ -23,7 +23,7 @@ memory lets them all keep one copy of each segment."""
 class _Segments:
     """The token bytes cut lately from one prompt array (see :func:`_segments_of`)."""
 
-    __slots__ = ("cut", "pages", "tokens")
+    __slots__ = ("cut", "pages", "pages_from", "tokens")
 
     def __init__(self, tokens: TokenArray) -> None:
         self.tokens = weakref.ref(tokens)
@@ -31,18 +31,27 @@ class _Segments:
         self.cut: dict[tuple[int, int], bytes] = {}
         """Segments cut one by one, by ``(start, stop)`` (tails and exact entries)."""
         self.pages: dict[int, list[bytes]] = {}
-        """The bytes of every full page, by page size: cut all at once the first time a page
-        is stored, one bytes slice each (cheaper than a numpy slice per page, and most of a
-        prompt's pages are new to some stage of the pipeline)."""
+        """The bytes of every full page, by page size, from :attr:`pages_from` on (``b""``
+        before): cut together, one bytes slice each (cheaper than a numpy slice per page), the
+        first time a page is stored and as earlier ones are asked for. Only the pages some
+        stage stores are cut: the leading pages most prompts share are cached already."""
+        self.pages_from: dict[int, int] = {}
+        """The first page cut, by page size."""
 
-    def page_rows(self, tokens: TokenArray, page_tokens: int) -> list[bytes]:
-        """The bytes of each full page of ``tokens`` (the array this memo is of)."""
+    def page_rows(self, tokens: TokenArray, page_tokens: int, first: int = 0) -> list[bytes]:
+        """The bytes of each full page of ``tokens`` (the array this memo is of): of every page
+        from ``first`` on (those before may be ``b""``)."""
         rows = self.pages.get(page_tokens)
         if rows is None:
-            raw = tokens.tobytes()
+            cut = int(tokens.size) // page_tokens
+            rows = self.pages[page_tokens] = [b""] * cut
+        else:
+            cut = self.pages_from[page_tokens]
+        if first < cut:
             width = 4 * page_tokens
-            end = int(tokens.size) // page_tokens * width
-            rows = self.pages[page_tokens] = [raw[i : i + width] for i in range(0, end, width)]
+            raw = tokens.data.cast("B")[first * width : cut * width].tobytes()
+            rows[first:cut] = [raw[i : i + width] for i in range(0, len(raw), width)]
+            self.pages_from[page_tokens] = first
         return rows
 
 
@@ -97,7 +106,7 @@ def _footprint_segments(chain: PageChain, entry: _Entry) -> Footprint:
         return out
     start = entry.token_start
     if kind == "page":
-        return _segments_of(tokens).page_rows(tokens, p)[start // p]
+        return _segments_of(tokens).page_rows(tokens, p, start // p)[start // p]
     return _shared_segment(tokens, start, start + entry.token_count)
 
 

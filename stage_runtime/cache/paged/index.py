@@ -462,9 +462,9 @@ class PagedActivationIndex:
         # A slice of a zero-stride payload is a zero-stride view (kept as is, see _stored), and
         # every page-sized slice of it is the same view: one is cut and shared by all the pages.
         shared = payload[:size] if size > 1 and payload.strides[0] == 0 else None
-        # Each page's footprint segment (_footprint_segments), cut with the prompt's others.
+        # Each page's footprint segment (_footprint_segments), cut with the others stored.
         tokens = chain.tokens
-        page_rows = _segments_of(tokens).page_rows(tokens, p)
+        page_rows = _segments_of(tokens).page_rows(tokens, p, first)
         # _store_new of each page, inline (a long prompt stores hundreds of pages per stage):
         # the counters nothing reads meanwhile are added once, after the loop.
         entries = self._entries
