@@ -55,6 +55,26 @@ def test_a_batch_keeps_the_tombstones_one_call_per_key_keeps(
     assert list(one._tombstones) == list(many._tombstones)
 
 
+@given(
+    capacity=st.integers(1, 6),
+    before=st.lists(st.integers(0, 19), max_size=12),
+    fresh=st.sets(st.integers(20, 39), max_size=12),
+)
+def test_new_keys_go_in_as_evicted_all_would_bury_them(
+    capacity: int, before: list[int], fresh: set[int]
+) -> None:
+    """evicted_new (the paged index burying pages resident until now, which have no tombstone)
+    keeps the tombstones evicted_all keeps, in the same order, the capacity's oldest dropped."""
+    new, general = MissTracker(capacity=capacity), MissTracker(capacity=capacity)
+    new.evicted_all(before)
+    general.evicted_all(before)
+    keys = sorted(fresh, key=lambda key: (key * 7) % 20)  # any order: theirs is kept
+    new.evicted_new(keys)
+    general.evicted_all(keys)
+    assert list(new._tombstones) == list(general._tombstones)
+    assert len(new) <= capacity
+
+
 def test_footprint_counts_shared_leading_tokens_once() -> None:
     """Two segments after one parent that agree on 2 tokens need 2 + 2 + 1 token rows."""
     footprint = PrefixFootprint()
