@@ -70,3 +70,17 @@ def test_a_stages_unchecked_messages_hold_what_checked_ones_would() -> None:
     assert attrs.asdict(record, recurse=False) == attrs.asdict(checked_record, recurse=False)
     assert restore.tokens is tokens
     assert checked_restore.tokens is tokens
+
+
+def test_a_stages_unchecked_report_equals_a_checked_one() -> None:
+    from stage_runtime.stage import StagePrefillReport, _unchecked_report
+
+    record = _resident_record("act:s:0:512:0:ab:w8", 512, 4096, 1, 4096, 1, 4096, ())
+    fields: tuple[Any, ...] = ("stage-1", 1, 512, 88, (record,), (), 2.5, 3.25)
+    names = [field.name for field in attrs.fields(StagePrefillReport)]
+    assert len(names) == len(fields)  # a new field must be passed by the stage too
+    checked = StagePrefillReport(**dict(zip(names, fields, strict=True)))
+    unchecked = _unchecked_report(*fields)
+    assert type(unchecked) is StagePrefillReport
+    assert unchecked == checked
+    assert repr(unchecked) == repr(checked)
