@@ -80,17 +80,17 @@ class SimulatedStageModel:
         if not 0 <= start < n:
             msg = f"start must be in [0, {n}) for a {n}-token input, got {start}"
             raise FrameError(msg)
-        await self._spend(n - start, 0 if restored is None else restored.payload_bytes)
+        if self.sleep:  # (else the caller adds the costs up: nothing to work out here)
+            await self._spend(n - start, 0 if restored is None else restored.payload_bytes)
         return self.frame(n - start)
 
     async def full_restore(self, restored: ActivationFrame) -> None:
         """Sleep for restoring the whole prompt (the stage runs no forward then)."""
-        await self._spend(0, restored.payload_bytes)
+        if self.sleep:
+            await self._spend(0, restored.payload_bytes)
 
     async def _spend(self, computed_tokens: int, restored_bytes: int) -> None:
-        """Sleep what computing and restoring cost this stage (when the model sleeps)."""
-        if not self.sleep:  # (the caller adds the costs up: nothing to work out here)
-            return
+        """Sleep what computing and restoring cost this stage."""
         delay = self.cost.stage_cost(
             computed_tokens=computed_tokens,
             restored_bytes=restored_bytes,
