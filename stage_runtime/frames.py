@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime._validators import check_int, int_range, is_int
 from stage_runtime.errors import FrameError
 from stage_runtime.limits import I32_MAX as _I32_MAX
@@ -530,21 +531,18 @@ class ActivationFrame:
         # Both counts shrink from valid values and the slice of a read-only payload is a
         # read-only view of the right size: build the objects without re-running validators.
         desc = _desc_with_counts(self.desc, token_count, payload_bytes)
-        frame: ActivationFrame = object.__new__(ActivationFrame)
-        object.__setattr__(frame, "desc", desc)
-        object.__setattr__(frame, "payload", self.payload[:payload_bytes])
-        return frame
+        return _unchecked_frame(desc, self.payload[:payload_bytes])
 
     def _virtual_rows(self, token_count: int, fill: int = 0) -> ActivationFrame:
         """Unchecked :meth:`virtual` of ``token_count`` rows with this frame's descriptor: the
         caller has made sure this frame has whole rows of at least one token, and that
         ``token_count`` is an ``int`` that :meth:`virtual` accepts (a simulated model makes
         every frame from one checked template)."""
-        size = self.desc.payload_bytes // self.desc.token_count * token_count
-        frame: ActivationFrame = object.__new__(ActivationFrame)
-        object.__setattr__(frame, "desc", _desc_with_counts(self.desc, token_count, size))
-        object.__setattr__(frame, "payload", _virtual_payload(size, fill))
-        return frame
+        desc = self.desc
+        size = desc.payload_bytes // desc.token_count * token_count
+        return _unchecked_frame(
+            _desc_with_counts(desc, token_count, size), _virtual_payload(size, fill)
+        )
 
     @staticmethod
     def concat(first: ActivationFrame, second: ActivationFrame) -> ActivationFrame:
@@ -640,6 +638,11 @@ class ActivationFrame:
             virtual, real = (self, other) if self.is_virtual else (other, self)
             return bool(np.all(real.payload == virtual.payload[0]))
         return bool(np.array_equal(self.payload, other.payload))
+
+
+_unchecked_frame = unchecked_constructor(ActivationFrame)
+"""An ActivationFrame of a descriptor and a read-only payload of its size, unchecked: for
+internal callers whose frames are valid by construction (a prefix, a virtual frame's rows)."""
 
 
 def _unpickle_frame(desc: ActivationDesc, payload: npt.NDArray[np.uint8]) -> ActivationFrame:

@@ -84,3 +84,28 @@ def test_a_stages_unchecked_report_equals_a_checked_one() -> None:
     assert type(unchecked) is StagePrefillReport
     assert unchecked == checked
     assert repr(unchecked) == repr(checked)
+
+
+def test_an_unchecked_frame_holds_what_a_checked_one_would() -> None:
+    """A prefix and a virtual frame's rows, built unchecked, have the descriptor and the
+    payload a checked frame of theirs has (frames compare by identity: field by field)."""
+    import numpy as np
+
+    from stage_runtime.frames import ActivationFrame, _unchecked_frame
+
+    rows = np.arange(24, dtype=np.float32).reshape(6, 4)
+    real = ActivationFrame.from_array(rows, producer_stage_index=2, layer_start=3, layer_end=5)
+    virtual = ActivationFrame.virtual(token_count=1, bytes_per_token=8, fill=7)
+    for unchecked in (real._cut(4), virtual._virtual_rows(5, fill=7)):
+        checked = ActivationFrame(desc=unchecked.desc, payload=unchecked.payload)
+        assert type(unchecked) is ActivationFrame
+        assert unchecked.same_content(checked)
+        assert repr(unchecked) == repr(checked)
+        assert unchecked.payload is checked.payload  # (read-only already: not re-viewed)
+    assert real._cut(4).same_content(real.prefix(4))
+    assert virtual._virtual_rows(5, fill=7).same_content(
+        ActivationFrame.virtual(token_count=5, bytes_per_token=8, fill=7)
+    )
+    frame = _unchecked_frame(real.desc, real.payload)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        frame.desc = virtual.desc  # type: ignore[misc]
