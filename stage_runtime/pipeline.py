@@ -41,6 +41,7 @@ import trio
 
 from actors import ActorStoppedError
 from stage_runtime._config_lines import with_line
+from stage_runtime._unchecked import unchecked_constructor
 from stage_runtime._validators import check_non_negative_int
 from stage_runtime.cache import EvictedEntry
 from stage_runtime.config import (
@@ -109,6 +110,11 @@ class PrefillResult:
     them (:class:`~stage_runtime.llama.LlamaStageModel`); None for the reference models."""
 
 
+_unchecked_result = unchecked_constructor(PrefillResult)
+"""A prefill's result from what its stages filled in (it has no validators to skip: attrs'
+own __init__ of a frozen class costs more than setting its slots)."""
+
+
 @attrs.frozen(kw_only=True)
 class PipelineStats:
     """Statistics of every stage, in pipeline order."""
@@ -140,6 +146,9 @@ class Pipeline:
     _failure: str | None = attrs.field(default=None, init=False)
     """Why the pipeline stopped, when it stopped abnormally (a stage crashed, or the block
     that opened it raised or was cancelled)."""
+    _context: tuple[tuple[StageConfig, ...], int] | None = attrs.field(default=None, init=False)
+    """The stage configurations :attr:`max_prompt_tokens` was worked out from, and it (looked
+    up by every prefill)."""
 
     @property
     def draining(self) -> bool:
@@ -171,7 +180,12 @@ class Pipeline:
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt :meth:`prefill` accepts: the smallest ``ctx_size`` of the stages."""
-        return context_tokens(self.stage_configs)
+        configs, context = self._context or ((), 0)
+        if configs is not self.stage_configs:
+            configs = self.stage_configs
+            context = context_tokens(configs)
+            self._context = configs, context
+        return context
 
     async def prefill(
         self,
@@ -256,12 +270,8 @@ class Pipeline:
         if request.error is not None:
             raise request.error
         assert request.frame is not None
-        return PrefillResult(
-            request_id=request_id,
-            frame=request.frame,
-            tokens=int(token_array.size),
-            stages=tuple(request.reports),
-            logits=request.logits,
+        return _unchecked_result(
+            request_id, request.frame, int(token_array.size), tuple(request.reports), request.logits
         )
 
     async def statistics(self) -> PipelineStats:

@@ -109,3 +109,30 @@ def test_an_unchecked_frame_holds_what_a_checked_one_would() -> None:
     frame = _unchecked_frame(real.desc, real.payload)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         frame.desc = virtual.desc  # type: ignore[misc]
+
+
+def test_a_pipelines_unchecked_result_equals_a_checked_one() -> None:
+    import numpy as np
+
+    from stage_runtime.frames import ActivationFrame
+    from stage_runtime.pipeline import PrefillResult, _unchecked_result
+    from stage_runtime.stage import StagePrefillReport
+
+    frame = ActivationFrame.virtual(token_count=16, bytes_per_token=8)
+    report = StagePrefillReport(
+        stage_id="stage-0",
+        stage_index=0,
+        restored_tokens=0,
+        computed_tokens=16,
+        records=(),
+        evicted=(),
+    )
+    logits = np.zeros(4, dtype=np.float32)
+    fields: tuple[Any, ...] = ("request-1", frame, 16, (report,), logits)
+    names = [field.name for field in attrs.fields(PrefillResult)]
+    assert len(names) == len(fields)  # a new field must be passed by the pipeline too
+    checked = PrefillResult(**dict(zip(names, fields, strict=True)))
+    unchecked = _unchecked_result(*fields)
+    assert type(unchecked) is PrefillResult
+    assert attrs.asdict(unchecked, recurse=False) == attrs.asdict(checked, recurse=False)
+    assert repr(unchecked) == repr(checked)
