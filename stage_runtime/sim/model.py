@@ -66,7 +66,8 @@ class SimulatedStageModel:
     @property
     def activation_width(self) -> int:
         """Elements per token row (bf16), the width in cache keys."""
-        return max(self.bytes_per_token // _BYTES_PER_ELEMENT, 1)
+        width = self.bytes_per_token // _BYTES_PER_ELEMENT
+        return width if width > 1 else 1  # (max(), but read twice per stage and request)
 
     def embed(self, tokens: npt.NDArray[np.int32]) -> ActivationFrame:
         """A virtual frame with one row per token."""
