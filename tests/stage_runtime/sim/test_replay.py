@@ -734,3 +734,34 @@ def test_numpy_integer_fields_replay_as_their_ints() -> None:
     assert got.restored_tokens == expected.restored_tokens > 0
     assert got.prompt_tokens == expected.prompt_tokens == 70
     assert got.stages == expected.stages
+
+
+def test_a_replays_clock_keeps_the_times_a_mock_clock_keeps() -> None:
+    """run_replay's clock stands still while tasks run and jumps to each deadline once none
+    can, to the same float a MockClock(autojump_threshold=0) reads."""
+    import trio.testing
+
+    from stage_runtime.sim.runs import _VirtualClock
+
+    async def readings() -> list[float]:
+        seen = [trio.current_time()]
+
+        async def sleeper(delay: float) -> None:
+            await trio.sleep(delay)
+            seen.append(trio.current_time())
+            await trio.lowlevel.checkpoint()
+            seen.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for delay in (0.1, 0.3, 0.7, 1e-9, 0.1, 2.5):
+                nursery.start_soon(sleeper, delay)
+        with trio.move_on_after(1 / 3):
+            await trio.sleep_forever()
+        seen.append(trio.current_time())
+        return seen
+
+    mock = trio.run(readings, clock=trio.testing.MockClock(autojump_threshold=0))
+    ours = trio.run(readings, clock=_VirtualClock())
+    assert ours == mock
+    assert ours[0] == 0.0
+    assert ours[-1] > 2.5
