@@ -20,6 +20,13 @@ __all__ = ["SimulatedStageModel", "simulated_model_factory"]
 _BYTES_PER_ELEMENT = 2  # bf16
 
 
+def _forget_template(instance: SimulatedStageModel, _attribute: object, value: int) -> int:
+    """Drop a model's frame template when a field it is made from is set (attrs' on_setattr):
+    the next frame makes a new one, so frames never need to compare the template's fields."""
+    instance._template = None
+    return value
+
+
 @attrs.define(eq=False)
 class SimulatedStageModel:
     """A stage model that moves realistic byte counts and spends virtual time, and nothing else.
@@ -36,27 +43,27 @@ class SimulatedStageModel:
     replay of one request at a time, where nothing overlaps, does).
     """
 
-    bytes_per_token: int = 8192
+    bytes_per_token: int = attrs.field(default=8192, on_setattr=_forget_template)
     """Payload bytes per token row."""
 
     cost: CostModel = attrs.field(factory=CostModel)
     """What computing and restoring cost, in seconds."""
 
-    stage_index: int = 0
+    stage_index: int = attrs.field(default=0, on_setattr=_forget_template)
     """Written into produced frames as ``producer_stage_index``."""
 
-    layer_start: int = 0
+    layer_start: int = attrs.field(default=0, on_setattr=_forget_template)
     """Written into produced frames."""
 
-    layer_end: int = 0
+    layer_end: int = attrs.field(default=0, on_setattr=_forget_template)
     """Written into produced frames."""
 
     sleep: bool = True
     """Whether :meth:`forward` sleeps its cost (virtual time) or returns at once."""
 
     _template: ActivationFrame | None = attrs.field(default=None, init=False, repr=False)
-    """A checked one-token frame: every frame is this one with other counts (when the fields
-    it was made from have not changed since)."""
+    """A checked one-token frame: every frame is this one with other counts (forgotten when a
+    field it is made from changes)."""
 
     def __attrs_post_init__(self) -> None:
         if self.bytes_per_token < 1:
@@ -108,13 +115,7 @@ class SimulatedStageModel:
             FrameError: ``token_count`` is not a count ``ActivationFrame.virtual`` accepts.
         """
         template = self._template
-        if (
-            template is None
-            or template.desc.payload_bytes != self.bytes_per_token
-            or template.desc.producer_stage_index != self.stage_index
-            or template.desc.layer_start != self.layer_start
-            or template.desc.layer_end != self.layer_end
-        ):
+        if template is None:
             template = self._template = self._checked_frame(1)
         if (
             type(token_count) is int
