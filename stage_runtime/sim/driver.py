@@ -1011,16 +1011,19 @@ def summarise_replay(
         uncached = [finish - arrival for finish, arrival in zip(without, arrivals, strict=True)]
         virtual_s = max(finishes, default=0.0)
 
+    # Each request's restored tokens per stage, zipped at once (not a generator per request;
+    # there is at least one stage, and each has every request, as checked above).
+    restored = zip(*(stage.restored_tokens for stage in stages), strict=True)
     outcomes = sorted(
         (
             RequestOutcome(
                 index=request.index,
                 input_length=request.input_length,
-                restored_tokens=tuple(stage.restored_tokens[position] for stage in stages),
+                restored_tokens=by_stage,
                 ttft_cached_s=cached[position],
                 ttft_uncached_s=uncached[position],
             )
-            for position, request in enumerate(ordered)
+            for position, (request, by_stage) in enumerate(zip(ordered, restored, strict=True))
         ),
         key=lambda outcome: outcome.index,
     )
