@@ -580,30 +580,28 @@ class ActorRef(Generic[MessageT, ReplyT]):
             RuntimeError: Called from the actor's own task (it would deadlock), or from another
                 thread or trio run (nothing is sent).
             TypeError: ``timeout`` is not a number (nothing is sent).
-            ValueError: ``timeout`` is negative or NaN (nothing is sent).
+            ValueError: ``timeout`` is negative, NaN or past a float's range (nothing is sent).
             Exception: Whatever ``handle`` raised for this message.
         """
-        if timeout is None:
-            return await self._ask(message)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            msg = f"timeout must be a number of seconds or None, got {timeout!r}"
-            raise TypeError(msg)
-        if isinstance(timeout, int) and timeout.bit_length() > 1023:  # (past a float's range)
-            msg = (
-                "timeout must be a number of seconds a float can hold (None: no timeout), "
-                f"got an integer of {timeout.bit_length():,} bits"
-            )
-            raise ValueError(msg)
-        if math.isnan(timeout):
-            msg = "timeout must be a number of seconds >= 0, got nan"
-            raise ValueError(msg)
-        if timeout < 0:
-            msg = f"timeout must be >= 0 seconds, got {timeout!r}"
-            raise ValueError(msg)
-        with trio.fail_after(timeout):
-            return await self._ask(message)
-
-    async def _ask(self, message: Any) -> ReplyT:
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                msg = f"timeout must be a number of seconds or None, got {timeout!r}"
+                raise TypeError(msg)
+            if isinstance(timeout, int) and timeout.bit_length() > 1023:  # (past a float's range)
+                msg = (
+                    "timeout must be a number of seconds a float can hold (None: no timeout), "
+                    f"got an integer of {timeout.bit_length():,} bits"
+                )
+                raise ValueError(msg)
+            if math.isnan(timeout):
+                msg = "timeout must be a number of seconds >= 0, got nan"
+                raise ValueError(msg)
+            if timeout < 0:
+                msg = f"timeout must be >= 0 seconds, got {timeout!r}"
+                raise ValueError(msg)
+            with trio.fail_after(timeout):
+                return await self.ask(message)
+        # Without a timeout, the ask itself (here, not in a helper: a coroutine less per ask).
         cell = self._asked_cell()
         reply = Reply()
         envelope = (message, reply)
@@ -613,8 +611,10 @@ class ActorRef(Generic[MessageT, ReplyT]):
             if not self._send_now(envelope):
                 await self._send_later(envelope)
             # No extra yield after a direct send: the actor cannot have replied yet, so
-            # reply.wait() parks, and that park is this call's schedule point.
-            return cast(ReplyT, await reply.wait())
+            # reply.wait() parks, and that park is this call's schedule point. (Annotated, not
+            # cast(): a call less per ask.)
+            answer: ReplyT = await reply.wait()
+            return answer
         finally:
             cell.asks_waiting -= 1
 
