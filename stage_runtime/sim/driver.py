@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -781,9 +781,8 @@ def _check_request_types(request: SimRequest, where: str) -> None:
 
 
 async def _prefill(
-    pipeline: Pipeline, tokenizer: BlockTokenizer, request: SimRequest
+    pipeline: Pipeline, request: SimRequest, tokens: npt.NDArray[np.int32]
 ) -> PrefillResult:
-    tokens: npt.NDArray[np.int32] = tokenizer.request_tokens(request)
     return await pipeline.prefill(
         tokens, session_id=f"session-{request.index}", request_id=f"request-{request.index}"
     )
@@ -859,12 +858,15 @@ async def replay(
     async with open_pipeline(
         configs, factory, channel_size=max(4, config.concurrency), environ={}
     ) as pipeline:
+        # Each prompt is made as its request's turn comes (the tokenizer mixes the block ids
+        # of a few hundred requests at a time).
+        prompts = zip(ordered, tokenizer.each_request_tokens(ordered), strict=True)
         if config.concurrency == 1:
-            for position, request in enumerate(ordered):
-                finish(position, await _prefill(pipeline, tokenizer, request))
+            for position, (request, tokens) in enumerate(prompts):
+                finish(position, await _prefill(pipeline, request, tokens))
         else:
             await _replay_concurrently(
-                pipeline, tokenizer, ordered, config.concurrency, finish, paced=sleep
+                pipeline, prompts, ordered, config.concurrency, finish, paced=sleep
             )
         final = await pipeline.statistics()
     wall_s = time.perf_counter() - wall_start
@@ -879,15 +881,16 @@ async def replay(
 
 async def _replay_concurrently(
     pipeline: Pipeline,
-    tokenizer: BlockTokenizer,
+    prompts: Iterable[tuple[SimRequest, npt.NDArray[np.int32]]],
     ordered: Sequence[SimRequest],
     concurrency: int,
     finish: Callable[[int, PrefillResult], None],
     *,
     paced: bool,
 ) -> None:
-    """Prefill ``ordered`` (in admission order) with at most ``concurrency`` in flight; when
-    ``paced``, each no earlier than its arrival on the run's clock."""
+    """Prefill ``ordered`` (in admission order; ``prompts`` pairs each with its tokens) with at
+    most ``concurrency`` in flight; when ``paced``, each no earlier than its arrival on the
+    run's clock."""
     limiter = trio.CapacityLimiter(concurrency)
     # Virtual time counts from the first arrival: timestamps far from 0 (epoch microseconds,
     # say) would otherwise leave the clock too coarse for the stage costs.
@@ -897,6 +900,7 @@ async def _replay_concurrently(
     async def one(
         position: int,
         request: SimRequest,
+        tokens: npt.NDArray[np.int32],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -904,19 +908,19 @@ async def _replay_concurrently(
             task_status.started()
             # From started() to the send into stage 0 there is no checkpoint, so this request
             # is queued there before the feeder admits the next one.
-            finish(position, await _prefill(pipeline, tokenizer, request))
+            finish(position, await _prefill(pipeline, request, tokens))
         finally:
             limiter.release_on_behalf_of(request)
 
     async with trio.open_nursery() as nursery:
-        for position, request in enumerate(ordered):
+        for position, (request, tokens) in enumerate(prompts):
             if paced:
                 await trio.sleep_until(start + (float(request.arrival_s) - origin))
             await limiter.acquire_on_behalf_of(request)
             # start, not start_soon: the feeder goes on once this request is queued at stage 0,
             # so requests reach it in admission order by construction, not by how trio happens
             # to schedule the tasks it wakes together (in an order it randomises).
-            await nursery.start(one, position, request)
+            await nursery.start(one, position, request, tokens)
 
 
 def _clairvoyant(

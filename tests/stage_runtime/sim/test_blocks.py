@@ -104,3 +104,44 @@ def test_unsigned_64_bit_ids_are_accepted() -> None:
     assert not np.array_equal(tokenizer.block(2**63), tokenizer.block(2**63 + 1))
     prompt = tokenizer.prompt([2**63, 5], 20)
     np.testing.assert_array_equal(prompt[16:], tokenizer.block(5)[:4])
+
+
+def test_each_request_tokens_gives_each_requests_own_prompt() -> None:
+    """Mixed a chunk of requests at a time, the prompts are each request's own, in order:
+    across chunks, cut blocks, ids beyond int64 and id lists that are not tuples (taken one
+    request at a time) included."""
+    rng = np.random.default_rng(7)
+    tokenizer = BlockTokenizer(16)
+    requests = []
+    for index in range(600):
+        count = int(rng.integers(1, 6))
+        ids = tuple(int(i) for i in rng.integers(-(2**40), 2**40, count))
+        lengths = None
+        if index % 7 == 3:
+            lengths = tuple(int(n) for n in rng.integers(1, 17, count))
+            length = sum(lengths)
+        else:
+            length = int(rng.integers(1, 16 * count + 1))
+        if index == 300:
+            ids = (2**64 - 1, *ids[1:])  # (taken modulo 2**64, by the chunk's fallback)
+        if index == 450:  # (a hand-built list, as SimRequest takes it unconverted)
+            ids = list(ids)  # type: ignore[assignment]
+        requests.append(
+            SimRequest(index=index, input_length=length, block_ids=ids, block_lengths=lengths)
+        )
+    prompts = list(tokenizer.each_request_tokens(requests))
+    assert len(prompts) == len(requests)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected = tokenizer.request_tokens(request)
+        assert prompt.dtype == expected.dtype == np.int32
+        np.testing.assert_array_equal(prompt, expected)
+
+
+def test_each_request_tokens_refuses_a_prompt_when_it_is_reached() -> None:
+    tokenizer = BlockTokenizer(16)
+    good = SimRequest(index=0, input_length=20, block_ids=(1, 2))
+    bad = SimRequest(index=1, input_length=40, block_ids=(3, 4))
+    prompts = tokenizer.each_request_tokens([good, bad])
+    np.testing.assert_array_equal(next(prompts), tokenizer.request_tokens(good))
+    with pytest.raises(ConfigError, match=r"input_length must be <= block_size \* len"):
+        next(prompts)
