@@ -145,19 +145,31 @@ class RecordActivation(Asks[list[ResidentActivationRecord]]):
     """Position of ``tokens[0]`` in the sequence (0 for a prefill)."""
 
 
-@attrs.frozen(kw_only=True, eq=False)
+_STAGE_BUILT = (
+    "only a stage builds this message (unchecked); send RestoreActivationPages or RecordActivation"
+)
+
+
+@attrs.frozen(kw_only=True, eq=False, init=False)
 class _StageRestore(RestoreActivationPages):
     """A stage's own :class:`RestoreActivationPages`, which the actor takes as it is: the stage
     builds it unchecked only from values it has checked (a read-only 1-D int32 array of tokens
     that owns its data, its model's checked ``activation_width``, an envelope of checked ids,
-    ``token_start`` 0). Checking them again cost a stage about 1 us per request."""
+    ``token_start`` 0). Checking them again cost a stage about 1 us per request. It cannot be
+    made otherwise: its constructor refuses."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(_STAGE_BUILT)
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@attrs.frozen(kw_only=True, eq=False, init=False)
 class _StageRecord(RecordActivation):
     """A stage's own :class:`RecordActivation`, taken as it is (see :class:`_StageRestore`);
     its frame is the stage's output, which the stage has checked covers the tokens in rows
     ``activation_width`` wide (checking the frame again cost about 1.5 us per request)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(_STAGE_BUILT)
 
 
 @attrs.frozen(kw_only=True)

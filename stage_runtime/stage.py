@@ -508,7 +508,7 @@ class Stage:
                     await self._full_restore(restored)
                 output = restored
             else:
-                output = await self._compute(request, restored, k, n)
+                output = await self._compute(request, restored, k, n, width)
         except Exception as exc:
             failed = self._model_failed(request, work, exc)
         except trio.Cancelled as stray:
@@ -649,9 +649,15 @@ class Stage:
         return True
 
     async def _compute(
-        self, request: PrefillRequest, restored: ActivationFrame | None, k: int, n: int
+        self,
+        request: PrefillRequest,
+        restored: ActivationFrame | None,
+        k: int,
+        n: int,
+        width: int,
     ) -> ActivationFrame:
-        """Run the model for tokens ``k..N-1`` and join the result to the restored prefix."""
+        """Run the model for tokens ``k..N-1`` and join the result to the restored prefix; its
+        rows must be ``width`` values wide (the model's ``activation_width``)."""
         assert self._model is not None
         model = self._model
         if request.frame is not None:
@@ -669,7 +675,9 @@ class Stage:
             got = suffix.token_count if isinstance(suffix, ActivationFrame) else suffix
             msg = f"model output must be a frame of {n - k} tokens, got {got!r}"
             raise FrameError(msg)
-        suffix.check_row_width(model.activation_width, what="model output")
+        # The width the stage's messages carry (read once per request): the actor takes the
+        # stage's record of this output as it is.
+        suffix.check_row_width(width, what="model output")
         if restored is None:
             return suffix
         both = restored.payload_bytes + suffix.payload_bytes

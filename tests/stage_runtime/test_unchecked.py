@@ -136,3 +136,18 @@ def test_a_pipelines_unchecked_result_equals_a_checked_one() -> None:
     assert type(unchecked) is PrefillResult
     assert attrs.asdict(unchecked, recurse=False) == attrs.asdict(checked, recurse=False)
     assert repr(unchecked) == repr(checked)
+
+
+def test_a_stages_trusted_messages_cannot_be_made_by_hand() -> None:
+    """The actor takes a stage's own messages as they are: their constructors refuse, so only
+    the stage's unchecked builders make them (from values it checked)."""
+    import numpy as np
+
+    from stage_runtime.cache_actor import _StageRecord, _StageRestore
+    from stage_runtime.config import MessageBase
+
+    base = MessageBase(stage_id="stage-0")
+    tokens = np.arange(4, dtype=np.int32)
+    for kind in (_StageRestore, _StageRecord):
+        with pytest.raises(TypeError, match="only a stage builds this message"):
+            kind(base=base, tokens=tokens, activation_width=2)
