@@ -277,9 +277,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     results: dict[str, dict[str, Any]] = {}
     profiles: dict[str, str] = {}
     runs: dict[str, list[Run]] = {index: [] for index in indexes}
-    # Interleaved (ladder, paged, ladder, ...): noise from other work spreads over both.
+    # Interleaved (ladder, paged, ladder, ...): noise from other work spreads over both. Each
+    # run starts with the previous one's caches collected: the paged index's entries form
+    # reference cycles, and left for the next run's collector they were charged to it (the
+    # ladder read 33-34 us interleaved, 30-31 alone).
     for _ in range(args.repeat):
         for index in indexes:
+            gc.collect()
             runs[index].append(run_once(requests, SimConfig(stages=args.stages, index=index)))
     for index in indexes:
         config = SimConfig(stages=args.stages, index=index)
