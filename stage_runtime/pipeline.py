@@ -180,11 +180,12 @@ class Pipeline:
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt :meth:`prefill` accepts: the smallest ``ctx_size`` of the stages."""
-        configs, context = self._context or ((), 0)
-        if configs is not self.stage_configs:
-            configs = self.stage_configs
-            context = context_tokens(configs)
-            self._context = configs, context
+        known = self._context
+        if known is not None and known[0] is self.stage_configs:
+            return known[1]
+        configs = self.stage_configs
+        context = context_tokens(configs)
+        self._context = configs, context
         return context
 
     async def prefill(

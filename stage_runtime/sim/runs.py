@@ -85,8 +85,10 @@ class _VirtualClock(trio.abc.Clock):
     (its rate applied to the real clock) cost a replay about 2% of its CPU time.
 
     Trio asks how long to sleep until a deadline only when no task can run: that is when it
-    jumps (before waiting for I/O, where the mock clock waits zero seconds first; a replay's
-    tasks wait on nothing but each other and the clock)."""
+    jumps (before waiting for I/O, where the mock clock polls for I/O once first). So it is for
+    replays whose tasks wait on nothing but each other and the clock, as run_replay's do (its
+    simulated stages never compute or copy in worker threads: their frames are virtual); a task
+    waiting on a thread would see the clock jump first."""
 
     def __init__(self) -> None:
         self._now = 0.0
