@@ -368,23 +368,10 @@ class LadderIndex:
             # The bookkeeping: what left, then the entry that came in.
             if not evicted:
                 gone = 0
-            elif len(evicted) == 1:
-                # The usual eviction (one entry, by a bound), booked as _evicted books it.
+            elif len(evicted) == 1:  # the usual eviction: one entry, by a bound
                 victim = evicted[0]
                 gone = victim.payload_bytes
-                victim_key = victim.key
-                if queued.pop(victim_key, None) is None:
-                    self._footprint.remove(victim_key)
-                where = fingerprints.pop(victim_key, None)
-                if victim_key in tombstones:
-                    self._unbury(victim_key)
-                tombstones[victim_key] = where
-                if where is not None:
-                    both = print_counts[where[0]][where[1]]
-                    both[RESIDENT] -= 1
-                    both[BURIED] += 1
-                if len(tombstones) > TOMBSTONES:
-                    self._forget_oldest()
+                self._bury(victim.key)
             else:
                 self._evicted(evicted)
                 gone = sum(entry.payload_bytes for entry in evicted)
@@ -444,29 +431,34 @@ class LadderIndex:
     def _evicted(self, entries: Sequence[EvictedEntry]) -> None:
         """Entries left the store: forget their footprint and fingerprint, and bury the ones
         the bounds evicted (``cleared`` ones leave no tombstone)."""
-        tombstones = self._tombstones
-        pending = self._pending
-        prints = self._prints
-        print_counts = self._print_counts
         for entry in entries:
             key = entry.key
-            if pending.pop(key, None) is None:
-                self._footprint.remove(key)
-            where = prints.pop(key, None)
-            if entry.reason == "cleared":
-                if where is not None:
-                    _uncount(print_counts, where, RESIDENT)
+            if entry.reason != "cleared":
+                self._bury(key)
                 continue
-            if key in tombstones:
-                self._unbury(key)
-            tombstones[key] = where
+            if self._pending.pop(key, None) is None:
+                self._footprint.remove(key)
+            where = self._prints.pop(key, None)
             if where is not None:
-                # Resident to buried: the count pair stays (its resident count was > 0).
-                both = print_counts[where[0]][where[1]]
-                both[RESIDENT] -= 1
-                both[BURIED] += 1
-            if len(tombstones) > TOMBSTONES:
-                self._forget_oldest()
+                _uncount(self._print_counts, where, RESIDENT)
+
+    def _bury(self, key: str) -> None:
+        """The bounds evicted ``key``: forget its footprint and fingerprint, and keep its
+        tombstone (its fingerprint's count moves from resident to buried)."""
+        if self._pending.pop(key, None) is None:
+            self._footprint.remove(key)
+        where = self._prints.pop(key, None)
+        tombstones = self._tombstones
+        if key in tombstones:
+            self._unbury(key)
+        tombstones[key] = where
+        if where is not None:
+            # Resident to buried: the count pair stays (its resident count was > 0).
+            both = self._print_counts[where[0]][where[1]]
+            both[RESIDENT] -= 1
+            both[BURIED] += 1
+        if len(tombstones) > TOMBSTONES:
+            self._forget_oldest()
 
     def _forget_oldest(self) -> None:
         """Drop the oldest tombstones beyond :data:`TOMBSTONES`."""
@@ -563,14 +555,6 @@ def _uncount(
 
 def _among(grid: GridFingerprints, known: dict[int, list[int]], side: int) -> list[int]:
     """The candidate lengths of ``grid`` whose fingerprint has a count on ``side`` of
-    ``known``, longest first."""
-    if grid.shared_prints:
-        return [
-            c
-            for f, c in zip(grid.prints, grid.counts, strict=True)
-            if f in known and known[f][side]
-        ]
-    by_print = grid.by_print
-    found = [by_print[f] for f in by_print.keys() & known.keys() if known[f][side]]
-    found.sort(reverse=True)
-    return found
+    ``known``, longest first (:meth:`GridFingerprints.among` of those fingerprints; only the
+    probing path, which is not the usual one, asks)."""
+    return grid.among({f: pair for f, pair in known.items() if pair[side]})
