@@ -168,32 +168,38 @@ async def _replay_stages(
     lanes = [_Lane(configs, index, factory, config, len(ordered)) for index in stage_indices]
 
     async def feed() -> None:
-        async with contextlib.AsyncExitStack() as stack:
+        with contextlib.ExitStack() as stack:
             for lane in lanes:
                 stack.enter_context(lane.send_inbox)
-                stack.enter_context(lane.send_sent)
-            for request in ordered:
+            for position, request in enumerate(ordered):
                 # Read-only and owning its memory, as the pipeline hands its stages tokens:
                 # every stage then keeps this array, no copy of its own.
                 tokens = owned_tokens(tokenizer.request_tokens(request))
                 for lane in lanes:
-                    await lane.send(request.index, tokens)
+                    await lane.send(position, request.index, tokens)
 
     async with trio.open_nursery() as nursery:
         for lane in lanes:
+            lane.abort = nursery.cancel_scope.cancel
             await nursery.start(lane.stage.run)
-            nursery.start_soon(lane.collect)
         nursery.start_soon(feed)
+    for lane in lanes:
+        if lane.error is not None:
+            raise lane.error
     # The stages have drained and stopped: these are their final statistics.
     replayed = []
     for lane in lanes:
         final = await lane.stage.statistics()
+        if lane.settled != len(ordered):  # (every request is settled before its stage stops)
+            msg = f"stage {final.stage_id} settled {lane.settled} of {len(ordered)} requests"
+            raise RuntimeError(msg)
         replayed.append(lane.tally.replay(final.stage_id, final.accounting))
     return replayed
 
 
 class _Lane:
-    """One stage of a unit: the stage, its inbox, the requests sent to it and its tally."""
+    """One stage of a unit: the stage, its inbox and its tally, which each request joins as
+    the stage settles it (:class:`_UnitPrefill`: no task waits on a request)."""
 
     def __init__(
         self,
@@ -215,8 +221,10 @@ class _Lane:
                 sleep=False,
             )
         self.tally = _StageTally(requests)
+        self.settled = 0
+        self.error: Exception | None = None
+        self.abort: Callable[[], None] | None = None
         self.send_inbox, inbox = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
-        self.send_sent, self.sent = trio.open_memory_channel[PrefillRequest](_FEED_AHEAD)
         # environ={}: as in a one-process replay, the simulation is what its SimConfig says.
         self.stage = Stage(
             config=configs[stage_index],
@@ -226,28 +234,53 @@ class _Lane:
             environ={},
         )
 
-    async def send(self, index: int, tokens: npt.NDArray[np.int32]) -> None:
-        """Hand the stage request ``index`` (its tokens, and its predecessor's frame)."""
+    async def send(self, position: int, index: int, tokens: npt.NDArray[np.int32]) -> None:
+        """Hand the stage request ``index`` (its tokens, and its predecessor's frame), the
+        ``position``-th in admission order."""
         upstream = self.upstream
-        prefill = PrefillRequest(
+        prefill = _UnitPrefill(
             request_id=f"request-{index}",
             session_id=f"session-{index}",
             tokens=tokens,
-            frame=None if upstream is None else upstream.frame(int(np.size(tokens))),
+            frame=None if upstream is None else upstream.frame(int(tokens.size)),
         )
-        await self.send_sent.send(prefill)
-        await self.send_inbox.send(prefill)
+        prefill._lane, prefill._position = self, position
+        try:
+            # No schedule point while the inbox has room: the stage takes a batch of requests
+            # per wake-up (hits do not depend on when it takes them, only on their order).
+            self.send_inbox.send_nowait(prefill)
+        except trio.WouldBlock:
+            await self.send_inbox.send(prefill)
 
-    async def collect(self) -> None:
-        """Tally each request as the stage settles it."""
-        position = 0
-        async with self.sent:
-            async for prefill in self.sent:  # in the stage's own order: it serves its inbox FIFO
-                await prefill.done.wait()
-                if prefill.error is not None:
-                    raise prefill.error
-                self.tally.add(position, prefill.reports[0])
-                position += 1
+    def succeeded(self, position: int, prefill: PrefillRequest) -> None:
+        """Tally the stage's report on the request at ``position``."""
+        self.tally.add(position, prefill.reports[0])
+        self.settled += 1
+
+    def failed(self, error: Exception) -> None:
+        """A request failed: the unit fails with its error (the first one)."""
+        if self.error is None:
+            self.error = error
+        if self.abort is not None:
+            self.abort()
+
+
+class _UnitPrefill(PrefillRequest):
+    """A unit's request: settling it files the stage's report with its lane at once."""
+
+    __slots__ = ("_lane", "_position")
+
+    _lane: _Lane
+    _position: int
+
+    def succeed(self) -> None:
+        super().succeed()
+        self._lane.succeeded(self._position, self)
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.is_set():
+            super().fail(error)
+            self._lane.failed(error)
 
 
 def fan_out(

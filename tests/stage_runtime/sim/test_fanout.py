@@ -200,6 +200,35 @@ def test_a_unit_of_several_stages_replays_each_as_a_unit_of_one(index: str) -> N
         replay_stages(requests, config, (0, 3))
 
 
+def test_a_request_failing_in_a_unit_fails_the_unit_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage that fails a request (here its model, on the 5th request of stage 1) ends the
+    whole unit with that error, not a hang or a short tally; the unit runs again once it is
+    fixed."""
+    from stage_runtime.sim.model import SimulatedStageModel
+
+    forward = SimulatedStageModel.forward
+    calls = {"stage-1": 0}
+
+    async def failing(self: SimulatedStageModel, inputs: Any, start: int, restored: Any) -> Any:
+        if self.stage_index == 1:
+            calls["stage-1"] += 1
+            if calls["stage-1"] == 5:
+                msg = "stage 1 broke on its 5th request"
+                raise ValueError(msg)
+        return await forward(self, inputs, start, restored)
+
+    config = SimConfig(stages=2, index="paged")
+    requests = EXCERPT[:40]
+    expected = replay_stages(requests, config, (0, 1))
+    monkeypatch.setattr(SimulatedStageModel, "forward", failing)
+    with pytest.raises(ValueError, match="stage 1 broke on its 5th request"):
+        replay_stages(requests, config, (0, 1))
+    monkeypatch.undo()
+    assert replay_stages(requests, config, (0, 1)) == expected
+
+
 @pytest.mark.parametrize(
     ("stages", "replays", "parallelism", "groups"),
     [
