@@ -12,9 +12,11 @@ import argparse
 import io
 import logging
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import structlog
@@ -23,6 +25,20 @@ from stage_runtime.placement.worker_logging import JSON_TRACEBACKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """Level names accepted by :func:`configure_logging`, lowest first."""
+
+
+def unreadable(path: str | Path) -> str | None:
+    """Why the command cannot read the file ``path`` (``no such file``, ``it is a directory``,
+    ``permission denied``), or None when it can try. Not only regular files pass: a named pipe
+    or ``/dev/stdin`` can be read too."""
+    where = Path(path)
+    if where.is_dir():
+        return "it is a directory"
+    if not where.exists():
+        return "no such file"
+    if not os.access(where, os.R_OK):
+        return "permission denied"
+    return None
 
 
 def configure_logging(*, level: str = "info", log_format: str = "auto") -> None:

@@ -31,6 +31,7 @@ from stage_runtime._cli_support import (
     non_negative_float,
     positive_float,
     ray_address,
+    unreadable,
     whole_line_stderr,
 )
 from stage_runtime.errors import ConfigError, TraceFormatError
@@ -455,12 +456,9 @@ def _check_files(args: argparse.Namespace) -> None:
     trace: str | None = getattr(args, "trace", None)
     if trace is not None and trace != "-":
         # Not only regular files: a named pipe or /dev/stdin streams a trace too.
-        if not Path(trace).exists() or Path(trace).is_dir():
-            reason = "it is a directory" if Path(trace).is_dir() else "no such file"
+        reason = unreadable(trace)
+        if reason is not None:
             msg = f"cannot read trace {trace}: {reason}"
-            raise _FileError(msg)
-        if not os.access(trace, os.R_OK):
-            msg = f"cannot read trace {trace}: permission denied"
             raise _FileError(msg)
         for flag, output in (("--json", args.json), ("--plot", args.plot)):
             if output not in (None, "-") and _same_file(trace, output):

@@ -24,6 +24,7 @@ from stage_runtime._cli_support import (
     non_negative_float,
     positive_float,
     ray_address,
+    unreadable,
 )
 from stage_runtime.config import unrecognised_cache_mode
 from stage_runtime.errors import ConfigError
@@ -233,7 +234,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run ``stage-runtime serve`` with parsed ``args``; returns the process exit status.
 
     ``0`` after a graceful shutdown, ``2`` for a bad topology or option or a missing ``server``
-    extra, ``1`` when the address cannot be bound or a forced shutdown dropped requests.
+    extra, ``1`` when the topology file cannot be read, the address cannot be bound or a forced
+    shutdown dropped requests.
     """
     # Before anything starts: without the extra, fail in one line, not after the pipeline ran.
     for module in SERVER_MODULES:
@@ -246,6 +248,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    # An unreadable file is bad input (exit code 1), as for a trace; a topology that reads
+    # but says something impossible is a bad setting (exit code 2, below).
+    reason = unreadable(args.topology)
+    if reason is not None:
+        print(
+            f"stage-runtime serve: error: cannot read topology {args.topology}: {reason}",
+            file=sys.stderr,
+        )
+        return 1
     mistyped = unrecognised_cache_mode()
     if mistyped is not None:
         # A plain line whatever the log format: the structured warning can drown in JSON logs.

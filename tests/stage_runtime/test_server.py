@@ -1110,10 +1110,13 @@ async def test_a_forced_stop_counts_and_logs_each_request_it_drops(
 
 
 def test_the_serve_command_exits_1_when_a_forced_shutdown_dropped_requests(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """A supervisor can tell a forced stop that lost requests from a clean one."""
     from stage_runtime.server import command
+
+    topology = tmp_path / "t.toml"
+    topology.write_text("")  # (read by the stubbed _serve only)
 
     async def served(args: argparse.Namespace) -> int:
         return 3
@@ -1122,7 +1125,7 @@ def test_the_serve_command_exits_1_when_a_forced_shutdown_dropped_requests(
     monkeypatch.setattr(command, "configure_logging", lambda **kwargs: None)
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    assert run_serve(parser.parse_args(["--topology", "t.toml"])) == 1
+    assert run_serve(parser.parse_args(["--topology", str(topology)])) == 1
     assert capsys.readouterr().err == (
         "stage-runtime serve: error: a forced shutdown dropped 3 request(s) before they were "
         "answered\n"
@@ -1583,6 +1586,27 @@ def test_serve_command_exits_2_on_a_bad_topology(
     assert "stage-runtime serve: error:" in err
     assert "gap.toml" in err
     assert "layer_start" in err
+
+
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_1_on_a_topology_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing topology file, or a directory, is an unreadable file as a trace is: one line,
+    exit status 1 (a topology that reads but is wrong stays a usage error, 2)."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for path, reason in (
+        (tmp_path / "missing.toml", "no such file"),
+        (tmp_path, "it is a directory"),
+    ):
+        with structlog.testing.capture_logs() as logs:
+            status = run_serve(parser.parse_args(["--topology", str(path)]))
+        assert status == 1
+        assert capsys.readouterr().err == (
+            f"stage-runtime serve: error: cannot read topology {path}: {reason}\n"
+        )
+        assert logs == []  # refused before logging was set up or anything started
 
 
 @pytest.mark.usefixtures("restore_logging_config")
