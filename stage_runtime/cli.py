@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
 from stage_runtime import limits
 from stage_runtime._cli_support import (
@@ -806,6 +806,24 @@ def console_main() -> int:
     return main()
 
 
+_LIST_OPTIONS: Final = ("--sweep-capacity", "--prefill-us-per-token")
+"""Options whose value is a comma-separated list of numbers."""
+
+
+def _lists_joined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each list option joined to a value starting with a minus sign
+    (``--sweep-capacity -1,5`` -> ``--sweep-capacity=-1,5``): argparse passes a lone negative
+    number on as a value, but takes ``-1,5`` for an unknown option and reports "expected one
+    argument"; joined, the list's own check names the value that is wrong."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1] in _LIST_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line.
 
@@ -816,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 success, 1 bad input data, 2 bad usage.
     """
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(_lists_joined(sys.argv[1:] if argv is None else argv))
     if unknown and args.run is not _serve_unavailable:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # names the command
     prefix = f"{PROG} {args.command}: error:"

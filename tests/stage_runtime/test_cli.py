@@ -81,6 +81,10 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         (["demo", "--capacity-tokens", "5", "--sweep-capacity", "1,2"], "are exclusive"),
         (["demo", "--sweep-capacity", "1,,2"], "comma-separated list"),
         (["demo", "--sweep-capacity", "8,-5"], "every capacity must be an integer >= 0, got -5"),
+        # A list starting with a minus sign is the list's error, not argparse's "expected one
+        # argument" (it took "-1,5" for an option).
+        (["demo", "--sweep-capacity", "-1,5"], "every capacity must be an integer >= 0, got -1"),
+        (["demo", "--prefill-us-per-token", "-1,2"], "every cost must be a finite number >= 0"),
         (["demo", "--prefill-us-per-token", "-3"], "every cost must be a finite number >= 0"),
         (["demo", "--prefill-us-per-token", "1,2"], "one cost or one per stage (4), got 2"),
         (["simulate", "--groups", "0", "--conversations", "0"], "the workload has no requests"),
