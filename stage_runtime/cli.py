@@ -12,14 +12,17 @@ Exit codes: 0 success; 1 bad input data (a malformed trace, an unreadable file);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import io
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
@@ -58,6 +61,32 @@ class _UsageError(Exception):
 
 class _FileError(Exception):
     """A file the command must read or write is unusable (exit code 1)."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while replays ran in other processes (exit code 143, as SIGTERM's own):
+    raised in the main thread so that the executor's block stops them before the command
+    exits. (Not an Exception: nothing on the way may take it for an error and go on.)"""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _terminated_cleanly(enabled: bool) -> Iterator[None]:
+    """While enabled, SIGTERM raises :class:`_Terminated` instead of ending the process at
+    once, which left the worker processes (or a Ray instance it started) running as orphans.
+    Only around a fan-out: a one-process replay runs inside trio, where an exception raised by
+    a signal handler could land in the middle of the scheduler, and has no process to leave."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cost_at_most(scale: float) -> Callable[[str], float]:
@@ -711,6 +740,7 @@ def _run_simulation(args: argparse.Namespace) -> int:
     # Off with -v: log lines written under a live bar end up glued to it.
     show_progress = status.is_terminal and not json_to_stdout and not args.verbose
     with (
+        _terminated_cleanly(workers > 1 or on_ray),
         sim.open_executor(workers=workers, placement=placement) as executor,
         Progress(
             TextColumn("[progress.description]{task.description}"),
@@ -857,6 +887,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prefix} interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"{prefix} terminated", file=sys.stderr)
+        return 143
     except BaseExceptionGroup as group:
         # Ctrl-C during a replay reaches us wrapped by trio's nurseries.
         interrupt, rest = group.split(KeyboardInterrupt)

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -500,9 +501,47 @@ def open_executor(
         yield None
         return
     pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent,
     )
     try:
         yield pool
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM turned into an exception) or failed: the units running
+        # now are not waited for, which could take minutes.
+        _stop_workers(pool)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Terminate ``pool``'s worker processes, whatever they are running."""
+    terminate: Callable[[], None] | None = getattr(pool, "terminate_workers", None)
+    if terminate is not None:  # Python 3.14
+        terminate()
+        return
+    # Private, but the pool's own record of its processes since Python 3.2.
+    processes: dict[int, multiprocessing.process.BaseProcess] = (
+        getattr(pool, "_processes", None) or {}
+    )
+    for process in list(processes.values()):
+        with contextlib.suppress(OSError, ValueError):  # (already gone, or closed)
+            process.terminate()
+
+
+def _exit_with_parent() -> None:
+    """Run in each worker of a pool as it starts: end the worker when the process that made
+    the pool is gone, as it is after a SIGKILL (which no handler sees). A worker in the middle
+    of a unit would otherwise run it to the end and then block forever writing a result no one
+    reads, as an orphan."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's sentinel closes: when the parent has exited
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -8,10 +8,15 @@ pipeline reports (every figure but the wall time), on the bundled excerpt and on
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.resources
 import json
+import os
 import pickle
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -395,3 +400,75 @@ def test_replay_on_ray_writes_the_one_process_json(tmp_path: Path, local_ray: No
     one = _cli_json(tmp_path, "one")
     assert _cli_json(tmp_path, "ray", "--placement", "ray") == one
     assert _cli_json(tmp_path, "ray-1", "--placement", "ray", "--workers", "1") == one
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pids: Sequence[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass  # gone
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_to_a_fanned_out_command_leaves_no_worker_behind(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """A supervisor that stops ``simulate --workers 2`` by its pid alone: SIGTERM stops the
+    units and exits 143 saying so (it left both workers replaying, then blocked for ever);
+    SIGKILL, which no handler sees, still ends the workers (they watch their parent)."""
+    command = [sys.executable, "-m", "stage_runtime", "simulate", "--workers", "2", "-v"]
+    # Units of 20,000 requests: seconds of work each, still running when the signal comes.
+    workload = ["--groups", "400", "--prompts-per-group", "50", "--sweep-capacity", "65536,0"]
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: orphans holding a pipe open would
+    # keep a read of it from ever ending
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [*command, *workload], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        # A unit's stage has started: the workers are replaying.
+        while '"stage_started"' not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # (waiting for another process: nothing to await)
+        workers = _children(process.pid)
+        assert len(workers) >= 2  # (the two workers, and multiprocessing's resource tracker)
+        process.send_signal(signum)
+        status = process.wait(timeout=60)
+        if signum == signal.SIGTERM:
+            assert status == 143
+            last = [line for line in log.read_text().splitlines() if not line.startswith("{")]
+            assert last == ["stage-runtime simulate: error: terminated"]
+        else:
+            assert status == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(workers) == []
+    finally:
+        for pid in [*_alive(workers), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=60)
