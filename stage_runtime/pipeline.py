@@ -61,7 +61,7 @@ from stage_runtime.errors import (
     sole_exception,
 )
 from stage_runtime.frames import ActivationFrame
-from stage_runtime.identity import as_token_array
+from stage_runtime.identity import _frozen, as_token_array
 from stage_runtime.integration import KvStageIntegration
 from stage_runtime.models import ModelFactory
 from stage_runtime.placement import (
@@ -347,9 +347,11 @@ def vocabulary_violation(tokens: npt.NDArray[np.int32], vocab_size: int | None) 
 
 
 def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
-    """Validate tokens once, as a read-only int32 array no caller can mutate under us."""
+    """Validate tokens once, as a read-only int32 array no caller can mutate under us: a
+    caller's array is copied unless it is frozen already (read-only, owning its memory: what
+    the cache keeps as it is too), as a replay's prompts are."""
     array = as_token_array(tokens)
-    if isinstance(tokens, np.ndarray) and np.may_share_memory(array, tokens):
+    if isinstance(tokens, np.ndarray) and not _frozen(array) and np.may_share_memory(array, tokens):
         array = array.copy()
     if array.ndim != 1 or array.size == 0:
         msg = f"tokens must be a non-empty 1-D sequence, got shape {array.shape}"

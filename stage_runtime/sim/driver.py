@@ -783,6 +783,9 @@ def _check_request_types(request: SimRequest, where: str) -> None:
 async def _prefill(
     pipeline: Pipeline, request: SimRequest, tokens: npt.NDArray[np.int32]
 ) -> PrefillResult:
+    # The prompt is the driver's own (the tokenizer made it for this request): frozen, the
+    # pipeline takes it without copying it.
+    tokens.flags.writeable = False
     return await pipeline.prefill(
         tokens, session_id=f"session-{request.index}", request_id=f"request-{request.index}"
     )
