@@ -141,6 +141,8 @@ def check_id(name: str, value: str) -> None:
     """Refuse an id a client sends (session, request, salt) that is not printable text: a lone
     surrogate (see :func:`check_text`), or a control character that the console log would
     write raw to a terminal."""
+    if value.isascii() and value.isprintable():
+        return  # (printable ASCII, the usual id: neither a surrogate nor a control character)
     check_text(name, value)
     control = _CONTROL.search(value)
     if control is not None:
