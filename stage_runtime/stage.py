@@ -446,9 +446,14 @@ class Stage:
         with caches that do nothing (0.92 against 0.81 s of CPU). So a new one is made only
         after one has interrupted a request."""
         counts = self._counts
+        receive = self.inbox.receive  # (not ``async for``: a coroutine less per request)
         current: PrefillRequest | None = None
         with trio.CancelScope() as work:
-            async for request in self.inbox:
+            while True:
+                try:
+                    request = await receive()
+                except trio.EndOfChannel:
+                    return False
                 if not request.live:
                     counts["skipped"] += 1
                     continue
@@ -457,7 +462,6 @@ class Stage:
                 current = None
                 if work.cancel_called:  # abandoned after its last schedule point
                     return True
-            return False
         # This scope's Cancelled, caught at its end: it interrupted the request being processed.
         if current is not None:
             current._scope = None
