@@ -187,6 +187,9 @@ class _Cell:
     drained: bool = False
     current: Reply | None = None
     task: trio.lowlevel.Task | None = None
+    asker: trio.lowlevel.Task | None = None
+    """The task the last ask came from, once it passed the checks (not the actor's, the
+    actor's run): a task never changes runs, so its next asks skip them."""
     stopped: trio.Event = attrs.field(factory=trio.Event)
     stop_requested: trio.Event = attrs.field(factory=trio.Event)
     trio_token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
@@ -508,6 +511,10 @@ class ActorRef(Generic[MessageT, ReplyT]):
     def _send_now(self, envelope: _Envelope) -> bool:
         """Put ``envelope`` in the mailbox if it has room now; return ``False`` if it is full."""
         self._check_run()
+        return self._put_now(envelope)
+
+    def _put_now(self, envelope: _Envelope) -> bool:
+        """:meth:`_send_now` for a caller whose run is checked already (:meth:`_asked_cell`)."""
         try:
             self._send.send_nowait(envelope)
         except trio.WouldBlock:
@@ -608,7 +615,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         cell.asks_waiting += 1
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
-            if not self._send_now(envelope):
+            if not self._put_now(envelope):
                 await self._send_later(envelope)
             # No extra yield after a direct send: the actor cannot have replied yet, so
             # reply.wait() parks, and that park is this call's schedule point. (Annotated, not
@@ -620,11 +627,19 @@ class ActorRef(Generic[MessageT, ReplyT]):
 
     def _asked_cell(self) -> _Cell:
         """The actor's cell, unless the caller is the actor itself (its ask would wait for its
-        own reply forever)."""
+        own reply forever) or in another thread or trio run (see :meth:`_check_run`): checked
+        once per asking task, which then sends with :meth:`_put_now`."""
         cell = self._cell
-        if trio.lowlevel.current_task() is cell.task:
-            msg = f"actor {cell.name!r} cannot ask itself (it would wait for its own reply forever)"
-            raise RuntimeError(msg)
+        task = trio.lowlevel.current_task()
+        if task is not cell.asker:
+            if task is cell.task:
+                msg = (
+                    f"actor {cell.name!r} cannot ask itself (it would wait for its own reply "
+                    "forever)"
+                )
+                raise RuntimeError(msg)
+            self._check_run()
+            cell.asker = task
         return cell
 
     @overload
@@ -651,7 +666,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         reply = Reply()
         envelope = (message, reply)
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._send_now(envelope):
+        if self._put_now(envelope):
             await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             await self._send_later(envelope)
@@ -676,7 +691,7 @@ class ActorRef(Generic[MessageT, ReplyT]):
         """
         cell = self._asked_cell()
         reply = Reply()
-        if not self._send_now((message, reply)):
+        if not self._put_now((message, reply)):
             msg = f"mailbox of actor {cell.name!r} is full"
             raise trio.WouldBlock(msg)
         return PendingReply(reply)
