@@ -176,8 +176,7 @@ class BlockTokenizer:
         """The first ``input_length`` tokens of the blocks whose lanes these are: an array of
         their own (not a view of a larger one) when the block size is a whole number of lane
         periods, so the driver can freeze it for the pipeline, which then keeps it without a
-        copy (a prompt's worth of bytes copied per request: about a twentieth of a replay with
-        caches that do nothing)."""
+        copy (of a prompt of the synthetic trace: about 2 us a request)."""
         period = self._run * _LANES
         size = self.block_size
         if size % period != 0:
