@@ -43,7 +43,14 @@ class Reply:
             return
         self.done = True
         self.value = value
-        self._wake()
+        # (_wake, inlined: every reply of every actor comes this way.)
+        if self.callback is not None:
+            self.call_back()
+            return
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     def fail(self, error: BaseException) -> None:
         """Deliver ``error`` unless the slot is already settled or its caller gave up."""
@@ -91,7 +98,7 @@ class Reply:
         """
         if not self.done:
             self.waiter = trio.lowlevel.current_task()
-            await trio.lowlevel.wait_task_rescheduled(self._abort)
+            await trio.lowlevel.wait_task_rescheduled(self.abort)
         error = self.error
         if error is not None:
             self.error = None  # do not keep the traceback alive through the slot
@@ -100,7 +107,9 @@ class Reply:
         self.value = None
         return value
 
-    def _abort(self, _raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+    def abort(self, _raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        """The abort function of a caller parked for the reply (``wait_task_rescheduled``):
+        the caller gave up, so a late reply is dropped."""
         self.waiter = None
         self.abandoned = True
         return trio.lowlevel.Abort.SUCCEEDED

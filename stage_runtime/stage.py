@@ -595,7 +595,9 @@ class Stage:
     ) -> None:
         """The cache actor's outcome of a record (called in the actor's task)."""
         try:
-            self._report(request, tuple(result.unwrap()), k, n, started)
+            # (A Value's value read as it is: unwrap() also marks it used, which no one asks.)
+            records = result.value if type(result) is outcome.Value else result.unwrap()
+            self._report(request, tuple(records), k, n, started)
         except BaseException as exc:
             # A failed record (or a bug filing its report) crashes the stage: a cache actor's
             # error is not one request's fault, and the pipeline then fails the requests in
