@@ -293,7 +293,10 @@ class CacheActor(Actor[CacheMessage, Any]):
         cache = self._cache
         if cache is None or not cache.should_lookup() or tokens.size == 0:
             return None
-        restore = cache.restore(message.base, tokens, width, token_start=start)
+        # StageCache.restore, unrolled: a call less per request.
+        restore = cache.restore_prompt(
+            cache.prompt(cache.config, message.base, start, tokens, width)
+        )
         if self._debug:
             self._log_restore(message.base, int(tokens.size), restore)
         if restore is None or isinstance(message, RestoreActivationPages):
@@ -352,7 +355,9 @@ class CacheActor(Actor[CacheMessage, Any]):
         cache = self._cache
         if cache is None or not cache.should_record():
             return []
-        records = cache.record(message.base, tokens, width, frame, token_start=start)
+        # StageCache.record, unrolled: a call less per request.
+        prompt = cache.prompt(cache.config, message.base, start, tokens, width)
+        records = cache.record_prompt(prompt, frame)
         if not (self._info or self._debug):
             return records
         request = _request_of(message.base)
