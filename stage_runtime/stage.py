@@ -454,7 +454,7 @@ class Stage:
                     request = await receive()
                 except trio.EndOfChannel:
                     return False
-                if not request.live:
+                if request.abandoned or request.done.is_set():  # (not live: a call less)
                     counts["skipped"] += 1
                     continue
                 current = request
@@ -534,7 +534,7 @@ class Stage:
             # (Else the Cancelled was kept from an earlier cancellation: a bug of the model's,
             # like a stray one alone. The request has its error; the stray goes no further.)
         request._scope = None
-        if output is None or not request.live:
+        if output is None or request.abandoned or request.done.is_set():  # (not live)
             if not failed and (output is not None or work.cancel_called):
                 self._counts["skipped"] += 1  # abandoned while this stage worked on it
             return  # no record, nothing forwarded
