@@ -39,7 +39,14 @@ class LocalStages:
             PipelineStoppedError: stage 0's inbox is closed or broken (the stages are gone).
         """
         try:
-            await self._entry.send(request)
+            # send() would yield after a direct send, and the caller's task would take a turn
+            # only to start waiting: a task step more per prefill. A cancelled caller still
+            # sends nothing, and waiting for the request is the schedule point.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                self._entry.send_nowait(request)
+            except trio.WouldBlock:
+                await self._entry.send(request)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             msg = f"pipeline stopped before request {request.request_id!r} finished"
             raise PipelineStoppedError(msg) from None
