@@ -188,8 +188,9 @@ class _Cell:
     current: Reply | None = None
     task: trio.lowlevel.Task | None = None
     asker: trio.lowlevel.Task | None = None
-    """The task the last ask came from, once it passed the checks (not the actor's, the
-    actor's run): a task never changes runs, so its next asks skip them."""
+    """The task the last ask came from, once it passed the checks (it is not the actor's own
+    task, and it runs in the actor's trio run): a task never changes runs, so its next asks
+    skip them. (Held, not weakly referenced: no other task can then be this object.)"""
     stopped: trio.Event = attrs.field(factory=trio.Event)
     stop_requested: trio.Event = attrs.field(factory=trio.Event)
     trio_token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
