@@ -493,6 +493,9 @@ def _check_files(args: argparse.Namespace) -> None:
             if output not in (None, "-") and _same_file(trace, output):
                 msg = f"{flag} names the trace being replayed ({output}): it would replace it"
                 raise _UsageError(msg)
+    if args.plot == "-":  # (--json - is stdout; a plot there would be binary on a terminal)
+        msg = "--plot takes a file (.png, .svg or .pdf), not - (stdout)"
+        raise _UsageError(msg)
     _check_output(args.json, "JSON")
     _check_output(args.plot, "plot")
     if args.plot is not None:

@@ -80,6 +80,7 @@ def _trace(tmp_path: Path, lines: list[str]) -> Path:
         (["demo", "--stride", "0"], "--stride 0 leaves no lookup grid for --record-limit 2"),
         (["demo", "--capacity-tokens", "5", "--sweep-capacity", "1,2"], "are exclusive"),
         (["demo", "--sweep-capacity", "1,,2"], "comma-separated list"),
+        (["demo", "--plot", "-"], "--plot takes a file (.png, .svg or .pdf), not - (stdout)"),
         (["demo", "--sweep-capacity", "8,-5"], "every capacity must be an integer >= 0, got -5"),
         # A list starting with a minus sign is the list's error, not argparse's "expected one
         # argument" (it took "-1,5" for an option).
