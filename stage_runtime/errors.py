@@ -88,6 +88,18 @@ def shown(value: object) -> str:
     return f"{text[: SHOWN_CHARS - 3]}... ({len(text):,} characters)"
 
 
+def shown_json(value: object) -> str:
+    """A value read from JSON, spelled as JSON writes it (``null``, ``true``, ``"soon"``,
+    ``Infinity``) for an error about a JSON file, cut as :func:`shown` cuts."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON's (or an int past int-to-str's limit)
+        return shown(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 3]}... ({len(text):,} characters)"
+
+
 def json_error_detail(exc: json.JSONDecodeError, *, one_line: bool) -> str:
     """What a JSON syntax error is and where, in words a user can act on.
 

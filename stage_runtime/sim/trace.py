@@ -19,7 +19,7 @@ import msgspec
 
 from stage_runtime._validators import check_int, is_int
 from stage_runtime.config import _DuplicateKeyError, _unique_keys
-from stage_runtime.errors import TraceFormatError, json_error_detail, shown
+from stage_runtime.errors import TraceFormatError, json_error_detail, shown_json
 from stage_runtime.limits import MAX_BLOCK_SIZE, MAX_TRACE_LINE_BYTES, MIN_BLOCK_SIZE, U64_MAX
 
 __all__ = [
@@ -119,7 +119,7 @@ def _int_at_least(record: dict[str, object], field: str, minimum: int, path: str
     value = record[field]
     # bool is an int subclass in Python, but `true` is not a length.
     if not is_int(value):
-        raise _fail(path, line, field, f"must be an integer, got {shown(value)}")
+        raise _fail(path, line, field, f"must be an integer, got {shown_json(value)}")
     if value < minimum:
         raise _fail(path, line, field, f"must be >= {minimum}, got {value}")
     return value
@@ -300,7 +300,7 @@ def _parse_checked(
         raise _fail(path, line, "timestamp", "is missing")
     timestamp = record["timestamp"]
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
-        raise _fail(path, line, "timestamp", f"must be a number of ms, got {shown(timestamp)}")
+        raise _fail(path, line, "timestamp", f"must be a number of ms, got {shown_json(timestamp)}")
     # NaN, the infinities and an integer past a float's range are not finite; each is refused
     # as that, before the sign (NaN is not even >= 0, and -Infinity is not a time).
     try:
@@ -309,10 +309,10 @@ def _parse_checked(
         arrival_s = math.inf
     if not math.isfinite(arrival_s):
         raise _fail(
-            path, line, "timestamp", f"must be a finite number of ms, got {shown(timestamp)}"
+            path, line, "timestamp", f"must be a finite number of ms, got {shown_json(timestamp)}"
         )
     if timestamp < 0:
-        raise _fail(path, line, "timestamp", f"must be >= 0, got {shown(timestamp)}")
+        raise _fail(path, line, "timestamp", f"must be >= 0, got {shown_json(timestamp)}")
 
     input_length = _int_at_least(record, "input_length", 1, path, line)
     if max_input_length is not None and input_length > max_input_length:
@@ -324,13 +324,15 @@ def _parse_checked(
         raise _fail(path, line, "hash_ids", "is missing")
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
-        raise _fail(path, line, "hash_ids", f"must be a list of integers, got {shown(hash_ids)}")
+        raise _fail(
+            path, line, "hash_ids", f"must be a list of integers, got {shown_json(hash_ids)}"
+        )
     for position, block_id in enumerate(hash_ids):
         if not is_int(block_id):
-            rule = f"must hold integers, got {shown(block_id)} at position {position}"
+            rule = f"must hold integers, got {shown_json(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
         if not _ID_MIN <= block_id <= U64_MAX:
-            rule = f"must hold 64-bit integers, got {shown(block_id)} at position {position}"
+            rule = f"must hold 64-bit integers, got {shown_json(block_id)} at position {position}"
             raise _fail(path, line, "hash_ids", rule)
     if input_length > block_size * len(hash_ids):
         rule = (

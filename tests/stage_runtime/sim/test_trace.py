@@ -89,33 +89,42 @@ def test_block_layout_cuts_the_last_block() -> None:
             "is not valid JSON (an integer of more than 4,300 digits)",
         ),
         ("[" * 100_000 + "]" * 100_000, "", "is not valid JSON (nested too deeply)"),
-        (_line(timestamp=float("inf")), "timestamp", "must be a finite number of ms, got inf"),
+        (_line(timestamp=float("inf")), "timestamp", "must be a finite number of ms, got Infinity"),
         (_line(timestamp=10**400), "timestamp", "must be a finite number of ms, got 1000"),
-        (_line(timestamp=float("nan")), "timestamp", "must be a finite number of ms, got nan"),
-        (_line(timestamp=-float("inf")), "timestamp", "must be a finite number of ms, got -inf"),
+        (_line(timestamp=float("nan")), "timestamp", "must be a finite number of ms, got NaN"),
+        (
+            _line(timestamp=-float("inf")),
+            "timestamp",
+            "must be a finite number of ms, got -Infinity",
+        ),
         (_line(timestamp=-0.5), "timestamp", "must be >= 0, got -0.5"),
         (_line(timestamp=_MISSING), "timestamp", "timestamp is missing"),
-        (_line(timestamp="soon"), "timestamp", "must be a number of ms, got 'soon'"),
+        (_line(timestamp="soon"), "timestamp", 'must be a number of ms, got "soon"'),
         (_line(timestamp=-1), "timestamp", "must be >= 0, got -1"),
         (_line(input_length=_MISSING), "input_length", "input_length is missing"),
         (_line(input_length=-5), "input_length", "must be >= 1, got -5"),
         (_line(input_length=12.5), "input_length", "must be an integer, got 12.5"),
-        (_line(input_length="600"), "input_length", "must be an integer, got '600'"),
-        (_line(input_length=True), "input_length", "must be an integer, got True"),
+        (_line(input_length="600"), "input_length", 'must be an integer, got "600"'),
+        (_line(input_length=True), "input_length", "must be an integer, got true"),
+        # Values are quoted as the JSON file spells them, not as Python does (None, True).
+        (_line(input_length=None), "input_length", "must be an integer, got null"),
+        (_line(hash_ids=None), "hash_ids", "must be a list of integers, got null"),
+        (_line(hash_ids={"a": 1}), "hash_ids", 'must be a list of integers, got {"a": 1}'),
+        (_line(timestamp=False), "timestamp", "must be a number of ms, got false"),
         (_line(input_length=0), "input_length", "must be >= 1, got 0"),
         (_line(output_length=_MISSING), "output_length", "output_length is missing"),
         (_line(output_length=-2), "output_length", "must be >= 0, got -2"),
         # NaN is a float to json, never a length or an id
-        (_line(input_length=float("nan")), "input_length", "must be an integer, got nan"),
-        (_line(output_length=float("nan")), "output_length", "must be an integer, got nan"),
-        (_line(hash_ids=[1, float("nan")]), "hash_ids", "got nan at position 1"),
+        (_line(input_length=float("nan")), "input_length", "must be an integer, got NaN"),
+        (_line(output_length=float("nan")), "output_length", "must be an integer, got NaN"),
+        (_line(hash_ids=[1, float("nan")]), "hash_ids", "got NaN at position 1"),
         (_line(hash_ids=_MISSING), "hash_ids", "hash_ids is missing"),
         (_line(hash_ids="1,2"), "hash_ids", "must be a list of integers"),
-        (_line(hash_ids=[1, "x"]), "hash_ids", "got 'x' at position 1"),
+        (_line(hash_ids=[1, "x"]), "hash_ids", 'got "x" at position 1'),
         (  # a huge value is quoted cut short, not whole
             _line(hash_ids="x" * 100_000),
             "hash_ids",
-            "must be a list of integers, got 'xxxxxxxx",
+            'must be a list of integers, got "xxxxxxxx',
         ),
         (_line(hash_ids=[1, 2**64]), "hash_ids", "must hold 64-bit integers"),
         (_line(hash_ids=[1, -(2**63) - 1]), "hash_ids", "must hold 64-bit integers"),
@@ -153,7 +162,7 @@ def test_a_float_timestamp_is_refused_for_what_is_wrong_with_it(timestamp: float
     with pytest.raises(TraceFormatError) as caught:
         parse_trace_line(text, path="t.jsonl", line=2)
     rule = "must be >= 0" if math.isfinite(timestamp) else "must be a finite number of ms"
-    assert str(caught.value) == f"t.jsonl:2: timestamp {rule}, got {timestamp!r}"
+    assert str(caught.value) == f"t.jsonl:2: timestamp {rule}, got {json.dumps(timestamp)}"
 
 
 def test_a_byte_order_mark_before_the_first_line_is_ignored(tmp_path: Path) -> None:
