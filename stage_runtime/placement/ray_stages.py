@@ -589,6 +589,40 @@ def _cluster_cpus() -> tuple[float, float]:
     return float(free.get("CPU", 0.0)), float(total.get("CPU", 0.0))
 
 
+def _check_feasible(configs: Sequence[StageConfig], placement: RayPlacement) -> None:
+    """Refuse a stage whose GPUs and custom resources no live node of the cluster has in all:
+    Ray would wait for such a node for ever (the stage's start for :data:`START_TIMEOUT_S`),
+    saying nothing. (CPUs are checked against what is free by :func:`_reserve`.)
+
+    Raises:
+        ConfigError: naming the stage, what it asks for and what the nodes have.
+    """
+    nodes = [
+        {name: float(amount) for name, amount in node.get("Resources", {}).items()}
+        for node in ray.nodes()  # type: ignore[no-untyped-call]
+        if node.get("Alive")
+    ]
+    for config in configs:
+        wants = {"GPU": placement.stage_gpus(config.stage_id)}
+        wants.update(placement.stage_resources(config.stage_id))
+        wants = {name: amount for name, amount in wants.items() if amount}
+        if not wants or any(
+            all(node.get(name, 0.0) >= amount - 1e-9 for name, amount in wants.items())
+            for node in nodes
+        ):
+            continue
+        asked = ", ".join(f"{name}={amount:g}" for name, amount in sorted(wants.items()))
+        has = "; ".join(
+            ", ".join(f"{name}={node.get(name, 0.0):g}" for name in sorted(wants)) for node in nodes
+        )
+        msg = (
+            f"stage {config.stage_id!r} asks for {asked} (RayPlacement.resources), which no "
+            f"node of the Ray cluster has (its {len(nodes)} node(s): {has or 'none'}): Ray "
+            "would wait for such a node for ever; start one first, or ask for less"
+        )
+        raise ConfigError(msg)
+
+
 def _cpu_share(stages: int, free: float) -> float:
     """An equal share of ``free`` CPUs per stage, at most one (two decimals, rounded down, so
     that the shares always fit)."""
@@ -608,6 +642,7 @@ async def _reserve(
     Raises:
         ConfigError: the stages reserve more CPUs than the cluster has free.
     """
+    _check_feasible(configs, placement)
     deadline = trio.current_time() + FREE_WAIT_S
     while True:
         free, total = _cluster_cpus()

@@ -420,6 +420,38 @@ async def test_the_cpu_check_counts_the_slivers_of_stages_reserving_none(
             pytest.fail("the pipeline must not open")
 
 
+async def test_a_resource_no_node_has_is_refused_at_once_naming_the_stage(
+    ray_cluster: Any,
+) -> None:
+    """A stage asking for a GPU (or a custom resource) that no node has: Ray would wait for
+    such a node for ever, and the pipeline for its start timeout, silently. Refused at once,
+    naming the stage, what it asks and what the nodes have; the cluster runs the next
+    pipeline."""
+    for resources, asked in (
+        ({"stage-1": {"GPU": 1}}, "GPU=1"),
+        ({"stage-0": {"accelerator": 2}}, "accelerator=2"),
+    ):
+        placement = RayPlacement(num_cpus=0.5, resources=resources)
+        stage = next(iter(resources))
+        with trio.fail_after(WAIT_S), pytest.raises(ConfigError) as refused:
+            async with open_pipeline(
+                stage_configs(2), ProbeModels(), environ=NO_ENV, placement=placement
+            ):
+                pytest.fail("the pipeline must not open")
+        message = str(refused.value)
+        assert f"stage {stage!r} asks for {asked} (RayPlacement.resources)" in message
+        assert "which no node of the Ray cluster has" in message
+    with trio.fail_after(WAIT_S):
+        async with open_pipeline(
+            stage_configs(2),
+            ProbeModels(),
+            environ=NO_ENV,
+            placement=RayPlacement(num_cpus=0.5),
+        ) as pipeline:
+            result = await pipeline.prefill(prompt(300), session_id="s")
+    assert counts(result) == [(0, 300), (0, 300)]
+
+
 async def _until_free_cpus_at_most(cpus: float) -> None:
     """Wait until Ray counts at most ``cpus`` CPUs free (it learns of reservations late)."""
     import ray
