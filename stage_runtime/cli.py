@@ -792,12 +792,16 @@ def _run_simulation(args: argparse.Namespace) -> int:
         document["skipped_lines"] = skipped
     payload: object = documents if capacities else documents[0]
     if not json_to_stdout:
-        if capacities:
-            sim.render_sweep(console, results, title=title)
-        else:
-            sim.render_report(console, results[0], title=title, skipped_lines=skipped)
-        if skipped:
-            console.print(Text(f"skipped {skipped:,} bad line(s); the first: {first_error}"))
+        try:
+            if capacities:
+                sim.render_sweep(console, results, title=title)
+            else:
+                sim.render_report(console, results[0], title=title, skipped_lines=skipped)
+            if skipped:
+                console.print(Text(f"skipped {skipped:,} bad line(s); the first: {first_error}"))
+        except OSError as exc:  # (a full disk, say; a closed pipe is rich's: exit 1, silent)
+            msg = f"cannot write the report to stdout: {exc.strerror or exc}"
+            raise _FileError(msg) from exc
     if args.json is not None:
         try:
             _write_json(payload, args.json, sys.stdout)

@@ -876,3 +876,23 @@ def test_a_file_without_line_breaks_is_refused_at_its_first_line(
         "stage-runtime replay: error: /dev/zero:1: is longer than 67,108,864 bytes: a trace "
         "line holds one request (is this a JSON lines file?)\n"
     )
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_names_stdout(tmp_path: Path) -> None:
+    """A full disk under stdout is one line saying what could not be written, exit code 1
+    (it was the bare '[Errno 28] No space left on device')."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "stage_runtime", "demo", "--limit-requests", "5"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert done.stderr == (
+        "stage-runtime demo: error: cannot write the report to stdout: No space left on device\n"
+    )
