@@ -351,10 +351,10 @@ def fan_out(
             stderr_json_logging, driver_log_level(), driver_pid=os.getpid()
         )
     stages = config.stages
-    # Smaller caches evict more pages per request, so their units take longer: they go
-    # first, and the unbounded ones, the shortest, fill the last gaps (the paged synthetic
-    # trace's 4-stage units at 1M, 3M, 10M tokens and unbounded: 2.75, 2.68, 2.58, 2.50 s).
-    # The results do not depend on the order.
+    # Bounded caches evict pages on most requests, so their units take longer: they go first
+    # (smallest first), and the unbounded ones, the shortest, fill the last gaps (the paged
+    # synthetic trace's 4-stage units at 1M, 3M, 10M tokens and unbounded: 2.35, 2.52, 2.36
+    # and 2.16 s of CPU). The results do not depend on the order.
     by_size = sorted(
         range(len(capacities)), key=lambda run: (capacities[run] == 0, capacities[run])
     )
@@ -417,10 +417,11 @@ def fan_out(
 Stages = tuple[int, ...]
 """The stages of one unit (0-based, ascending)."""
 
-_SHARED_WORK: Final = 0.33
+_SHARED_WORK: Final = 0.42
 """A unit's work on each request that does not depend on its stages (token ids, fingerprints,
 feeding), as a share of one stage's: measured on the synthetic trace, 4 stages of the paged
-index, a unit of one stage costs about 1.33 times a quarter of a unit of four."""
+index at 1M, 3M, 10M tokens and unbounded, a unit of one stage costs 1.33 to 1.47 times a
+quarter of a unit of four (CPU time, best of two)."""
 
 
 def stage_groups(stages: int, replays: int, parallelism: int | None) -> list[Stages]:
