@@ -86,7 +86,8 @@ def _terminated_cleanly(enabled: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # (None: the handler was not set from Python, by an embedding program say.)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _cost_at_most(scale: float) -> Callable[[str], float]:
@@ -853,7 +854,9 @@ def _lists_joined(argv: Sequence[str]) -> list[str]:
     number on as a value, but takes ``-1,5`` for an unknown option and reports "expected one
     argument"; joined, the list's own check names the value that is wrong."""
     joined: list[str] = []
-    for arg in argv:
+    for position, arg in enumerate(argv):
+        if arg == "--":  # the rest are positional arguments, whatever they look like
+            return [*joined, *argv[position:]]
         if joined and joined[-1] in _LIST_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
             joined[-1] = f"{joined[-1]}={arg}"
         else:

@@ -200,7 +200,9 @@ class Pipeline:
 
         Args:
             tokens: The prompt's token ids: integers within int32, at least one and at most
-                :attr:`max_prompt_tokens` (the stages' context).
+                :attr:`max_prompt_tokens` (the stages' context). Copied, unless already a
+                read-only int32 array that owns its memory, which is used as it is: do not
+                make it writable and change it while the prefill runs.
             session_id: The caller's session (metadata; caches are shared across sessions).
             request_id: The caller's id for this request; ``prefill-<n>`` when None.
             cache_salt: Tenant salt mixed into every stage's cache keys: requests with another
@@ -347,9 +349,10 @@ def vocabulary_violation(tokens: npt.NDArray[np.int32], vocab_size: int | None) 
 
 
 def _entry_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]:
-    """Validate tokens once, as a read-only int32 array no caller can mutate under us: a
-    caller's array is copied unless it is frozen already (read-only, owning its memory: what
-    the cache keeps as it is too), as a replay's prompts are."""
+    """Validate tokens once, as a read-only int32 array: a caller's array is copied unless it
+    is frozen already (read-only, owning its memory: what the cache keeps as it is too), as a
+    replay's prompts are. (Such an array's owner could make it writable again: the prefill's
+    docstring asks callers not to change it while the prefill runs.)"""
     array = as_token_array(tokens)
     if isinstance(tokens, np.ndarray) and not _frozen(array) and np.may_share_memory(array, tokens):
         array = array.copy()

@@ -592,7 +592,9 @@ def _cluster_cpus() -> tuple[float, float]:
 def _check_feasible(configs: Sequence[StageConfig], placement: RayPlacement) -> None:
     """Refuse a stage whose GPUs and custom resources no live node of the cluster has in all:
     Ray would wait for such a node for ever (the stage's start for :data:`START_TIMEOUT_S`),
-    saying nothing. (CPUs are checked against what is free by :func:`_reserve`.)
+    saying nothing. (CPUs are checked against what is free by :func:`_reserve`.) Like that
+    check, it takes the cluster's nodes as they are now: a cluster that adds nodes on demand
+    must have one with the resource before the pipeline opens.
 
     Raises:
         ConfigError: naming the stage, what it asks for and what the nodes have.
@@ -618,7 +620,8 @@ def _check_feasible(configs: Sequence[StageConfig], placement: RayPlacement) -> 
         msg = (
             f"stage {config.stage_id!r} asks for {asked} (RayPlacement.resources), which no "
             f"node of the Ray cluster has (its {len(nodes)} node(s): {has or 'none'}): Ray "
-            "would wait for such a node for ever; start one first, or ask for less"
+            "would wait for such a node for ever; start one first (a cluster that adds nodes "
+            "on demand too), or ask for less"
         )
         raise ConfigError(msg)
 

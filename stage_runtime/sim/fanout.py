@@ -176,8 +176,15 @@ async def _replay_stages(
                 # Read-only and owning its memory, as the pipeline hands its stages tokens:
                 # every stage then keeps this array, no copy of its own.
                 tokens = owned_tokens(tokenizer.request_tokens(request))
-                for lane in lanes:
-                    await lane.send(position, request.index, tokens)
+                try:
+                    for lane in lanes:
+                        await lane.send(position, request.index, tokens)
+                except trio.BrokenResourceError:
+                    # A stage stopped (it failed, or a failed request cancelled the unit)
+                    # and closed its inbox before this task saw the cancellation (a send
+                    # without room for it is no cancel point): its own error, or its
+                    # lane's, says why.
+                    return
 
     async with trio.open_nursery() as nursery:
         for lane in lanes:
@@ -519,11 +526,8 @@ def open_executor(
 
 def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Terminate ``pool``'s worker processes, whatever they are running."""
-    terminate: Callable[[], None] | None = getattr(pool, "terminate_workers", None)
-    if terminate is not None:  # Python 3.14
-        terminate()
-        return
-    # Private, but the pool's own record of its processes since Python 3.2.
+    # Private, but the pool's own record of its processes since Python 3.2. (Python 3.14's
+    # terminate_workers() would also shut the pool down without waiting for them.)
     processes: dict[int, multiprocessing.process.BaseProcess] = (
         getattr(pool, "_processes", None) or {}
     )

@@ -491,7 +491,7 @@ def test_paths_and_bad_lines_are_printed_as_they_are(tmp_path: Path) -> None:
     done = _run("replay", str(trace), *SMALL, "--skip-bad-lines", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"stage-runtime replay: {trace}\n" in done.stdout
-    assert "'[/x] [bold]oops'" in done.stdout
+    assert '"[/x] [bold]oops"' in done.stdout
     env = {**os.environ, "PYTHONIOENCODING": "ascii"}
     ascii_run = subprocess.run(
         [sys.executable, "-m", "stage_runtime", "replay", str(trace), *SMALL, "--skip-bad-lines"],
