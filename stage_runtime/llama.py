@@ -772,6 +772,10 @@ class LlamaModelFactory:
     vocab_size: int | None = None
     """The model's vocabulary: the pipeline refuses token ids outside it before any stage runs
     (a ``400`` over HTTP), instead of the first stage failing on them."""
+    num_layers: int | None = None
+    """The model's ``num_hidden_layers``: the pipeline refuses stages that do not cover exactly
+    ``[0, num_layers)`` before any stage starts (a last stage ending early would give no
+    logits; one ending past the model would fail to load)."""
 
     def __call__(self, config: StageConfig) -> StageModel:
         return LlamaStageModel.load(
@@ -795,7 +799,9 @@ def llama_model_factory(
         ConfigError: the directory has no readable, supported ``config.json``.
     """
     config = LlamaConfig.from_file(Path(path) / "config.json")
-    return LlamaModelFactory(os.fspath(path), thread_threshold_macs, config.vocab_size)
+    return LlamaModelFactory(
+        os.fspath(path), thread_threshold_macs, config.vocab_size, config.num_hidden_layers
+    )
 
 
 def split_stages(

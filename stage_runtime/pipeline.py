@@ -380,7 +380,10 @@ async def open_pipeline(
             (see :func:`load_topology`; its ``[placement]`` table applies unless
             ``placement`` is given).
         model_factory: Builds each stage's model from its configuration; None: the topology
-            file's ``[model]`` table (see :func:`load_model`), required then.
+            file's ``[model]`` table (see :func:`load_model`), required then. A factory with
+            an int ``num_layers`` attribute (the Llama factory's) has the stages checked to
+            cover exactly ``[0, num_layers)``; one with an int ``vocab_size`` has prompts
+            checked against its vocabulary.
         channel_size: Capacity of each channel between stages (and into stage 0); 0 makes
             every hand-off a rendezvous.
         mailbox_size: Mailbox size of each cache actor.
@@ -394,14 +397,17 @@ async def open_pipeline(
         The running :class:`Pipeline`. Leaving the block drains it (see the module docstring).
 
     Raises:
-        ConfigError: the topology is invalid (names the stage and field), an environment
-            variable for the cache is (names it), ``model_factory`` is not callable,
-            ``channel_size``/``mailbox_size`` is not an integer >= 0, ``placement`` is not a
-            placement, or Ray could not start or join its cluster.
+        ConfigError: the topology is invalid or does not cover the model's layers (names the
+            stage and field), an environment variable for the cache is (names it),
+            ``model_factory`` is not callable, ``channel_size``/``mailbox_size`` is not an
+            integer >= 0, ``placement`` is not a placement, or Ray could not start or join its
+            cluster.
         ExceptionGroup: holding :class:`~stage_runtime.errors.StageFailedError` when a stage
             crashed (or, placed by Ray, its process died with no restart left).
     """
+    source = None
     if isinstance(stages, str | os.PathLike):
+        source = os.fspath(stages)
         configs = load_topology(stages)
         if placement is None:
             placement = load_placement(stages)
@@ -416,6 +422,9 @@ async def open_pipeline(
     if not callable(model_factory):
         msg = f"model_factory must be callable, got {type(model_factory).__name__}"
         raise ConfigError(msg)
+    layers = getattr(model_factory, "num_layers", None)
+    if isinstance(layers, int):
+        _check_model_layers(configs, layers, source=source)
     check_non_negative_int("channel_size", channel_size)
     check_non_negative_int("mailbox_size", mailbox_size)
     if placement is None:
@@ -574,6 +583,33 @@ def _validate_topology(
                     "downstream",
                     f"must be the next stage {following!r}, got {config.downstream!r}",
                 )
+
+
+def _check_model_layers(stages: Sequence[StageConfig], layers: int, *, source: str | None) -> None:
+    """Check that stages cover exactly the model's ``layers`` layers, ``[0, layers)``.
+
+    :func:`validate_topology` has checked that each stage starts where the previous one ends,
+    so the first stage's start and the last one's end are all that is left to check.
+
+    Raises:
+        ConfigError: naming the file (with its line) when ``source`` is given, the stage and
+            its field (``stage[1].layer_end``), the value and the model's layer count.
+    """
+    first, last = stages[0], stages[-1]
+    cover = f"the stages must cover the model's {layers} layers (num_hidden_layers)"
+    if first.layer_start != 0:
+        position, field = 0, "layer_start"
+        problem = f"must be 0: {cover} from the first, got {first.layer_start}"
+    elif last.layer_end != layers:
+        position, field = len(stages) - 1, "layer_end"
+        problem = f"must be {layers}: {cover} to the last, got {last.layer_end}"
+    else:
+        return
+    at = key_path(("stage" if source else "stages", position, field))
+    msg = f"{at} {problem} (stage {stages[position].stage_id!r})"
+    if source:
+        msg = with_line(f"{source}: {msg}", source, _read_topology(source))
+    raise ConfigError(msg)
 
 
 def _table(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

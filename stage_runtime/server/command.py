@@ -188,13 +188,12 @@ async def _serve(args: argparse.Namespace) -> int:
     # Imported here: the pipeline pulls in numpy and the runtime, serving pulls in hypercorn.
     from stage_runtime.llama import LlamaModelFactory
     from stage_runtime.models import reference_model_factory
-    from stage_runtime.pipeline import load_model, load_placement, load_topology, open_pipeline
+    from stage_runtime.pipeline import load_model, load_placement, open_pipeline
     from stage_runtime.placement import choose_placement
     from stage_runtime.server.app import ServerSettings, create_app
     from stage_runtime.server.serve import serve
     from stage_runtime.server.tokenizer import model_tokenizer
 
-    stages = load_topology(args.topology)
     placement = choose_placement(
         load_placement(args.topology), engine=args.placement, address=args.ray_address
     )
@@ -209,8 +208,10 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     # The topology's [model] table, else the reference model at --width.
     factory = load_model(args.topology) or reference_model_factory(width=args.width, seed=args.seed)
+    # Given the file, not its stages, the pipeline names the file and line of a stage the
+    # model refuses (a layer range that does not cover the model).
     async with open_pipeline(
-        stages, factory, channel_size=args.channel_size, placement=placement
+        args.topology, factory, channel_size=args.channel_size, placement=placement
     ) as pipeline:
         # A Llama model directory with a tokenizer.json tokenizes the "text" field its way.
         tokenizer = None

@@ -335,6 +335,78 @@ def _topology(directory: Path, model: str) -> Path:
     return path
 
 
+def _layered_topology(directory: Path, first: tuple[int, int], second: tuple[int, int]) -> Path:
+    """A 2-stage topology over the model in ``directory / "weights"``, with these layer ranges."""
+    path = directory / "layers.toml"
+    path.write_text(
+        "[model]\nkind = 'llama'\npath = 'weights'\n"
+        "[defaults]\nmodel_id = 'random-llama'\n"
+        f"[[stage]]\nstage_id = 's0'\nlayer_start = {first[0]}\nlayer_end = {first[1]}\n"
+        f"[[stage]]\nstage_id = 's1'\nlayer_start = {second[0]}\nlayer_end = {second[1]}\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "message"),
+    [
+        (  # the last stage ended early: no final norm nor head, logits None, no top_tokens
+            (0, 2),
+            (2, 3),
+            r"line 13: stage\[1\]\.layer_end must be 4: the stages must cover the model's 4 "
+            r"layers \(num_hidden_layers\) to the last, got 3 \(stage 's1'\)$",
+        ),
+        (  # past the model: the stage failed to load, an exception group from the pipeline
+            (0, 2),
+            (2, 8),
+            r"line 13: stage\[1\]\.layer_end must be 4: .* got 8 \(stage 's1'\)$",
+        ),
+        (
+            (1, 2),
+            (2, 4),
+            r"line 8: stage\[0\]\.layer_start must be 0: the stages must cover the model's 4 "
+            r"layers \(num_hidden_layers\) from the first, got 1 \(stage 's0'\)$",
+        ),
+    ],
+    ids=["ending-early", "ending-past-the-model", "starting-late"],
+)
+async def test_stages_must_cover_exactly_the_models_layers(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    first: tuple[int, int],
+    second: tuple[int, int],
+    message: str,
+) -> None:
+    """The factory knows the model's layer count: stages not covering exactly ``[0, layers)``
+    are a ConfigError naming the file, line, stage, field and value before any stage loads."""
+    write_random_llama(tmp_path / "weights", num_hidden_layers=4)
+    topology = _layered_topology(tmp_path, first, second)
+    loads: list[int] = []
+    monkeypatch.setattr(LlamaStageModel, "load", lambda *_, **kw: loads.append(kw["layer_start"]))
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(topology))}: {message}"):
+        async with open_pipeline(topology, environ={}):
+            pass
+    assert loads == []
+
+
+async def test_stages_given_as_a_list_are_checked_against_the_models_layers(
+    tmp_path: Path,
+) -> None:
+    """Stages passed as configurations, with the factory, are named by their list index."""
+    directory = write_random_llama(tmp_path / "weights", num_hidden_layers=4)
+    factory = llama_model_factory(directory)
+    stages = _stages(3, 2, cache=False)
+    with pytest.raises(
+        ConfigError, match=r"^stages\[1\]\.layer_end must be 4: .* got 3 \(stage 's1'\)$"
+    ):
+        async with open_pipeline(stages, factory, environ={}):
+            pass
+    async with open_pipeline(_stages(4, 2, cache=False), factory, environ={}) as pipeline:
+        result = await pipeline.prefill([1, 2, 3], session_id="t")
+    assert result.logits is not None
+
+
 async def test_a_topology_names_its_model_and_serve_answers_top_tokens(tmp_path: Path) -> None:
     """``[model] kind = "llama"`` runs the model directory (relative to the file) without a
     factory argument; over HTTP the answer lists the likeliest next tokens."""

@@ -1589,6 +1589,33 @@ def test_serve_command_exits_2_on_a_bad_topology(
 
 
 @pytest.mark.usefixtures("restore_logging_config")
+def test_serve_command_exits_2_on_stages_past_the_models_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A last stage ending past a Llama model's layers is one line and exit status 2 before
+    any stage starts (it was a stage failure: an exception-group traceback and exit 1)."""
+    from stage_runtime.llama import write_random_llama
+
+    write_random_llama(tmp_path / "weights", num_hidden_layers=4)
+    topology = tmp_path / "too_many.toml"
+    topology.write_text(
+        "[model]\nkind = 'llama'\npath = 'weights'\n"
+        '[[stage]]\nstage_id = "s0"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+        '[[stage]]\nstage_id = "s1"\nmodel_id = "m"\nlayer_start = 4\nlayer_end = 8\n'
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--topology", str(topology), "--bind", "127.0.0.1:0"])
+    status = run_serve(args)
+    assert status == 2
+    assert capsys.readouterr().err == (
+        f"stage-runtime serve: error: {topology}: line 13: stage[1].layer_end must be 4: the "
+        "stages must cover the model's 4 layers (num_hidden_layers) to the last, got 8 "
+        "(stage 's1')\n"
+    )
+
+
+@pytest.mark.usefixtures("restore_logging_config")
 def test_serve_command_exits_1_on_a_topology_it_cannot_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
