@@ -61,7 +61,7 @@ from stage_runtime.server.settings import (
     Disconnects,
     ServerSettings,
 )
-from stage_runtime.server.tokenizer import ByteTokenizer, TextTokenizer
+from stage_runtime.server.tokenizer import ByteTokenizer, NoTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
     from stage_runtime.cache_actor import CacheStats
@@ -1061,14 +1061,23 @@ def create_app(
     Args:
         pipeline: An open pipeline (from :func:`stage_runtime.open_pipeline`).
         settings: Limits and timeouts; defaults when ``None``.
-        tokenizer: Tokenizer for the ``"text"`` field; the byte-level one when ``None``.
+        tokenizer: Tokenizer for the ``"text"`` field. ``None``: the byte-level one for a
+            model without a vocabulary of its own (the pipeline has no ``vocab_size``, as with
+            the reference models); for one with (a Llama model), ``"text"`` is refused (a
+            ``400`` naming the field), since byte ids mean nothing to it: pass its tokenizer
+            (:func:`~stage_runtime.server.tokenizer.model_tokenizer`).
 
     Returns:
         The ASGI application; serve it with :func:`stage_runtime.server.serve`, or mount it in
         your own Starlette or FastAPI app (``Mount("/pipeline", app=...)``).
     """
+    if tokenizer is None:
+        has_vocabulary = getattr(pipeline, "vocab_size", None) is not None
+        tokenizer = (
+            NoTokenizer(reason="the server was given none for this model")
+            if has_vocabulary
+            else ByteTokenizer()
+        )
     return PipelineApp(
-        pipeline=pipeline,
-        settings=settings or ServerSettings(),
-        tokenizer=tokenizer or ByteTokenizer(),
+        pipeline=pipeline, settings=settings or ServerSettings(), tokenizer=tokenizer
     )

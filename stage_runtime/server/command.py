@@ -192,7 +192,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from stage_runtime.placement import choose_placement
     from stage_runtime.server.app import ServerSettings, create_app
     from stage_runtime.server.serve import serve
-    from stage_runtime.server.tokenizer import model_tokenizer
+    from stage_runtime.server.tokenizer import NoTokenizer, TextTokenizer, model_tokenizer
 
     placement = choose_placement(
         load_placement(args.topology), engine=args.placement, address=args.ray_address
@@ -213,10 +213,13 @@ async def _serve(args: argparse.Namespace) -> int:
     async with open_pipeline(
         args.topology, factory, channel_size=args.channel_size, placement=placement
     ) as pipeline:
-        # A Llama model directory with a tokenizer.json tokenizes the "text" field its way.
-        tokenizer = None
+        # A Llama model directory with a tokenizer.json tokenizes the "text" field its way;
+        # without one, text is refused (byte ids mean nothing to the model's vocabulary).
+        tokenizer: TextTokenizer | None = None
         if isinstance(factory, LlamaModelFactory):
-            tokenizer = model_tokenizer(factory.path)
+            tokenizer = model_tokenizer(factory.path) or NoTokenizer(
+                reason="the model has none (its directory holds no tokenizer.json)"
+            )
         app = create_app(pipeline, settings=settings, tokenizer=tokenizer)
         await serve(app, bind=args.bind, handle_signals=True, drain_grace_s=args.drain_grace)
     # Leaving open_pipeline after the server has drained stops the stages.

@@ -10,7 +10,9 @@ encoded as UTF-8 and every byte becomes one token whose id is the byte's value (
 * The token count of a text is its UTF-8 length in bytes.
 
 It is not a language model's tokenizer (those merge bytes into sub-words); a real deployment
-passes ``"tokens"`` produced by the model's own tokenizer.
+passes ``"tokens"`` produced by the model's own tokenizer. A model with a vocabulary of its own
+(a Llama model) tokenizes text with its ``tokenizer.json`` (:class:`HuggingFaceTokenizer`), and
+without one refuses it (:class:`NoTokenizer`) rather than take bytes for its ids.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import numpy.typing as npt
 
 from stage_runtime.errors import ConfigError
 
-__all__ = ["ByteTokenizer", "HuggingFaceTokenizer", "TextTokenizer", "model_tokenizer"]
+__all__ = [
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "NoTokenizer",
+    "TextTokenizer",
+    "model_tokenizer",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -125,6 +133,27 @@ class HuggingFaceTokenizer:
             msg = f"text cannot be tokenized: {exc}"
             raise ConfigError(msg) from None
         return np.asarray(ids, dtype=np.int32)
+
+
+@attrs.frozen(kw_only=True)
+class NoTokenizer:
+    """Refuses the ``"text"`` field, for a model with a vocabulary of its own whose tokenizer
+    the server does not have: byte ids (:class:`ByteTokenizer`) would mean nothing to it."""
+
+    reason: str
+    """Why there is none, completing the refusal: ``"the model has none (...)"``."""
+
+    tokenizer_id: str = "none"
+    """Names the (missing) tokenizer in logs."""
+
+    def encode(self, text: str) -> npt.NDArray[np.int32]:
+        """Refuse ``text``.
+
+        Raises:
+            ConfigError: always, saying why and to send token ids in ``tokens`` instead.
+        """
+        msg = f"text needs the model's own tokenizer, and {self.reason}: send token ids in tokens"
+        raise ConfigError(msg)
 
 
 def model_tokenizer(directory: str | os.PathLike[str]) -> HuggingFaceTokenizer | None:

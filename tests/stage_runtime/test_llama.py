@@ -516,6 +516,27 @@ async def test_text_is_tokenized_by_the_models_own_tokenizer(tmp_path: Path) -> 
     assert by_text.json()["top_tokens"] == by_ids.json()["top_tokens"]
 
 
+async def test_an_app_given_no_tokenizer_refuses_text_for_a_model_with_a_vocabulary(
+    tmp_path: Path,
+) -> None:
+    """``create_app(pipeline)`` without a tokenizer: for a Llama model (a vocabulary of its
+    own) ``"text"`` is a 400 naming the field, not bytes taken for its token ids."""
+    write_random_llama(tmp_path / "weights", num_hidden_layers=2)
+    topology = _topology(tmp_path, "[model]\nkind = 'llama'\npath = 'weights'")
+    async with (
+        open_pipeline(topology, environ={}) as pipeline,
+        open_server(create_app(pipeline), bind="127.0.0.1:0") as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        refused = await client.post("/v1/prefill", json={"text": "hi", "session_id": "a"})
+    assert refused.status_code == 400
+    assert refused.json()["field"] == "text"
+    assert refused.json()["message"] == (
+        "text needs the model's own tokenizer, and the server was given none for this model: "
+        "send token ids in tokens"
+    )
+
+
 def test_a_model_directory_without_tokenizer_json_has_no_tokenizer(tmp_path: Path) -> None:
     assert model_tokenizer(write_random_llama(tmp_path / "m", num_hidden_layers=1)) is None
     (tmp_path / "m" / "tokenizer.json").write_text("{not json")

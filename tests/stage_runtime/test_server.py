@@ -1709,11 +1709,12 @@ class ServeProcess:
 
 @asynccontextmanager
 async def serve_process(
-    *options: str, env: dict[str, str] | None = None
+    *options: str,
+    env: dict[str, str] | None = None,
+    topology: Path = ROOT / "examples" / "topology.toml",
 ) -> AsyncIterator[ServeProcess]:
     """Start ``stage-runtime serve`` (as ``python -m stage_runtime serve``, the console script's
     entry point) on a free port (JSON logs: stderr is a pipe); kill it if needed."""
-    topology = ROOT / "examples" / "topology.toml"
     argv = [sys.executable, "-m", "stage_runtime", "serve", "--topology", str(topology), *options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = await trio.lowlevel.open_process(
@@ -1746,6 +1747,41 @@ async def test_serve_command_serves_json_logs_and_drains_on_sigterm() -> None:
     assert served["level"] == "info"
     assert served["restored_tokens"] == {f"stage-{i}": 0 for i in range(4)}
     assert any(event["event"] == "shutdown_requested" for event in child.events)
+    assert status == 0
+
+
+async def test_serve_refuses_text_for_a_llama_model_without_a_tokenizer(tmp_path: Path) -> None:
+    """A Llama model directory without tokenizer.json: ``"text"`` is a 400 naming the field
+    and saying to send ids in ``"tokens"`` (its UTF-8 bytes were taken for token ids, which
+    mean nothing to the model: ``"hello"`` was refused as id 104 outside a vocabulary of 100)."""
+    from stage_runtime.llama import write_random_llama
+
+    write_random_llama(tmp_path / "weights", num_hidden_layers=2, vocab_size=100)
+    topology = tmp_path / "llama.toml"
+    topology.write_text(
+        "[model]\nkind = 'llama'\npath = 'weights'\n"
+        '[[stage]]\nstage_id = "s0"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 2\n'
+    )
+    with trio.fail_after(60):
+        async with serve_process(topology=topology) as child:
+            started = await child.next_event("server_started")
+            async with httpx.AsyncClient(base_url=started["url"], timeout=TIMEOUT_S) as client:
+                refused = await client.post(
+                    "/v1/prefill", json={"text": "hello", "session_id": "t"}
+                )
+                answered = await client.post(
+                    "/v1/prefill", json={"tokens": [1, 2, 3], "session_id": "t"}
+                )
+            child.process.send_signal(signal.SIGTERM)
+            status = await child.process.wait()
+    assert refused.status_code == 400
+    assert refused.json()["field"] == "text"
+    assert refused.json()["message"] == (
+        "text needs the model's own tokenizer, and the model has none (its directory holds no "
+        "tokenizer.json): send token ids in tokens"
+    )
+    assert answered.status_code == 200
+    assert len(answered.json()["top_tokens"]) == 5
     assert status == 0
 
 
