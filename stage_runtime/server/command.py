@@ -46,6 +46,12 @@ MAX_WIDTH: Final = MAX_REFERENCE_WIDTH
 
 _width = int_between(1, MAX_WIDTH)
 
+DEFAULT_WIDTH: Final = 64
+"""``--width`` when not given (and the topology has no ``[model]`` table)."""
+
+DEFAULT_SEED: Final = 0
+"""``--seed`` when not given (and the topology has no ``[model]`` table)."""
+
 
 def _bind(text: str) -> str:
     from stage_runtime.server.serve import _parse_bind  # one rule for the flag and serve()
@@ -133,19 +139,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on shutdown, how long /readyz reports draining before the listener closes "
         "(default: %(default)s)",
     )
+    # Both default to None, resolved in _serve: given with a topology whose [model] table
+    # chooses the model, they are refused, not silently ignored.
     parser.add_argument(
         "--width",
         type=_width,
-        default=64,
+        default=None,
         metavar="N",
-        help="activation width of the reference model, at most 8,192 (default: %(default)s)",
+        help=f"activation width of the reference model, at most 8,192 (default: {DEFAULT_WIDTH}); "
+        "not with a topology whose [model] table chooses the model",
     )
     parser.add_argument(
         "--seed",
         type=_non_negative_int,
-        default=0,
+        default=None,
         metavar="N",
-        help="seed of the reference model's weights; stage i uses N + i (default: %(default)s)",
+        help="seed of the reference model's weights; stage i uses N + i "
+        f"(default: {DEFAULT_SEED}); not with a topology whose [model] table chooses the model",
     )
     parser.add_argument(
         "--channel-size",
@@ -206,8 +216,27 @@ async def _serve(args: argparse.Namespace) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         backlog=args.backlog,
     )
-    # The topology's [model] table, else the reference model at --width.
-    factory = load_model(args.topology) or reference_model_factory(width=args.width, seed=args.seed)
+    # The topology's [model] table, else the reference model at --width and --seed; the
+    # flags given with a [model] table would be ignored, so they are refused.
+    factory = load_model(args.topology)
+    if factory is None:
+        factory = reference_model_factory(
+            width=DEFAULT_WIDTH if args.width is None else args.width,
+            seed=DEFAULT_SEED if args.seed is None else args.seed,
+        )
+    else:
+        given = [
+            flag
+            for flag, value in (("--width", args.width), ("--seed", args.seed))
+            if value is not None
+        ]
+        if given:
+            flags = " and ".join(given)
+            msg = (
+                f"{flags} cannot be given with {args.topology}: its [model] table chooses the "
+                "model (--width and --seed set the reference model of a topology without one)"
+            )
+            raise ConfigError(msg)
     # Given the file, not its stages, the pipeline names the file and line of a stage the
     # model refuses (a layer range that does not cover the model).
     async with open_pipeline(

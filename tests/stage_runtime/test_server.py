@@ -1615,6 +1615,42 @@ def test_serve_command_exits_2_on_stages_past_the_models_layers(
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--width", "32"], "--width"),
+        (["--seed", "0"], "--seed"),  # given, even at its default value
+        (["--seed", "3", "--width", "64"], "--width and --seed"),
+    ],
+)
+@pytest.mark.usefixtures("restore_logging_config")
+def test_serve_refuses_width_and_seed_with_a_topology_that_names_its_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    """--width and --seed choose the reference model; with a topology whose [model] table
+    chooses the model they were silently ignored, now they are a one-line error, exit 2."""
+    topology = tmp_path / "model.toml"
+    topology.write_text(
+        "[model]\nkind = 'reference'\nwidth = 8\n"
+        '[[stage]]\nstage_id = "a"\nmodel_id = "m"\nlayer_start = 0\nlayer_end = 4\n'
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with socket.socket() as taken:
+        # Refused before the pipeline starts or the address is bound: had the flags been
+        # ignored, the taken address would end serve (exit 1) instead of serving on.
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bind = f"127.0.0.1:{taken.getsockname()[1]}"
+        status = run_serve(parser.parse_args(["--topology", str(topology), "--bind", bind, *flags]))
+    assert status == 2
+    assert capsys.readouterr().err == (
+        f"stage-runtime serve: error: {named} cannot be given with {topology}: its [model] "
+        "table chooses the model (--width and --seed set the reference model of a topology "
+        "without one)\n"
+    )
+
+
 @pytest.mark.usefixtures("restore_logging_config")
 def test_serve_command_exits_1_on_a_topology_it_cannot_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
