@@ -408,32 +408,29 @@ def test_replay_on_ray_writes_the_one_process_json(tmp_path: Path, local_ray: No
     assert _cli_json(tmp_path, "ray-1", "--placement", "ray", "--workers", "1") == one
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent pid, ...), or
+    None for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is ``pid``, from /proc."""
+    """The live (not zombie) processes whose parent is ``pid``."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
+        fields = _stat(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] != "Z" and int(fields[1]) == pid:
             found.append(int(entry))
     return found
 
 
 def _alive(pids: Sequence[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass  # gone
-    return alive
+    """Those of ``pids`` still running (not gone, not zombies)."""
+    return [pid for pid in pids if (fields := _stat(pid)) is not None and fields[0] != "Z"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
